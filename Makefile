@@ -1,0 +1,38 @@
+# `make demo` and `make test` each work from a fresh clone: they create .venv and install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: demo test bench proto clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The server side only: enough for the demo.
+$(VENV)/.server: pyproject.toml | $(PY)
+	$(PIP) -e '.[server]'
+	touch $@
+
+# Everything the tests use. torch is pinned first to the CPU build (2.13.0); the `torch` extra's
+# range is then already met and pip does not reach for a multi-GB CUDA build.
+$(VENV)/.dev: pyproject.toml | $(PY)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev,tf,torch]'
+	touch $@
+
+demo: $(VENV)/.server
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh
+
+test: $(VENV)/.dev
+	$(PY) -m pytest
+
+bench: $(VENV)/.dev
+	$(PY) bench/bench_connect.py
+
+# Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
+proto: $(VENV)/.dev
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. gpuport/protocol/gpuport.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

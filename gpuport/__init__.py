@@ -1,0 +1,63 @@
+"""gpuport: GPU over IP for Python deep learning.
+
+>>> import gpuport
+>>> with gpuport.connect() as gpu:       # the profile saved by `gpuport login`
+...     for g in gpu.gpus():
+...         print(g.index, g.name, g.memory_used, g.memory_total)
+"""
+
+import os as _os
+
+# gRPC's C core logs connection failures to stderr on its own; gpuport turns them into errors
+# that say what to do, so the raw lines are only noise. Set GRPC_VERBOSITY to see them.
+_os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+from gpuport._version import __version__  # noqa: E402
+from gpuport.client import GPU, Client, GpuProcess, NewToken, ServerStatus, TokenInfo, connect, login  # noqa: E402
+from gpuport.protocol.errors import (  # noqa: E402
+    AuthenticationError,
+    ConfigError,
+    Conflict,
+    ConnectionFailed,
+    FingerprintMismatch,
+    GpuportError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    RemoteError,
+    ResourceUnavailable,
+    ServerError,
+    ServerUnreachable,
+    TLSError,
+)
+from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "connect",
+    "login",
+    "Client",
+    "GPU",
+    "GpuProcess",
+    "NewToken",
+    "ServerStatus",
+    "TokenInfo",
+    "parse_size",
+    "format_size",
+    "parse_duration",
+    "format_duration",
+    "GpuportError",
+    "ConfigError",
+    "ConnectionFailed",
+    "ServerUnreachable",
+    "TLSError",
+    "FingerprintMismatch",
+    "AuthenticationError",
+    "PermissionDenied",
+    "NotFound",
+    "InvalidRequest",
+    "Conflict",
+    "ResourceUnavailable",
+    "RemoteError",
+    "ServerError",
+]

@@ -1,0 +1,3 @@
+from gpuport.cli.main import main
+
+main()

@@ -1,0 +1,54 @@
+"""How the CLI prints: rich tables for people, ``--json`` for programs, errors on stderr."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gpuport.client import GPU
+from gpuport.protocol.units import format_duration, format_size
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def print_json(value: Any) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif isinstance(value, list):
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
+    print(json.dumps(value, indent=2, default=str))
+
+
+def print_error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}")
+
+
+def gpu_table(gpus: list[GPU] | tuple[GPU, ...]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("GPU", "NAME", "MEMORY USED / TOTAL", "UTIL", "JOBS"):
+        table.add_column(column)
+    for g in gpus:
+        util = "?" if g.utilization is None else f"{g.utilization}%"
+        table.add_row(
+            str(g.index),
+            escape(g.name),
+            f"{format_size(g.memory_used)} / {format_size(g.memory_total)}",
+            util,
+            escape(", ".join(g.jobs)) or "-",
+        )
+    return table
+
+
+def ago(timestamp: float) -> str:
+    return format_duration(max(0.0, time.time() - timestamp))
+
+
+def when(timestamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp)) if timestamp else "-"

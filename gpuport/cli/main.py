@@ -1,0 +1,245 @@
+"""``gpuport``: log in to a GPU server, look at its GPUs, manage tokens, and run the server itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+
+import gpuport
+from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_json, when
+from gpuport.client import Client, config_path, connect, load_profiles, login, remove_profile
+from gpuport.client._channel import Target
+from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_PROFILE, ENV_PROFILE
+from gpuport.protocol.errors import GpuportError
+from gpuport.protocol.units import format_size
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+class _Gpuport(click.Group):
+    """Turns every GpuportError into one line on stderr and exit status 1: no traceback for users."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except GpuportError as e:
+            print_error(str(e))
+            ctx.exit(1)
+
+
+def _client(ctx: click.Context) -> Client:
+    client = connect(profile=ctx.obj.get("profile"))
+    ctx.call_on_close(client.close)
+    return client
+
+
+@click.group(cls=_Gpuport)
+@click.option("--profile", envvar=ENV_PROFILE, help="Saved server profile to use (default: 'default').")
+@click.version_option(gpuport.__version__, prog_name="gpuport")
+@click.pass_context
+def cli(ctx: click.Context, profile: str | None) -> None:
+    """GPU over IP: run deep-learning work on a remote GPU machine, securely."""
+    ctx.ensure_object(dict)
+    ctx.obj["profile"] = profile
+
+
+# ---- the daemon ---------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind; 0.0.0.0 for every interface.")
+@click.option("--port", default=DEFAULT_GRPC_PORT, show_default=True, type=click.IntRange(0, 65535), help="gRPC port (0: any free).")
+@click.option("--http-port", default=DEFAULT_HTTP_PORT, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any free).")
+@click.option("--state-dir", type=click.Path(path_type=Path), help="Where the server keeps its state [default: the user data dir].")
+@click.option("--insecure", is_flag=True, help="No TLS. Refused unless --host is a loopback address.")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+def server(host: str, port: int, http_port: int, state_dir: Path | None, insecure: bool, log_level: str) -> None:
+    """Run the gpuport daemon on this (GPU) machine.
+
+    The first start creates the state dir, a self-signed TLS certificate and an admin token, which
+    is printed once. Stop it with Ctrl-C or SIGTERM.
+    """
+    try:
+        from gpuport.server.daemon import serve
+        from gpuport.server.state import default_state_dir
+    except ImportError as e:
+        raise click.ClickException(f"the server needs more packages ({e.name} is missing): pip install 'gpuport[server]'")
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(
+        serve(
+            host=host,
+            port=port,
+            http_port=http_port,
+            state_dir=state_dir or default_state_dir(),
+            insecure=insecure,
+            say=lambda text: print(text, flush=True),
+        )
+    )
+
+
+# ---- trust and identity -------------------------------------------------------------------------
+
+
+def _confirm_certificate(target: Target, presented: str, pinned_before: str | None) -> bool:
+    if pinned_before:
+        err.print(f"[bold red]WARNING:[/] the certificate of {escape(target.url)} has CHANGED.")
+        err.print(f"  pinned before: {pinned_before}\n  presented now: {presented}")
+        err.print("  If nobody replaced it on purpose, someone may be intercepting the connection.")
+    else:
+        err.print(f"The server at {escape(target.url)} presents a certificate with fingerprint\n  {presented}")
+        err.print("Check it against the `fingerprint` line that `gpuport server` printed.")
+    try:
+        return click.confirm("Trust this certificate?", default=False, err=True)
+    except click.Abort:
+        err.print()
+        return False
+
+
+@cli.command("login")
+@click.argument("url")
+@click.option("--token", envvar="GPUPORT_TOKEN", help="Your token (gp_...); asked for when not given.")
+@click.option("--fingerprint", help="Expected certificate fingerprint (sha256:...), as `gpuport server` prints it.")
+@click.option("--profile", "profile_name", help="Save as this profile [default: the --profile above, else 'default'].")
+@click.option("--yes", "-y", is_flag=True, help="Trust the presented certificate without asking.")
+@json_option
+@click.pass_context
+def login_command(
+    ctx: click.Context, url: str, token: str | None, fingerprint: str | None, profile_name: str | None, yes: bool, as_json: bool
+) -> None:
+    """Pin the server's certificate, check your token, and save them as a profile."""
+    profile_name = profile_name or ctx.obj.get("profile") or DEFAULT_PROFILE
+    if not token:
+        token = click.prompt("Token", hide_input=True, err=True)
+    confirm = (lambda *_: True) if yes else _confirm_certificate
+    with login(url, token, fingerprint=fingerprint, profile=profile_name, confirm=confirm) as client:
+        if as_json:
+            print_json({"url": client.url, "profile": profile_name, "user": client.user, "admin": client.admin,
+                        "fingerprint": client.fingerprint, "config": str(config_path())})
+            return
+        role = "admin" if client.admin else "user"
+        out.print(f"Logged in to {escape(client.url)} as [bold]{escape(client.user)}[/] ({role}), server {client.server_version}.")
+        if client.fingerprint:
+            out.print(f"Pinned certificate {client.fingerprint}.")
+        out.print(f"Saved as profile '{escape(profile_name)}' in {escape(str(config_path()))}.")
+
+
+@cli.command("logout")
+@click.option("--profile", "profile_name", help="Profile to forget [default: the --profile above, else 'default'].")
+@click.pass_context
+def logout_command(ctx: click.Context, profile_name: str | None) -> None:
+    """Forget a saved profile (its token and pinned certificate)."""
+    profile_name = profile_name or ctx.obj.get("profile") or DEFAULT_PROFILE
+    if not remove_profile(profile_name):
+        raise click.ClickException(f"no profile named '{profile_name}' in {config_path()}")
+    out.print(f"Forgot profile '{escape(profile_name)}'.")
+
+
+@cli.command("profiles")
+@json_option
+def profiles_command(as_json: bool) -> None:
+    """List the saved server profiles."""
+    profiles = load_profiles()
+    if as_json:
+        print_json([{"name": n, "url": p.url, "fingerprint": p.fingerprint} for n, p in sorted(profiles.items())])
+        return
+    if not profiles:
+        out.print("No profiles yet: run `gpuport login https://HOST:7600 --token gp_...`.")
+        return
+    for name, p in sorted(profiles.items()):
+        out.print(f"{escape(name):12} {escape(p.url):32} {p.fingerprint or 'no TLS'}")
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+
+@cli.command("gpus")
+@json_option
+@click.pass_context
+def gpus_command(ctx: click.Context, as_json: bool) -> None:
+    """The server's GPUs, read live: memory, utilization and the gpuport jobs using each."""
+    client = _client(ctx)
+    if as_json:
+        print_json(client.gpus())
+        return
+    status = client.status()
+    if not status.gpus:
+        out.print(f"No GPU on {escape(status.hostname)}: {escape(status.note)}")
+        return
+    out.print(gpu_table(status.gpus))
+
+
+@cli.command("status")
+@json_option
+@click.pass_context
+def status_command(ctx: click.Context, as_json: bool) -> None:
+    """The server: version, machine, who you are, and its GPUs."""
+    s = _client(ctx).status()
+    if as_json:
+        print_json(s)
+        return
+    role = "admin" if s.admin else "user"
+    out.print(f"[bold]{escape(s.url)}[/]  gpuport {s.server_version} on {escape(s.hostname)}, up {ago(s.started_at)}")
+    out.print(f"  you      {escape(s.user)} ({role})")
+    out.print(f"  machine  {s.cpus} CPUs, {format_size(s.memory_available)} of {format_size(s.memory_total)} RAM free, Python {s.python_version}")
+    if s.gpus:
+        out.print(f"  GPUs     {len(s.gpus)} ({s.inventory})")
+        out.print(gpu_table(s.gpus))
+    else:
+        out.print(f"  GPUs     none: {escape(s.note)}")
+
+
+# ---- tokens (admin) -----------------------------------------------------------------------------
+
+
+@cli.group("token")
+def token_group() -> None:
+    """Create, list and revoke tokens (admin only)."""
+
+
+@token_group.command("create")
+@click.argument("name")
+@click.option("--admin", is_flag=True, help="Make it an admin token.")
+@json_option
+@click.pass_context
+def token_create(ctx: click.Context, name: str, admin: bool, as_json: bool) -> None:
+    """Create a token for user NAME; it is printed once."""
+    new = _client(ctx).create_token(name, admin=admin)
+    if as_json:
+        print_json({"name": new.name, "admin": new.admin, "token": new.token})
+        return
+    err.print(f"Token for '{escape(new.name)}'{' (admin)' if new.admin else ''}; it is shown only now:")
+    print(new.token)
+
+
+@token_group.command("list")
+@click.option("--all", "include_revoked", is_flag=True, help="Include revoked tokens.")
+@json_option
+@click.pass_context
+def token_list(ctx: click.Context, include_revoked: bool, as_json: bool) -> None:
+    """List tokens (never their secrets)."""
+    tokens = _client(ctx).tokens(include_revoked=include_revoked)
+    if as_json:
+        print_json(tokens)
+        return
+    for t in tokens:
+        state = f"revoked {when(t.revoked_at)}" if t.revoked_at else "valid"
+        out.print(f"{escape(t.name):24} {'admin' if t.admin else 'user ':5}  created {when(t.created_at)}  {state}")
+
+
+@token_group.command("revoke")
+@click.argument("name")
+@click.pass_context
+def token_revoke(ctx: click.Context, name: str) -> None:
+    """Revoke the token of NAME: it stops working at once."""
+    _client(ctx).revoke_token(name)
+    out.print(f"Revoked the token '{escape(name)}'.")
+
+
+def main() -> None:
+    cli(prog_name="gpuport")

@@ -1,0 +1,20 @@
+"""The client side: ``connect`` and ``login`` make a ``Client``; nothing here imports the server."""
+
+from gpuport.client._client import Client, connect
+from gpuport.client._config import config_path, load_profiles, remove_profile
+from gpuport.client._login import login
+from gpuport.client._types import GPU, GpuProcess, NewToken, ServerStatus, TokenInfo
+
+__all__ = [
+    "Client",
+    "connect",
+    "login",
+    "config_path",
+    "load_profiles",
+    "remove_profile",
+    "GPU",
+    "GpuProcess",
+    "NewToken",
+    "ServerStatus",
+    "TokenInfo",
+]

@@ -1,0 +1,182 @@
+"""``Client``: one authenticated, encrypted connection to a gpuport server."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from gpuport._version import __version__
+from gpuport.client._channel import Target, diagnose, map_rpc_error, mismatch_error, open_channel, parse_url, probe
+from gpuport.client._config import Settings, resolve_settings
+from gpuport.client._types import GPU, NewToken, ServerStatus, TokenInfo
+from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
+from gpuport.protocol import gpuport_pb2 as pb
+from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
+from gpuport.protocol.errors import ServerUnreachable, TLSError
+from gpuport.protocol.tls import fingerprint
+
+Reply = TypeVar("Reply")
+
+
+def _trusted_certificate(target: Target, settings: Settings, timeout: float) -> str | None:
+    """The certificate to trust for ``target``: the pinned one, or one read now that matches the pin."""
+    if not target.tls:
+        return None
+    if settings.certificate:
+        return settings.certificate
+    if not settings.fingerprint:
+        probe(target, timeout)  # nothing there at all is said first: ServerUnreachable
+        raise TLSError(
+            f"no certificate pinned for {target.url} — run `gpuport login {target.url}`, or set "
+            "GPUPORT_FINGERPRINT to the fingerprint `gpuport server` printed"
+        )
+    seen = probe(target, timeout)
+    presented = fingerprint(seen.certificate) if seen.certificate else "none"
+    if presented != settings.fingerprint:
+        raise mismatch_error(target, settings.fingerprint, presented)
+    return seen.certificate
+
+
+class Client:
+    """A connection to a gpuport server, made by ``gpuport.connect()``.
+
+    ``user`` and ``admin`` say who the token belongs to. Use it as a context manager, or ``close()``
+    it. Every method raises a ``GpuportError`` subclass on failure.
+    """
+
+    def __init__(self, settings: Settings, *, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+        self._target = parse_url(settings.url)
+        self.url = self._target.url
+        self.profile = settings.profile
+        self.fingerprint = settings.fingerprint if self._target.tls else None
+        self._metadata = (("authorization", f"Bearer {settings.token}"),)
+        certificate = _trusted_certificate(self._target, settings, timeout)
+        self._channel = open_channel(self._target, certificate)
+        self._control = pb_grpc.ControlStub(self._channel)
+        self._tokens = pb_grpc.TokensStub(self._channel)
+        try:
+            hello = self._call(
+                self._control.Hello,
+                pb.HelloRequest(client_version=__version__, python_version=platform.python_version()),
+                timeout=timeout,
+                connecting=True,
+            )
+        except BaseException:
+            self._channel.close()
+            raise
+        self.user: str = hello.user
+        self.admin: bool = hello.admin
+        self.server_version: str = hello.server_version
+        self.server_python: str = hello.python_version
+        self.hostname: str = hello.hostname
+
+    def _call(
+        self,
+        method: Callable[..., Reply],
+        request: Any,
+        *,
+        timeout: float = DEFAULT_CALL_TIMEOUT,
+        connecting: bool = False,
+    ) -> Reply:
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout)
+        except grpc.RpcError as e:
+            error = map_rpc_error(e, self._target)
+            details = e.details() or ""  # type: ignore[attr-defined]
+        # Raised outside the except block: the gRPC error adds nothing a user can act on.
+        if connecting and isinstance(error, ServerUnreachable):
+            error = diagnose(self._target, self.fingerprint, details, timeout)
+        raise error
+
+    def ping(self) -> float:
+        """Make one authenticated no-op call; return its round trip in seconds."""
+        start = time.perf_counter()
+        self._call(self._control.Ping, pb.Empty())
+        return time.perf_counter() - start
+
+    def gpus(self) -> list[GPU]:
+        """Every GPU of the server, read live (an empty list on a machine without GPUs)."""
+        reply = self._call(self._control.ListGpus, pb.Empty())
+        return [GPU._from_message(g) for g in reply.gpus]
+
+    def status(self) -> ServerStatus:
+        """The server's version, machine, GPUs, and who you are to it."""
+        s = self._call(self._control.Status, pb.Empty())
+        return ServerStatus(
+            url=self.url,
+            server_version=s.server_version,
+            python_version=s.python_version,
+            hostname=s.hostname,
+            started_at=s.started_at,
+            cpus=s.cpus,
+            memory_total=s.memory_total,
+            memory_available=s.memory_available,
+            inventory=s.gpus.inventory,
+            note=s.gpus.note,
+            gpus=tuple(GPU._from_message(g) for g in s.gpus.gpus),
+            user=s.user,
+            admin=s.admin,
+        )
+
+    def create_token(self, name: str, *, admin: bool = False) -> NewToken:
+        """Create a token for user ``name`` (admin only). Its secret is in the result, shown once.
+
+        Raises ``PermissionDenied`` for a non-admin, ``InvalidRequest`` for a bad name, ``Conflict``
+        when the name is taken.
+        """
+        reply = self._call(self._tokens.Create, pb.CreateTokenRequest(name=name, admin=admin))
+        return NewToken(reply.info.name, reply.info.admin, reply.token)
+
+    def tokens(self, *, include_revoked: bool = False) -> list[TokenInfo]:
+        """Every token (admin only); revoked ones too with ``include_revoked``."""
+        reply = self._call(self._tokens.List, pb.ListTokensRequest(include_revoked=include_revoked))
+        return [TokenInfo._from_message(t) for t in reply.tokens]
+
+    def revoke_token(self, name: str) -> TokenInfo:
+        """Revoke the token named ``name`` (admin only); it stops working at once.
+
+        Raises ``NotFound`` when no valid token has that name, ``Conflict`` for the last admin token.
+        """
+        return TokenInfo._from_message(self._call(self._tokens.Revoke, pb.RevokeTokenRequest(name=name)))
+
+    def close(self) -> None:
+        """Close the connection. The client cannot be used afterwards."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<gpuport.Client {self.url} user={self.user!r}>"
+
+
+def connect(
+    url: str | None = None,
+    token: str | None = None,
+    profile: str | None = None,
+    *,
+    fingerprint: str | None = None,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> Client:
+    """Connect to a gpuport server and check the token.
+
+    Settings come from the arguments, then ``GPUPORT_URL`` / ``GPUPORT_TOKEN`` /
+    ``GPUPORT_FINGERPRINT`` / ``GPUPORT_PROFILE``, then the profile saved by ``gpuport login``.
+
+    Raises ``ConfigError`` (nothing configured, bad URL), ``ServerUnreachable``, ``TLSError``,
+    ``FingerprintMismatch`` or ``AuthenticationError``.
+
+    >>> with gpuport.connect() as gpu:
+    ...     print(gpu.gpus())
+    """
+    return Client(resolve_settings(url, token, profile, fingerprint), timeout=timeout)

@@ -1,0 +1,85 @@
+"""What the client's calls return: plain frozen dataclasses, never protobuf messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpuport.protocol import gpuport_pb2 as pb
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process using a GPU: its pid, bytes of GPU memory, and gpuport job (empty if none)."""
+
+    pid: int
+    memory_used: int
+    job_id: str = ""
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU of the server, as read live when the call was answered."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int  # bytes
+    memory_used: int  # bytes
+    utilization: int | None  # percent; None when the inventory cannot tell
+    processes: tuple[GpuProcess, ...] = ()
+    jobs: tuple[str, ...] = ()  # gpuport jobs holding (part of) this GPU
+
+    @classmethod
+    def _from_message(cls, m: pb.Gpu) -> GPU:
+        return cls(
+            index=m.index,
+            uuid=m.uuid,
+            name=m.name,
+            memory_total=m.memory_total,
+            memory_used=m.memory_used,
+            utilization=None if m.utilization < 0 else m.utilization,
+            processes=tuple(GpuProcess(p.pid, p.memory_used, p.job_id) for p in m.processes),
+            jobs=tuple(m.jobs),
+        )
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """The server, its machine and its GPUs. ``inventory`` is "nvml", "fake" or "cpu"."""
+
+    url: str
+    server_version: str
+    python_version: str
+    hostname: str
+    started_at: float
+    cpus: int
+    memory_total: int
+    memory_available: int
+    inventory: str
+    note: str  # why there are no GPUs, when there are none
+    gpus: tuple[GPU, ...]
+    user: str
+    admin: bool
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as an admin sees it: never the token itself, which is shown only at creation."""
+
+    name: str
+    admin: bool
+    created_at: float
+    revoked_at: float | None = None
+
+    @classmethod
+    def _from_message(cls, m: pb.TokenInfo) -> TokenInfo:
+        return cls(m.name, m.admin, m.created_at, m.revoked_at or None)
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """A token just created: ``token`` is the secret to hand to its user, shown this once."""
+
+    name: str
+    admin: bool
+    token: str = field(repr=False)

@@ -1,0 +1,40 @@
+"""Every tunable default of gpuport, in one place. Client, server and CLI read them from here."""
+
+from __future__ import annotations
+
+# Port of the gRPC API (control calls, uploads, log streams, KServe v2 gRPC).
+DEFAULT_GRPC_PORT = 7600
+# Port of the HTTP API (REST, prediction protocols, dashboard, metrics).
+DEFAULT_HTTP_PORT = 7601
+# Address the server binds when none is given: loopback, so nothing is exposed by accident.
+DEFAULT_HOST = "127.0.0.1"
+# Name of the client profile used when none is named.
+DEFAULT_PROFILE = "default"
+# Seconds a client waits to connect and complete its first call before calling the server unreachable.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+# Seconds a client waits for an ordinary control call.
+DEFAULT_CALL_TIMEOUT = 30.0
+# Seconds the server gives in-flight calls to finish on SIGINT/SIGTERM before cutting them off.
+DEFAULT_SHUTDOWN_GRACE = 5.0
+# Years the server's self-signed certificate stays valid; clients pin it, so it should rarely change.
+DEFAULT_CERT_VALID_YEARS = 10
+# Prefix of every token, so that one pasted into a chat or a log is recognisable (and greppable).
+TOKEN_PREFIX = "gp_"
+# Random bytes in a token: 256 bits.
+TOKEN_BYTES = 32
+# Longest token or user name accepted.
+MAX_NAME_LENGTH = 64
+# Largest gRPC message either side accepts; bulk data travels as streams of chunks below this.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Environment variables read by the client (they override the saved profile).
+ENV_URL = "GPUPORT_URL"
+ENV_TOKEN = "GPUPORT_TOKEN"
+ENV_FINGERPRINT = "GPUPORT_FINGERPRINT"
+ENV_PROFILE = "GPUPORT_PROFILE"
+# Folder holding the client's config.json (default: the platform's user config dir).
+ENV_CONFIG_DIR = "GPUPORT_CONFIG_DIR"
+# Environment variables read by the server.
+ENV_STATE_DIR = "GPUPORT_STATE_DIR"
+# A fake GPU inventory for tests and demos, e.g. "2x16GiB" or "16GiB,24GiB".
+ENV_FAKE_GPUS = "GPUPORT_FAKE_GPUS"

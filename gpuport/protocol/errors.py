@@ -1,0 +1,149 @@
+"""The errors gpuport raises, and how they cross the wire.
+
+Every error is a ``GpuportError``; catch that to catch them all. The tree::
+
+    GpuportError
+    ├── ConfigError              local settings are missing or broken (profile, config file, URL)
+    ├── ConnectionFailed         the server could not be reached or spoken to
+    │   ├── ServerUnreachable    nothing answers at that address and port
+    │   └── TLSError             the encrypted channel could not be set up or trusted
+    │       └── FingerprintMismatch  the server's certificate is not the one pinned at login
+    ├── AuthenticationError      no token, an unknown token or a revoked one
+    ├── PermissionDenied         a valid token, but not allowed to do this (admin only, not yours)
+    ├── NotFound                 no such job, token, model ... (or not visible to you)
+    ├── InvalidRequest           the request itself is wrong: bad name, size, path, option
+    ├── Conflict                 the request clashes with the current state (name taken, ...)
+    ├── ResourceUnavailable      asks for more than this server has or will give
+    ├── RemoteError              the user's own code failed on the server (carries its traceback)
+    └── ServerError              the server failed; its log says why
+
+The server turns an error into a gRPC status (and an HTTP status) with ``ERROR_TABLE``; the client
+turns it back with ``error_from_status``. The class name travels in the ``gpuport-error`` trailing
+metadata, so the client rebuilds the exact class, not just the family the status code implies.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "GpuportError",
+    "ConfigError",
+    "ConnectionFailed",
+    "ServerUnreachable",
+    "TLSError",
+    "FingerprintMismatch",
+    "AuthenticationError",
+    "PermissionDenied",
+    "NotFound",
+    "InvalidRequest",
+    "Conflict",
+    "ResourceUnavailable",
+    "RemoteError",
+    "ServerError",
+]
+
+ERROR_METADATA_KEY = "gpuport-error"
+
+
+class GpuportError(Exception):
+    """Root of every error gpuport raises."""
+
+
+class ConfigError(GpuportError):
+    """The local configuration is missing or unusable: no profile, a corrupted config file, a bad URL."""
+
+
+class ConnectionFailed(GpuportError):
+    """The server could not be reached or spoken to."""
+
+
+class ServerUnreachable(ConnectionFailed):
+    """Nothing answers at the server's address and port (refused, timed out, not a gpuport port)."""
+
+
+class TLSError(ConnectionFailed):
+    """The TLS channel to the server could not be set up or trusted."""
+
+
+class FingerprintMismatch(TLSError):
+    """The server presents a certificate other than the one pinned at ``gpuport login``.
+
+    Either the server's certificate was regenerated, or someone sits between you and the server.
+    ``pinned`` and ``presented`` hold the two ``sha256:`` fingerprints.
+    """
+
+    def __init__(self, message: str, *, pinned: str = "", presented: str = "") -> None:
+        super().__init__(message)
+        self.pinned = pinned
+        self.presented = presented
+
+
+class AuthenticationError(GpuportError):
+    """The server does not accept the token: none was sent, it is unknown, or it was revoked."""
+
+
+class PermissionDenied(GpuportError):
+    """The token is valid but may not do this (an admin-only command, another user's object)."""
+
+
+class NotFound(GpuportError):
+    """The object asked for does not exist, or is not visible to this token."""
+
+
+class InvalidRequest(GpuportError):
+    """The request is malformed or its values are out of bounds; nothing was changed."""
+
+
+class Conflict(GpuportError):
+    """The request clashes with the server's current state (a name already taken, ...)."""
+
+
+class ResourceUnavailable(GpuportError):
+    """The request asks for more than the server has or will grant (GPUs, memory, quota, size)."""
+
+
+class RemoteError(GpuportError):
+    """The user's own code failed on the server.
+
+    ``remote_type`` is the remote exception's type name and ``remote_traceback`` its traceback as text.
+    """
+
+    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+class ServerError(GpuportError):
+    """The server failed to handle a request; the server's log says why."""
+
+
+# class → (gRPC status, HTTP status). The one table both doors of the server use.
+ERROR_TABLE: dict[type[GpuportError], tuple[grpc.StatusCode, int]] = {
+    AuthenticationError: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, 403),
+    NotFound: (grpc.StatusCode.NOT_FOUND, 404),
+    InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    Conflict: (grpc.StatusCode.ALREADY_EXISTS, 409),
+    ResourceUnavailable: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    RemoteError: (grpc.StatusCode.ABORTED, 500),
+    ServerError: (grpc.StatusCode.INTERNAL, 500),
+}
+
+_BY_NAME: dict[str, type[GpuportError]] = {cls.__name__: cls for cls in ERROR_TABLE}
+_BY_CODE: dict[grpc.StatusCode, type[GpuportError]] = {code: cls for cls, (code, _) in ERROR_TABLE.items()}
+
+
+def status_for(error: GpuportError) -> tuple[grpc.StatusCode, int]:
+    """Return the (gRPC status, HTTP status) for ``error``, by its nearest class in ``ERROR_TABLE``."""
+    for cls in type(error).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]  # type: ignore[index]
+    return ERROR_TABLE[ServerError]
+
+
+def error_from_status(code: grpc.StatusCode, message: str, error_name: str | None = None) -> GpuportError:
+    """Rebuild the error a server sent: by class name when it names one we know, else by status code."""
+    cls = _BY_NAME.get(error_name or "") or _BY_CODE.get(code) or ServerError
+    return cls(message)

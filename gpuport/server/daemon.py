@@ -1,0 +1,167 @@
+"""``gpuport server``: start the daemon, print how to reach it, serve until SIGINT/SIGTERM.
+
+The gRPC server and the HTTP server (uvicorn) share one asyncio event loop and one ``ServerApp``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from gpuport._version import __version__
+from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE
+from gpuport.protocol.errors import ConfigError
+from gpuport.protocol.units import format_size
+from gpuport.server.api.grpc_api import build_grpc_server
+from gpuport.server.api.http_api import build_http_app
+from gpuport.server.app import ServerApp
+from gpuport.server.inventory import detect_inventory
+from gpuport.server.state import open_state_dir
+from gpuport.server.tls import load_or_create_identity
+
+log = logging.getLogger("gpuport.server")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the daemon owns SIGINT/SIGTERM for both servers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen for HTTP on {host}:{port}: {e.strerror} — is another server using it? "
+            "pick another --http-port"
+        ) from None
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock
+
+
+def _url(scheme: str, host: str, port: int) -> str:
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"{scheme}://[{shown}]:{port}" if ":" in shown else f"{scheme}://{shown}:{port}"
+
+
+async def serve(
+    *,
+    host: str,
+    port: int,
+    http_port: int,
+    state_dir: Path,
+    insecure: bool = False,
+    say: Callable[[str], None] = print,
+) -> None:
+    """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting."""
+    if insecure and not is_loopback(host):
+        raise ConfigError(
+            f"--insecure is refused on {host}: without TLS, tokens and data would cross the network in "
+            "clear. It is allowed only on a loopback address (127.0.0.1, ::1, localhost); drop --insecure"
+        )
+    os.umask(0o077)  # the database, its WAL and everything the server writes stay private to its user
+    state = open_state_dir(state_dir)
+    identity = None
+    if not insecure:
+        identity, _ = load_or_create_identity(state, host)
+        if not identity.covers(host):
+            log.warning(
+                "the TLS certificate does not name %s; pinned clients are unaffected, but clients "
+                "that verify names will refuse it (delete %s to make a new one: every client must log in again)",
+                host,
+                state.tls_dir,
+            )
+    inventory = detect_inventory()
+    app = ServerApp(state, inventory)
+    try:
+        first_token = app.auth.create_first_admin()
+        credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
+        try:
+            grpc_server, bound = build_grpc_server(app, host, port, credentials)
+        except RuntimeError:
+            raise ConfigError(
+                f"cannot listen for gRPC on {host}:{port} — is another server using it? pick another --port"
+            ) from None
+        http_socket = _bind_http(host, http_port)
+        http_bound = http_socket.getsockname()[1]
+        tls_files = {"ssl_certfile": str(state.cert_path), "ssl_keyfile": str(state.key_path)} if identity else {}
+        http = _HttpServer(
+            uvicorn.Config(
+                build_http_app(app),
+                log_config=None,
+                log_level="warning",
+                access_log=False,
+                lifespan="off",
+                server_header=False,
+                **tls_files,
+            )
+        )
+        await grpc_server.start()
+        http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            await http_task  # raises what stopped it
+            raise ConfigError("the HTTP server stopped during start-up")
+
+        scheme = "http" if insecure else "https"
+        gpus = inventory.gpus()
+        lines = [
+            f"gpuport server {__version__}",
+            f"  state dir    {state.root}",
+            f"  gRPC         {_url(scheme, host, bound)}",
+            f"  HTTP         {_url(scheme, host, http_bound)}",
+            f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
+            f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
+            if gpus
+            else f"  GPUs         none: {inventory.note}",
+        ]
+        if first_token:
+            lines += [
+                f"  admin token  {first_token}",
+                "               shown once, now: store it. Log in with",
+                f"               gpuport login {_url(scheme, host, bound)} --token {first_token}",
+            ]
+        lines.append("ready")
+        say("\n".join(lines))
+        sys.stdout.flush()
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+        say("stopping")
+        http.should_exit = True
+        await asyncio.gather(grpc_server.stop(DEFAULT_SHUTDOWN_GRACE), http_task, return_exceptions=True)
+        say("stopped")
+    finally:
+        app.close()

@@ -1,0 +1,157 @@
+"""The GPU inventory: what GPUs this machine has, read live.
+
+Three kinds behind one interface: ``NvmlInventory`` (real NVIDIA GPUs through NVML),
+``FakeInventory`` (``GPUPORT_FAKE_GPUS=2x16GiB``, for tests and demos on machines without a GPU)
+and ``CpuInventory`` (no GPU: jobs run on the CPU). ``detect_inventory`` picks one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from gpuport.defaults import ENV_FAKE_GPUS
+from gpuport.protocol.errors import ConfigError, InvalidRequest
+from gpuport.protocol.units import parse_size
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GpuProcess:
+    pid: int
+    memory_used: int
+    job_id: str = ""
+
+
+@dataclass
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_used: int
+    utilization: int | None  # percent, None when unknown
+    processes: list[GpuProcess] = field(default_factory=list)
+    jobs: list[str] = field(default_factory=list)
+
+
+class Inventory(ABC):
+    """A source of live GPU readings."""
+
+    kind: str
+    note: str = ""  # said when there are no GPUs, to tell the user why
+
+    @abstractmethod
+    def gpus(self) -> list[GpuInfo]:
+        """Read every GPU now."""
+
+    def close(self) -> None:
+        """Release what the inventory holds."""
+
+
+class CpuInventory(Inventory):
+    kind = "cpu"
+
+    def __init__(self, note: str) -> None:
+        self.note = note
+
+    def gpus(self) -> list[GpuInfo]:
+        return []
+
+
+class FakeInventory(Inventory):
+    """GPUs that exist only on paper, with the sizes given; memory use comes from what is allocated."""
+
+    kind = "fake"
+
+    def __init__(self, sizes: list[int]) -> None:
+        self._sizes = sizes
+
+    @classmethod
+    def parse(cls, spec: str) -> FakeInventory:
+        """``"2x16GiB"``, ``"16GiB,24GiB"`` or ``"1x80GiB,2x16GiB"``."""
+        sizes: list[int] = []
+        for part in spec.split(","):
+            match = re.fullmatch(r"\s*(?:(\d+)\s*[xX]\s*)?(\S+)\s*", part)
+            try:
+                if not match:
+                    raise InvalidRequest(part)
+                count = int(match.group(1) or 1)
+                size = parse_size(match.group(2))
+            except InvalidRequest:
+                raise ConfigError(
+                    f"{ENV_FAKE_GPUS}={spec!r} is not a GPU list — write it like 2x16GiB or 16GiB,24GiB"
+                ) from None
+            sizes += [size] * count
+        return cls(sizes)
+
+    def gpus(self) -> list[GpuInfo]:
+        return [
+            GpuInfo(index=i, uuid=f"GPU-fake-{i}", name="Fake GPU", memory_total=size, memory_used=0, utilization=0)
+            for i, size in enumerate(self._sizes)
+        ]
+
+
+class NvmlInventory(Inventory):
+    kind = "nvml"
+
+    def __init__(self, nvml) -> None:  # type: ignore[no-untyped-def]
+        self._nvml = nvml
+
+    def gpus(self) -> list[GpuInfo]:
+        nvml = self._nvml
+        out = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                utilization: int | None = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            except nvml.NVMLError:
+                utilization = None
+            try:
+                running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            except nvml.NVMLError:
+                running = []
+            name = nvml.nvmlDeviceGetName(handle)
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            out.append(
+                GpuInfo(
+                    index=index,
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    name=name.decode() if isinstance(name, bytes) else name,
+                    memory_total=int(memory.total),
+                    memory_used=int(memory.used),
+                    utilization=utilization,
+                    processes=[GpuProcess(p.pid, int(p.usedGpuMemory or 0)) for p in running],
+                )
+            )
+        return out
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+
+
+def detect_inventory() -> Inventory:
+    """``GPUPORT_FAKE_GPUS`` if set; else NVML if it finds GPUs; else the CPU, saying why."""
+    fake = os.environ.get(ENV_FAKE_GPUS)
+    if fake:
+        return FakeInventory.parse(fake)
+    try:
+        import pynvml
+    except ImportError:
+        return CpuInventory("no GPU support: nvidia-ml-py is not installed (pip install 'gpuport[server]')")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return CpuInventory(f"no NVIDIA GPU found (NVML: {e}); jobs run on the CPU")
+    if pynvml.nvmlDeviceGetCount() == 0:
+        pynvml.nvmlShutdown()
+        return CpuInventory("NVML found no GPU; jobs run on the CPU")
+    return NvmlInventory(pynvml)

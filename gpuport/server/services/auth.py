@@ -1,0 +1,147 @@
+"""Tokens and identities: who is calling, and may they do this.
+
+A token is ``gp_`` + 256 random bits, shown once when created. The server keeps only its SHA-256
+(tokens are random, so a slow password hash would add nothing but latency to every call). Each
+token names one user; every object a user creates is owned by that name, and only its owner or an
+admin sees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from gpuport.defaults import MAX_NAME_LENGTH, TOKEN_BYTES, TOKEN_PREFIX
+from gpuport.protocol.errors import (
+    AuthenticationError,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+)
+from gpuport.server.store import Store
+
+_NAME_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._@-]{{0,{MAX_NAME_LENGTH - 1}}}$")
+# The name of the admin token made on first start.
+FIRST_ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The caller behind a token."""
+
+    name: str
+    admin: bool
+
+    def require_admin(self, action: str) -> None:
+        if not self.admin:
+            raise PermissionDenied(f"{action} needs an admin token; '{self.name}' is not an admin")
+
+    def may_see(self, owner: str) -> bool:
+        return self.admin or owner == self.name
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    name: str
+    admin: bool
+    created_at: float
+    revoked_at: float | None
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _record(row) -> TokenRecord:  # type: ignore[no-untyped-def]
+    return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], row["revoked_at"])
+
+
+class AuthService:
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        # token hash → identity, for valid tokens only; emptied for a name when it is revoked.
+        self._cache: dict[str, Identity] = {}
+
+    def create_first_admin(self) -> str | None:
+        """On a server with no tokens at all, make the first admin token and return it; else None."""
+        if self._store.query_one("SELECT 1 FROM tokens LIMIT 1"):
+            return None
+        return self._insert(FIRST_ADMIN, admin=True)[1]
+
+    def authenticate(self, authorization: str | None) -> Identity:
+        """Return the identity behind an ``Authorization`` value (``Bearer gp_...``).
+
+        Raises ``AuthenticationError`` saying whether the token was missing, malformed, unknown or revoked.
+        """
+        if not authorization:
+            raise AuthenticationError("no token was sent")
+        scheme, _, token = authorization.partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token.startswith(TOKEN_PREFIX):
+            raise AuthenticationError("the token is malformed: expected 'Bearer gp_...'")
+        digest = _hash(token)
+        identity = self._cache.get(digest)
+        if identity is not None:
+            return identity
+        row = self._store.query_one("SELECT name, admin, revoked_at FROM tokens WHERE hash = ?", (digest,))
+        if row is None:
+            raise AuthenticationError("the token is not known to this server")
+        if row["revoked_at"] is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["revoked_at"]))
+            raise AuthenticationError(f"the token '{row['name']}' was revoked on {when}")
+        identity = Identity(row["name"], bool(row["admin"]))
+        self._cache[digest] = identity
+        return identity
+
+    def create(self, caller: Identity, name: str, admin: bool) -> tuple[TokenRecord, str]:
+        """Make a token for user ``name``; returns its record and the token, which is never shown again."""
+        caller.require_admin("creating tokens")
+        if not _NAME_RE.match(name):
+            raise InvalidRequest(
+                f"invalid token name {name!r}: use 1 to {MAX_NAME_LENGTH} letters, digits, '.', '_', '@' or '-', "
+                "starting with a letter or digit"
+            )
+        if self._store.query_one("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL", (name,)):
+            raise Conflict(f"a token named '{name}' already exists — pick another name, or revoke it first")
+        return self._insert(name, admin)
+
+    def _insert(self, name: str, admin: bool) -> tuple[TokenRecord, str]:
+        token = TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
+        now = time.time()
+        with self._store.transaction() as db:
+            db.execute(
+                "INSERT INTO tokens (name, hash, admin, created_at) VALUES (?, ?, ?, ?)",
+                (name, _hash(token), int(admin), now),
+            )
+        return TokenRecord(name, admin, now, None), token
+
+    def list(self, caller: Identity, include_revoked: bool = False) -> list[TokenRecord]:
+        caller.require_admin("listing tokens")
+        where = "" if include_revoked else "WHERE revoked_at IS NULL"
+        rows = self._store.query(f"SELECT * FROM tokens {where} ORDER BY created_at, id")
+        return [_record(r) for r in rows]
+
+    def revoke(self, caller: Identity, name: str) -> TokenRecord:
+        """Revoke the valid token named ``name``; it stops working at once, on every connection."""
+        caller.require_admin("revoking tokens")
+        row = self._store.query_one("SELECT * FROM tokens WHERE name = ? AND revoked_at IS NULL", (name,))
+        if row is None:
+            raise NotFound(f"no valid token named '{name}' — `gpuport token list` shows them")
+        if row["admin"]:
+            admins = self._store.query_one(
+                "SELECT COUNT(*) FROM tokens WHERE admin = 1 AND revoked_at IS NULL"
+            )[0]
+            if admins <= 1:
+                raise Conflict(
+                    f"'{name}' is the last admin token; without it nobody could manage this server — "
+                    "create another admin token first"
+                )
+        now = time.time()
+        with self._store.transaction() as db:
+            db.execute("UPDATE tokens SET revoked_at = ? WHERE id = ?", (now, row["id"]))
+        self._cache = {h: i for h, i in self._cache.items() if i.name != name}
+        return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], now)

@@ -1,0 +1,83 @@
+"""SQLite (WAL): the one source of truth for the server's state.
+
+Services own their SQL; this module owns the connection, the schema and its migrations. Each
+migration runs once, in order, and ``PRAGMA user_version`` records how many have run, so a state
+dir made by an older server is upgraded in place on start.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from gpuport.protocol.errors import ServerError
+
+# Append only: a state dir records how many of these it has applied.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE tokens (
+        id          INTEGER PRIMARY KEY,
+        name        TEXT NOT NULL,
+        hash        TEXT NOT NULL UNIQUE,     -- sha256 hex of the token; the token itself is never kept
+        admin       INTEGER NOT NULL DEFAULT 0,
+        created_at  REAL NOT NULL,
+        revoked_at  REAL                      -- NULL while valid; kept so a revoked token gets a clear error
+    );
+    CREATE UNIQUE INDEX tokens_active_name ON tokens(name) WHERE revoked_at IS NULL;
+    """,
+]
+
+
+class Store:
+    """One SQLite connection in WAL mode, opened on ``path`` and migrated to the newest schema."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._migrate()
+        except sqlite3.Error as e:
+            raise ServerError(f"cannot open the database {path}: {e}") from e
+
+    def _migrate(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(MIGRATIONS):
+            raise ServerError(
+                f"the database {self.path} was written by a newer gpuport (schema {version}, this one "
+                f"knows {len(MIGRATIONS)}) — upgrade gpuport on the server"
+            )
+        for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            try:
+                self._db.executescript(f"BEGIN IMMEDIATE;\n{script}\n;PRAGMA user_version = {number};\nCOMMIT;")
+            except sqlite3.Error:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction (``BEGIN IMMEDIATE``): committed on success, rolled back on error."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        return self._db.execute(sql, params).fetchall()
+
+    def query_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        return self._db.execute(sql, params).fetchone()
+
+    def close(self) -> None:
+        self._db.close()

@@ -124,6 +124,10 @@ async def serve(
                 **tls_files,
             )
         )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
         await grpc_server.start()
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         while not http.started and not http_task.done():
@@ -154,10 +158,6 @@ async def serve(
         say("\n".join(lines))
         sys.stdout.flush()
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
         say("stopping")
         http.should_exit = True

@@ -1,0 +1,159 @@
+"""Fixtures: a real `gpuport server` on 127.0.0.1 (random ports, temporary state dir, TLS on), and
+the CLI run as a real subprocess against it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+import gpuport
+
+READY_TIMEOUT = 60.0
+CLIENT_ENV = ("GPUPORT_URL", "GPUPORT_TOKEN", "GPUPORT_FINGERPRINT", "GPUPORT_PROFILE")
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen[str]
+    state_dir: Path
+    output: list[str] = field(default_factory=list)
+    url: str = ""
+    http_url: str = ""
+    fingerprint: str = ""
+    admin_token: str = ""
+
+    @property
+    def banner(self) -> str:
+        return "\n".join(self.output)
+
+    def connect(self, token: str | None = None) -> gpuport.Client:
+        return gpuport.connect(self.url, token or self.admin_token, fingerprint=self.fingerprint or None)
+
+    def rest(self, method: str, path: str, token: str | None = None, **kw: object) -> httpx.Response:
+        """Call the REST API, trusting exactly this server's certificate, as `curl --cacert` would."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        trust = ssl.create_default_context(cafile=str(self.state_dir / "tls" / "cert.pem"))
+        with httpx.Client(verify=trust, timeout=10) as http:
+            return http.request(method, self.http_url + path, headers=headers, **kw)  # type: ignore[arg-type]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout:
+            self.output += self.process.stdout.read().splitlines()
+            self.process.stdout.close()
+        return self.process.returncode
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def start_server(state_dir: Path, *args: str, env: dict[str, str] | None = None, expect_ready: bool = True) -> RunningServer:
+    """Start `gpuport server` and wait (bounded) for its `ready` line; parse what it printed."""
+    command = [sys.executable, "-m", "gpuport", "server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+               "--state-dir", str(state_dir), *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env or server_env(GPUPORT_FAKE_GPUS="2x16GiB"))
+    server = RunningServer(process, state_dir)
+    if not expect_ready:
+        assert process.stdout is not None
+        with process.stdout:
+            server.output = process.stdout.read().splitlines()
+        process.wait(timeout=READY_TIMEOUT)
+        return server
+    deadline = time.monotonic() + READY_TIMEOUT
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            server.stop()
+            raise AssertionError(f"server exited before it was ready:\n{server.banner}")
+        server.output.append(line.rstrip("\n"))
+        if line.strip() == "ready":
+            break
+    else:
+        server.stop(signal.SIGKILL)
+        raise AssertionError(f"server not ready in {READY_TIMEOUT}s:\n{server.banner}")
+    text = server.banner
+    server.url = re.search(r"gRPC\s+(\S+)", text).group(1)  # type: ignore[union-attr]
+    server.http_url = re.search(r"HTTP\s+(\S+)", text).group(1)  # type: ignore[union-attr]
+    if m := re.search(r"fingerprint\s+(sha256:[0-9a-f]{64})", text):
+        server.fingerprint = m.group(1)
+    if m := re.search(r"admin token\s+(gp_\S+)", text):
+        server.admin_token = m.group(1)
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """One shared server with two fake 16 GiB GPUs, for tests that do not stop or restart it."""
+    running = start_server(tmp_path_factory.mktemp("state") / "gpuport")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def client_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own client config dir, and no GPUPORT_* settings from outside."""
+    folder = tmp_path / "config"
+    monkeypatch.setenv("GPUPORT_CONFIG_DIR", str(folder))
+    for name in CLIENT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return folder
+
+
+@pytest.fixture
+def admin(server: RunningServer) -> Iterator[gpuport.Client]:
+    with server.connect() as client:
+        yield client
+
+
+@pytest.fixture
+def user_token(admin: gpuport.Client) -> str:
+    """A fresh non-admin token."""
+    return admin.create_token(f"user-{uuid.uuid4().hex[:8]}").token
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+@pytest.fixture
+def cli(client_config: Path) -> object:
+    """Run `gpuport ARGS...` as a subprocess with this test's config dir; returns a CliResult."""
+
+    def run(*args: str, input: str | None = None, **env: str) -> CliResult:
+        full_env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+        full_env.update(GPUPORT_CONFIG_DIR=str(client_config), COLUMNS="200", **env)
+        done = subprocess.run([sys.executable, "-m", "gpuport", *args], capture_output=True, text=True,
+                              input=input if input is not None else "", env=full_env, timeout=60)
+        return CliResult(done.returncode, done.stdout, done.stderr)
+
+    return run

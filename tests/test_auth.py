@@ -1,0 +1,119 @@
+"""Tokens and permissions, through the Python API, the CLI and the REST API."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import gpuport
+
+from .conftest import RunningServer
+
+
+def test_admin_creates_lists_and_revokes_tokens(admin: gpuport.Client, server: RunningServer) -> None:
+    new = admin.create_token("dana")
+    assert new.token.startswith("gp_") and len(new.token) >= 43 and not new.admin
+    assert "token=" not in repr(new)
+    names = [t.name for t in admin.tokens()]
+    assert "dana" in names and "admin" in names
+    with gpuport.connect(server.url, new.token, fingerprint=server.fingerprint) as dana:
+        assert dana.user == "dana" and not dana.admin
+        dana.ping()
+        revoked = admin.revoke_token("dana")
+        assert revoked.revoked_at is not None
+        # Revocation takes effect at once, on a connection that is already open.
+        with pytest.raises(gpuport.AuthenticationError, match="'dana' was revoked"):
+            dana.ping()
+    assert "dana" not in [t.name for t in admin.tokens()]
+    assert "dana" in [t.name for t in admin.tokens(include_revoked=True)]
+    # The name is free again once revoked.
+    assert admin.create_token("dana").name == "dana"
+
+
+def test_bad_token_requests_change_nothing(admin: gpuport.Client) -> None:
+    before = admin.tokens(include_revoked=True)
+    with pytest.raises(gpuport.InvalidRequest, match="invalid token name"):
+        admin.create_token("no spaces please")
+    with pytest.raises(gpuport.InvalidRequest):
+        admin.create_token("")
+    admin.create_token("erin")
+    with pytest.raises(gpuport.Conflict, match="already exists"):
+        admin.create_token("erin")
+    with pytest.raises(gpuport.NotFound, match="no valid token named 'nobody'"):
+        admin.revoke_token("nobody")
+    after = admin.tokens(include_revoked=True)
+    assert [t.name for t in after] == [t.name for t in before] + ["erin"]
+
+
+def test_the_last_admin_token_cannot_be_revoked(admin: gpuport.Client, server: RunningServer) -> None:
+    with pytest.raises(gpuport.Conflict, match="last admin token"):
+        admin.revoke_token("admin")
+    second = admin.create_token("admin2", admin=True)
+    with gpuport.connect(server.url, second.token, fingerprint=server.fingerprint) as admin2:
+        assert admin2.admin
+        admin2.create_token("made-by-admin2")
+        admin.revoke_token("admin2")
+    with pytest.raises(gpuport.Conflict, match="last admin token"):
+        admin.revoke_token("admin")
+
+
+@pytest.mark.parametrize("token", ["gp_unknown", "not-even-prefixed", "Bearer gp_"])
+def test_wrong_tokens_are_rejected_at_connect(server: RunningServer, token: str) -> None:
+    with pytest.raises(gpuport.AuthenticationError, match="gpuport login") as caught:
+        gpuport.connect(server.url, token, fingerprint=server.fingerprint)
+    assert server.url in str(caught.value)
+
+
+def test_a_missing_token_is_said_before_connecting(server: RunningServer) -> None:
+    with pytest.raises(gpuport.AuthenticationError, match="no token for"):
+        gpuport.connect(server.url, fingerprint=server.fingerprint)
+
+
+def test_non_admin_may_not_manage_tokens(server: RunningServer, user_token: str) -> None:
+    with gpuport.connect(server.url, user_token, fingerprint=server.fingerprint) as user:
+        for call in (lambda: user.create_token("x"), user.tokens, lambda: user.revoke_token("admin")):
+            with pytest.raises(gpuport.PermissionDenied, match="needs an admin token"):
+                call()
+
+
+def test_cli_token_commands(server: RunningServer, cli, user_token: str) -> None:
+    env = {"GPUPORT_URL": server.url, "GPUPORT_FINGERPRINT": server.fingerprint}
+    created = cli("token", "create", "frank", GPUPORT_TOKEN=server.admin_token, **env)
+    assert created.code == 0, created.output
+    frank = created.stdout.strip()
+    assert frank.startswith("gp_") and "shown only now" in created.stderr
+    listed = cli("token", "list", "--json", GPUPORT_TOKEN=server.admin_token, **env)
+    assert "frank" in [t["name"] for t in json.loads(listed.stdout)]
+    assert frank not in listed.stdout
+    denied = cli("token", "list", GPUPORT_TOKEN=user_token, **env)
+    assert denied.code == 1 and "needs an admin token" in denied.stderr
+    assert cli("token", "revoke", "frank", GPUPORT_TOKEN=server.admin_token, **env).code == 0
+    revoked = cli("gpus", GPUPORT_TOKEN=frank, **env)
+    assert revoked.code == 1 and "'frank' was revoked" in revoked.stderr and "gpuport login" in revoked.stderr
+    wrong = cli("gpus", GPUPORT_TOKEN="gp_wrong", **env)
+    assert wrong.code == 1 and "not known to this server" in wrong.stderr
+    for bad in (("token", "create", "bad name"), ("token", "revoke", "nobody"), ("token", "revoke", "admin")):
+        done = cli(*bad, GPUPORT_TOKEN=server.admin_token, **env)
+        assert done.code == 1 and done.stderr.startswith("error:") and "Traceback" not in done.stderr
+
+
+def test_rest_api_uses_the_same_tokens(server: RunningServer, user_token: str) -> None:
+    assert server.rest("GET", "/v1/health").json()["status"] == "ok"
+    missing = server.rest("GET", "/v1/status")
+    assert missing.status_code == 401 and missing.json()["error"]["message"] == "no token was sent"
+    wrong = server.rest("GET", "/v1/status", "gp_wrong")
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
+    assert server.rest("GET", "/v1/whoami", user_token).json()["admin"] is False
+    assert server.rest("GET", "/v1/tokens", user_token).status_code == 403
+    assert server.rest("POST", "/v1/tokens", user_token, json={"name": "gina"}).status_code == 403
+
+    created = server.rest("POST", "/v1/tokens", server.admin_token, json={"name": "gina"})
+    assert created.status_code == 201 and created.json()["token"].startswith("gp_")
+    assert server.rest("GET", "/v1/whoami", created.json()["token"]).json() == {"user": "gina", "admin": False}
+    malformed = server.rest("POST", "/v1/tokens", server.admin_token, json={"nam": "x"})
+    assert malformed.status_code == 400 and "body.name" in malformed.json()["error"]["message"]
+    assert server.rest("POST", "/v1/tokens", server.admin_token, json={"name": "gina"}).status_code == 409
+    assert server.rest("DELETE", "/v1/tokens/nobody", server.admin_token).status_code == 404
+    assert server.rest("DELETE", "/v1/tokens/gina", server.admin_token).status_code == 200
+    assert server.rest("GET", "/v1/whoami", created.json()["token"]).status_code == 401

@@ -21,6 +21,7 @@ from gpuport.protocol.errors import ServerUnreachable, TLSError
 from gpuport.protocol.tls import fingerprint
 
 Reply = TypeVar("Reply")
+_EMPTY = pb.Empty()  # requests are only read, never changed: one instance serves every call
 
 
 def _trusted_certificate(target: Target, settings: Settings, timeout: float) -> str | None:
@@ -96,17 +97,17 @@ class Client:
     def ping(self) -> float:
         """Make one authenticated no-op call; return its round trip in seconds."""
         start = time.perf_counter()
-        self._call(self._control.Ping, pb.Empty())
+        self._call(self._control.Ping, _EMPTY)
         return time.perf_counter() - start
 
     def gpus(self) -> list[GPU]:
         """Every GPU of the server, read live (an empty list on a machine without GPUs)."""
-        reply = self._call(self._control.ListGpus, pb.Empty())
+        reply = self._call(self._control.ListGpus, _EMPTY)
         return [GPU._from_message(g) for g in reply.gpus]
 
     def status(self) -> ServerStatus:
         """The server's version, machine, GPUs, and who you are to it."""
-        s = self._call(self._control.Status, pb.Empty())
+        s = self._call(self._control.Status, _EMPTY)
         return ServerStatus(
             url=self.url,
             server_version=s.server_version,

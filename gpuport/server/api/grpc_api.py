@@ -18,6 +18,7 @@ from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
 
 log = logging.getLogger(__name__)
+_EMPTY = pb.Empty()
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
 
@@ -96,7 +97,7 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
 
     @rpc
     async def Ping(self, request: pb.Empty, caller: Identity) -> pb.Empty:
-        return pb.Empty()
+        return _EMPTY
 
     @rpc
     async def Status(self, request: pb.Empty, caller: Identity) -> pb.StatusReply:

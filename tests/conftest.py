@@ -9,6 +9,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ class RunningServer:
     http_url: str = ""
     fingerprint: str = ""
     admin_token: str = ""
+    _drainer: threading.Thread | None = None
 
     @property
     def banner(self) -> str:
@@ -48,6 +50,17 @@ class RunningServer:
         with httpx.Client(verify=trust, timeout=10) as http:
             return http.request(method, self.http_url + path, headers=headers, **kw)  # type: ignore[arg-type]
 
+    def drain(self) -> None:
+        """Keep reading what the server prints (into ``output``), so its pipe never fills up."""
+        assert self.process.stdout is not None
+        self._drainer = threading.Thread(target=self._read_rest, daemon=True)
+        self._drainer.start()
+
+    def _read_rest(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line.rstrip("\n"))
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
@@ -56,8 +69,9 @@ class RunningServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self._drainer is not None:
+            self._drainer.join(timeout=10)
         if self.process.stdout:
-            self.output += self.process.stdout.read().splitlines()
             self.process.stdout.close()
         return self.process.returncode
 
@@ -101,6 +115,7 @@ def start_server(state_dir: Path, *args: str, env: dict[str, str] | None = None,
         server.fingerprint = m.group(1)
     if m := re.search(r"admin token\s+(gp_\S+)", text):
         server.admin_token = m.group(1)
+    server.drain()
     return server
 
 
@@ -157,3 +172,24 @@ def cli(client_config: Path) -> object:
         return CliResult(done.returncode, done.stdout, done.stderr)
 
     return run
+
+
+def _nvml_gpu_count() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("gpu" in item.keywords for item in items) and _nvml_gpu_count() == 0:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (NVML found none)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

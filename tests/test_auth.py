@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -117,3 +118,18 @@ def test_rest_api_uses_the_same_tokens(server: RunningServer, user_token: str) -
     assert server.rest("DELETE", "/v1/tokens/nobody", server.admin_token).status_code == 404
     assert server.rest("DELETE", "/v1/tokens/gina", server.admin_token).status_code == 200
     assert server.rest("GET", "/v1/whoami", created.json()["token"]).status_code == 401
+
+
+def test_rejected_tokens_are_logged_for_the_admin(server: RunningServer) -> None:
+    with pytest.raises(gpuport.AuthenticationError):
+        gpuport.connect(server.url, "gp_intruder", fingerprint=server.fingerprint)
+    assert server.rest("GET", "/v1/status", "gp_intruder").status_code == 401
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        log = server.banner
+        if "rejected a call to Hello" in log and "rejected GET /v1/status" in log:
+            break
+        time.sleep(0.05)
+    assert "rejected a call to Hello from ipv4:127.0.0.1" in server.banner
+    assert "rejected GET /v1/status from 127.0.0.1" in server.banner
+    assert "gp_intruder" not in server.banner  # the log never repeats a token

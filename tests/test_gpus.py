@@ -71,3 +71,26 @@ def test_a_machine_without_gpus_says_so(tmp_path: Path, cli) -> None:
         assert json.loads(cli("gpus", "--json", **env).stdout) == []
     finally:
         cpu_only.stop()
+
+
+@pytest.mark.gpu
+def test_real_gpus_are_read_live_from_nvml(tmp_path: Path) -> None:
+    import pynvml
+
+    real = start_server(tmp_path / "state", env=server_env())
+    try:
+        with real.connect() as client:
+            status = client.status()
+        assert status.inventory == "nvml"
+        pynvml.nvmlInit()
+        try:
+            assert len(status.gpus) == pynvml.nvmlDeviceGetCount()
+            for g in status.gpus:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(g.index)
+                assert g.uuid == pynvml.nvmlDeviceGetUUID(handle)
+                assert g.memory_total == pynvml.nvmlDeviceGetMemoryInfo(handle).total
+                assert 0 <= g.memory_used <= g.memory_total
+        finally:
+            pynvml.nvmlShutdown()
+    finally:
+        real.stop()

@@ -98,6 +98,8 @@ def test_environment_overrides_without_any_profile(server: RunningServer, cli, u
     # The token from the environment beats the profile's.
     assert cli("login", server.url, "--token", server.admin_token, "--yes").code == 0
     assert json.loads(cli("status", "--json", GPUPORT_TOKEN=user_token).stdout)["admin"] is False
+    # The same server written another way still matches the profile, and uses its token and pin.
+    assert json.loads(cli("status", "--json", GPUPORT_URL=server.url.upper() + "/").stdout)["admin"] is True
 
 
 def test_a_corrupted_config_is_reported_and_left_alone(server: RunningServer, cli, client_config: Path) -> None:

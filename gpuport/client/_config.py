@@ -119,7 +119,9 @@ def resolve_settings(
                 f"no profile named '{named}' in {config_path()} (saved: {known}) — "
                 f"run `gpuport login URL --profile {named}`"
             )
-    if saved is not None and url and url.rstrip("/") != saved.url:
+    if url:
+        url = parse_url(url).url  # canonical: https://gpubox and https://gpubox:7600 are one server
+    if saved is not None and url and url != saved.url:
         saved = None  # another server: none of the profile's secrets apply
     if saved is not None:
         url = url or saved.url
@@ -130,7 +132,6 @@ def resolve_settings(
             "no gpuport server configured — run `gpuport login https://HOST:7600 --token gp_...`, "
             f"or set {ENV_URL} and {ENV_TOKEN}"
         )
-    parse_url(url)  # a bad URL is reported as such, before anything else
     if not token:
         raise AuthenticationError(
             f"no token for {url} — pass one with --token, set {ENV_TOKEN}, or run `gpuport login {url}`"

@@ -13,7 +13,7 @@ from gpuport._version import __version__
 from gpuport.defaults import MAX_MESSAGE_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
-from gpuport.protocol.errors import ERROR_METADATA_KEY, GpuportError, ServerError, status_for
+from gpuport.protocol.errors import ERROR_METADATA_KEY, AuthenticationError, GpuportError, ServerError, status_for
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
 
@@ -42,8 +42,11 @@ def rpc(method: Handler) -> Handler:
         try:
             identity = self.app.auth.authenticate(_authorization(context))
             return await method(self, request, identity)
-        except GpuportError as e:
+        except AuthenticationError as e:
+            log.warning("rejected a call to %s from %s: %s", method.__name__, context.peer(), e)
             error: GpuportError = e
+        except GpuportError as e:
+            error = e
         except Exception:
             log.exception("%s failed", method.__qualname__)
             error = ServerError("internal server error — the server's log has the details")

@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from gpuport._version import __version__
-from gpuport.protocol.errors import GpuportError, InvalidRequest, ServerError, status_for
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 
@@ -55,6 +55,9 @@ def build_http_app(app: ServerApp) -> FastAPI:
 
     @api.exception_handler(GpuportError)
     async def _gpuport_error(request: Request, error: GpuportError) -> JSONResponse:
+        if isinstance(error, AuthenticationError):
+            client = request.client.host if request.client else "?"
+            log.warning("rejected %s %s from %s: %s", request.method, request.url.path, client, error)
         return _error_response(error)
 
     @api.exception_handler(RequestValidationError)

@@ -40,9 +40,6 @@ class Identity:
         if not self.admin:
             raise PermissionDenied(f"{action} needs an admin token; '{self.name}' is not an admin")
 
-    def may_see(self, owner: str) -> bool:
-        return self.admin or owner == self.name
-
 
 @dataclass(frozen=True)
 class TokenRecord:

@@ -14,22 +14,8 @@ _os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from gpuport._version import __version__  # noqa: E402
 from gpuport.client import GPU, Client, GpuProcess, NewToken, ServerStatus, TokenInfo, connect, login  # noqa: E402
-from gpuport.protocol.errors import (  # noqa: E402
-    AuthenticationError,
-    ConfigError,
-    Conflict,
-    ConnectionFailed,
-    FingerprintMismatch,
-    GpuportError,
-    InvalidRequest,
-    NotFound,
-    PermissionDenied,
-    RemoteError,
-    ResourceUnavailable,
-    ServerError,
-    ServerUnreachable,
-    TLSError,
-)
+from gpuport.protocol import errors as _errors  # noqa: E402
+from gpuport.protocol.errors import *  # noqa: E402,F403  (the error tree: see gpuport/protocol/errors.py)
 from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size  # noqa: E402
 
 __all__ = [
@@ -46,18 +32,5 @@ __all__ = [
     "format_size",
     "parse_duration",
     "format_duration",
-    "GpuportError",
-    "ConfigError",
-    "ConnectionFailed",
-    "ServerUnreachable",
-    "TLSError",
-    "FingerprintMismatch",
-    "AuthenticationError",
-    "PermissionDenied",
-    "NotFound",
-    "InvalidRequest",
-    "Conflict",
-    "ResourceUnavailable",
-    "RemoteError",
-    "ServerError",
+    *_errors.__all__,
 ]

@@ -6,6 +6,8 @@ import json
 import shutil
 import socket
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -122,17 +124,27 @@ def test_nothing_configured_says_how_to_log_in(cli) -> None:
         gpuport.connect()
 
 
-def test_a_changed_certificate_is_refused_everywhere_with_both_fingerprints(tmp_path: Path, cli) -> None:
+@contextmanager
+def _certificate_replaced_after_login(tmp_path: Path, cli) -> Iterator[tuple[RunningServer, RunningServer]]:
+    """Log in to a server, then restart it on the same port with a new certificate, as an admin
+    who deleted tls/ would. Yields (before, after); the second one is stopped afterwards."""
     port = _free_port()
     first = start_server(tmp_path / "state", "--port", str(port))
     try:
         assert cli("login", first.url, "--token", first.admin_token, "--yes").code == 0
     finally:
         first.stop()
-    shutil.rmtree(tmp_path / "state" / "tls")  # the admin regenerates the certificate
+    shutil.rmtree(tmp_path / "state" / "tls")
     second = start_server(tmp_path / "state", "--port", str(port))
     try:
         assert second.url == first.url and second.fingerprint != first.fingerprint
+        yield first, second
+    finally:
+        second.stop()
+
+
+def test_a_changed_certificate_is_refused_everywhere_with_both_fingerprints(tmp_path: Path, cli) -> None:
+    with _certificate_replaced_after_login(tmp_path, cli) as (first, second):
         for args in (("gpus",), ("status",), ("token", "list")):
             done = cli(*args)
             assert done.code == 1
@@ -146,22 +158,10 @@ def test_a_changed_certificate_is_refused_everywhere_with_both_fingerprints(tmp_
         done = cli("login", first.url, "--token", first.admin_token, "--fingerprint", second.fingerprint)
         assert done.code == 0, done.output
         assert cli("gpus").code == 0
-    finally:
-        second.stop()
 
 
 def test_a_changed_certificate_warns_loudly_when_asked(tmp_path: Path, cli) -> None:
-    port = _free_port()
-    first = start_server(tmp_path / "state", "--port", str(port))
-    try:
-        assert cli("login", first.url, "--token", first.admin_token, "--yes").code == 0
-    finally:
-        first.stop()
-    shutil.rmtree(tmp_path / "state" / "tls")
-    second = start_server(tmp_path / "state", "--port", str(port))
-    try:
+    with _certificate_replaced_after_login(tmp_path, cli) as (first, second):
         done = cli("login", first.url, "--token", first.admin_token, input="n\n")
         assert done.code == 1
         assert "has CHANGED" in done.stderr and first.fingerprint in done.stderr and second.fingerprint in done.stderr
-    finally:
-        second.stop()

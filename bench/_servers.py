@@ -36,9 +36,26 @@ def start_gpuport(workdir: Path) -> Gpuport:
     env.update(PYTHONUNBUFFERED="1", GPUPORT_FAKE_GPUS="2x16GiB")
     state = workdir / "state"
     process = subprocess.Popen(
-        [sys.executable, "-m", "gpuport", "server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
-         "--state-dir", str(state), "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "gpuport",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(state),
+            "--log-level",
+            "warning",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
     )
     lines = []
     deadline = time.monotonic() + 60
@@ -104,8 +121,10 @@ class Raw:
 
 
 def start_raw(cert: Path, key: Path) -> Raw:
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import _servers; " \
-           f"_servers._serve_raw(__import__('pathlib').Path({str(cert)!r}), __import__('pathlib').Path({str(key)!r}))"
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import _servers; "
+        f"_servers._serve_raw(__import__('pathlib').Path({str(cert)!r}), __import__('pathlib').Path({str(key)!r}))"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     port = process.stdout.readline().strip()

@@ -50,7 +50,7 @@ def interleave(n: int, *calls: Callable[[], object], block: int = 1) -> list[lis
     """Time ``n`` runs of each call, alternating between them every ``block`` runs."""
     times: list[list[float]] = [[] for _ in calls]
     for _ in range(max(1, n // block)):
-        for call, out in zip(calls, times):
+        for call, out in zip(calls, times, strict=True):
             for _ in range(block):
                 t = time.perf_counter()
                 call()
@@ -94,15 +94,21 @@ def main() -> None:
             raw.stop()
             server.stop()
 
-    print(f"gpuport {gpuport.__version__}, Python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
-          f"{os.cpu_count()} CPUs, TLS on 127.0.0.1")
+    print(
+        f"gpuport {gpuport.__version__}, Python {sys.version.split()[0]}, grpcio {grpc.__version__}, "
+        f"{os.cpu_count()} CPUs, TLS on 127.0.0.1"
+    )
     print(f"{'figure (median)':<44} {'gpuport':>9} {'raw gRPC':>9} {'ratio':>6}   {'raw, bytes':>10} {'ratio':>6}")
     f_ours, f_raw = (statistics.median(t) for t in fresh)
-    print(f"{f'fresh connect+TLS+auth call, of {args.fresh}':<44} {f_ours * 1e3:>7.3f}ms {f_raw * 1e3:>7.3f}ms "
-          f"{f_ours / f_raw:>5.2f}x")
+    print(
+        f"{f'fresh connect+TLS+auth call, of {args.fresh}':<44} {f_ours * 1e3:>7.3f}ms {f_raw * 1e3:>7.3f}ms "
+        f"{f_ours / f_raw:>5.2f}x"
+    )
     o_ours, o_raw, o_bytes = (statistics.median(t) for t in opened)
-    print(f"{f'no-op call on open connection, of {args.calls}':<44} {o_ours * 1e3:>7.3f}ms {o_raw * 1e3:>7.3f}ms "
-          f"{o_ours / o_raw:>5.2f}x   {o_bytes * 1e3:>8.3f}ms {o_ours / o_bytes:>5.2f}x")
+    print(
+        f"{f'no-op call on open connection, of {args.calls}':<44} {o_ours * 1e3:>7.3f}ms {o_raw * 1e3:>7.3f}ms "
+        f"{o_ours / o_raw:>5.2f}x   {o_bytes * 1e3:>8.3f}ms {o_ours / o_bytes:>5.2f}x"
+    )
     print("goal: no-op call on an open connection at most 1.10x the raw gRPC call")
 
 

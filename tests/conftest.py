@@ -82,12 +82,32 @@ def server_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_server(state_dir: Path, *args: str, env: dict[str, str] | None = None, expect_ready: bool = True) -> RunningServer:
+def start_server(
+    state_dir: Path, *args: str, env: dict[str, str] | None = None, expect_ready: bool = True
+) -> RunningServer:
     """Start `gpuport server` and wait (bounded) for its `ready` line; parse what it printed."""
-    command = [sys.executable, "-m", "gpuport", "server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
-               "--state-dir", str(state_dir), *args]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=env or server_env(GPUPORT_FAKE_GPUS="2x16GiB"))
+    command = [
+        sys.executable,
+        "-m",
+        "gpuport",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--state-dir",
+        str(state_dir),
+        *args,
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env or server_env(GPUPORT_FAKE_GPUS="2x16GiB"),
+    )
     server = RunningServer(process, state_dir)
     if not expect_ready:
         assert process.stdout is not None
@@ -167,8 +187,14 @@ def cli(client_config: Path) -> object:
     def run(*args: str, input: str | None = None, **env: str) -> CliResult:
         full_env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
         full_env.update(GPUPORT_CONFIG_DIR=str(client_config), COLUMNS="200", **env)
-        done = subprocess.run([sys.executable, "-m", "gpuport", *args], capture_output=True, text=True,
-                              input=input if input is not None else "", env=full_env, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuport", *args],
+            capture_output=True,
+            text=True,
+            input=input if input is not None else "",
+            env=full_env,
+            timeout=60,
+        )
         return CliResult(done.returncode, done.stdout, done.stderr)
 
     return run

@@ -86,8 +86,12 @@ def test_cli_reports_each_connection_error_on_one_line(server: RunningServer, cl
         "not known to this server": {"GPUPORT_TOKEN": "gp_wrong"},
     }
     for message, env in cases.items():
-        full = {"GPUPORT_URL": server.url, "GPUPORT_TOKEN": server.admin_token, "GPUPORT_FINGERPRINT": server.fingerprint,
-                **env}
+        full = {
+            "GPUPORT_URL": server.url,
+            "GPUPORT_TOKEN": server.admin_token,
+            "GPUPORT_FINGERPRINT": server.fingerprint,
+            **env,
+        }
         done = cli("status", **full)
         assert done.code == 1, done.output
         assert message in done.stderr and done.stderr.startswith("error:") and "Traceback" not in done.stderr

@@ -13,9 +13,13 @@ def test_all_lists_exactly_the_public_members() -> None:
 
 
 def test_every_error_is_a_gpuport_error_with_a_docstring() -> None:
-    errors = [getattr(gpuport, n) for n in gpuport.__all__ if n.endswith(("Error", "Mismatch", "Denied", "Found",
-                                                                           "Request", "Unavailable", "Unreachable",
-                                                                           "Failed", "Conflict"))]
+    errors = [
+        getattr(gpuport, n)
+        for n in gpuport.__all__
+        if n.endswith(
+            ("Error", "Mismatch", "Denied", "Found", "Request", "Unavailable", "Unreachable", "Failed", "Conflict")
+        )
+    ]
     assert len(errors) == 14
     for cls in errors:
         assert issubclass(cls, gpuport.GpuportError)

@@ -64,8 +64,11 @@ def test_a_machine_without_gpus_says_so(tmp_path: Path, cli) -> None:
             assert client.gpus() == []
             status = client.status()
             assert status.inventory == "cpu" and "CPU" in status.note
-        env = {"GPUPORT_URL": cpu_only.url, "GPUPORT_TOKEN": cpu_only.admin_token,
-               "GPUPORT_FINGERPRINT": cpu_only.fingerprint}
+        env = {
+            "GPUPORT_URL": cpu_only.url,
+            "GPUPORT_TOKEN": cpu_only.admin_token,
+            "GPUPORT_FINGERPRINT": cpu_only.fingerprint,
+        }
         done = cli("gpus", **env)
         assert done.code == 0 and "No GPU on" in done.stdout and "run on the CPU" in done.stdout
         assert json.loads(cli("gpus", "--json", **env).stdout) == []

@@ -99,9 +99,25 @@ def test_insecure_is_refused_off_loopback(tmp_path: Path) -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-m", "gpuport", "server", "--host", "0.0.0.0", "--port", "0", "--http-port", "0",
-         "--state-dir", str(tmp_path / "state"), "--insecure"],
-        capture_output=True, text=True, env=env, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "gpuport",
+            "server",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--insecure",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert done.returncode == 1
     assert "--insecure is refused on 0.0.0.0" in done.stderr and "loopback" in done.stderr

@@ -7,8 +7,15 @@ from gpuport import InvalidRequest, format_duration, format_size, parse_duration
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096), ("16g", 16 * 2**30),
-     (" 2 TiB ", 2 * 2**40), (1024, 1024)],
+    [
+        ("8GiB", 8 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("16g", 16 * 2**30),
+        (" 2 TiB ", 2 * 2**40),
+        (1024, 1024),
+    ],
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
@@ -20,15 +27,18 @@ def test_parse_size_rejects_with_an_example(text: str) -> None:
         parse_size(text)
 
 
-@pytest.mark.parametrize(("n", "text"), [(8 * 2**30, "8GiB"), (int(1.5 * 2**30), "1.5GiB"), (512 * 2**20, "512MiB"),
-                                          (900, "900B")])
+@pytest.mark.parametrize(
+    ("n", "text"), [(8 * 2**30, "8GiB"), (int(1.5 * 2**30), "1.5GiB"), (512 * 2**20, "512MiB"), (900, "900B")]
+)
 def test_format_size_reads_back(n: int, text: str) -> None:
     assert format_size(n) == text
     assert parse_size(text) == n
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("2h", 7200), ("1h30m", 5400), ("250ms", 0.25),
-                                                ("15m", 900), ("45", 45), ("1d", 86400)])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("2h", 7200), ("1h30m", 5400), ("250ms", 0.25), ("15m", 900), ("45", 45), ("1d", 86400)],
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 

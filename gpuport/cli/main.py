@@ -54,11 +54,29 @@ def cli(ctx: click.Context, profile: str | None) -> None:
 
 @cli.command()
 @click.option("--host", default=DEFAULT_HOST, show_default=True, help="Address to bind; 0.0.0.0 for every interface.")
-@click.option("--port", default=DEFAULT_GRPC_PORT, show_default=True, type=click.IntRange(0, 65535), help="gRPC port (0: any free).")
-@click.option("--http-port", default=DEFAULT_HTTP_PORT, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any free).")
-@click.option("--state-dir", type=click.Path(path_type=Path), help="Where the server keeps its state [default: the user data dir].")
+@click.option(
+    "--port",
+    default=DEFAULT_GRPC_PORT,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="gRPC port (0: any free).",
+)
+@click.option(
+    "--http-port",
+    default=DEFAULT_HTTP_PORT,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="HTTP port (0: any free).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    help="Where the server keeps its state [default: the user data dir].",
+)
 @click.option("--insecure", is_flag=True, help="No TLS. Refused unless --host is a loopback address.")
-@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
 def server(host: str, port: int, http_port: int, state_dir: Path | None, insecure: bool, log_level: str) -> None:
     """Run the gpuport daemon on this (GPU) machine.
 
@@ -69,8 +87,12 @@ def server(host: str, port: int, http_port: int, state_dir: Path | None, insecur
         from gpuport.server.daemon import serve
         from gpuport.server.state import default_state_dir
     except ImportError as e:
-        raise click.ClickException(f"the server needs more packages ({e.name} is missing): pip install 'gpuport[server]'")
-    logging.basicConfig(level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        raise click.ClickException(
+            f"the server needs more packages ({e.name} is missing): pip install 'gpuport[server]'"
+        ) from None
+    logging.basicConfig(
+        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     asyncio.run(
         serve(
             host=host,
@@ -110,7 +132,13 @@ def _confirm_certificate(target: Target, presented: str, pinned_before: str | No
 @json_option
 @click.pass_context
 def login_command(
-    ctx: click.Context, url: str, token: str | None, fingerprint: str | None, profile_name: str | None, yes: bool, as_json: bool
+    ctx: click.Context,
+    url: str,
+    token: str | None,
+    fingerprint: str | None,
+    profile_name: str | None,
+    yes: bool,
+    as_json: bool,
 ) -> None:
     """Pin the server's certificate, check your token, and save them as a profile."""
     profile_name = profile_name or ctx.obj.get("profile") or DEFAULT_PROFILE
@@ -119,11 +147,20 @@ def login_command(
     confirm = (lambda *_: True) if yes else _confirm_certificate
     with login(url, token, fingerprint=fingerprint, profile=profile_name, confirm=confirm) as client:
         if as_json:
-            print_json({"url": client.url, "profile": profile_name, "user": client.user, "admin": client.admin,
-                        "fingerprint": client.fingerprint, "config": str(config_path())})
+            print_json(
+                {
+                    "url": client.url,
+                    "profile": profile_name,
+                    "user": client.user,
+                    "admin": client.admin,
+                    "fingerprint": client.fingerprint,
+                    "config": str(config_path()),
+                }
+            )
             return
         role = "admin" if client.admin else "user"
-        out.print(f"Logged in to {escape(client.url)} as [bold]{escape(client.user)}[/] ({role}), server {client.server_version}.")
+        who = f"[bold]{escape(client.user)}[/] ({role})"
+        out.print(f"Logged in to {escape(client.url)} as {who}, server {client.server_version}.")
         if client.fingerprint:
             out.print(f"Pinned certificate {client.fingerprint}.")
         out.print(f"Saved as profile '{escape(profile_name)}' in {escape(str(config_path()))}.")
@@ -186,7 +223,8 @@ def status_command(ctx: click.Context, as_json: bool) -> None:
     role = "admin" if s.admin else "user"
     out.print(f"[bold]{escape(s.url)}[/]  gpuport {s.server_version} on {escape(s.hostname)}, up {ago(s.started_at)}")
     out.print(f"  you      {escape(s.user)} ({role})")
-    out.print(f"  machine  {s.cpus} CPUs, {format_size(s.memory_available)} of {format_size(s.memory_total)} RAM free, Python {s.python_version}")
+    memory = f"{format_size(s.memory_available)} of {format_size(s.memory_total)} RAM free"
+    out.print(f"  machine  {s.cpus} CPUs, {memory}, Python {s.python_version}")
     if s.gpus:
         out.print(f"  GPUs     {len(s.gpus)} ({s.inventory})")
         out.print(gpu_table(s.gpus))

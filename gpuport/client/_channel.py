@@ -140,6 +140,14 @@ def probe(target: Target, timeout: float) -> Probe:
     return Probe(ssl.DER_cert_to_PEM_cert(der) if der else None, alpn)
 
 
+def read_certificate(target: Target, timeout: float) -> tuple[str, str]:
+    """Read the server's certificate, trusting nothing yet: returns (PEM, ``sha256:`` fingerprint)."""
+    seen = probe(target, timeout)
+    if not seen.certificate:
+        raise TLSError(f"{target.url} completed a TLS handshake but presented no certificate")
+    return seen.certificate, fingerprint(seen.certificate)
+
+
 def mismatch_error(target: Target, pinned: str, presented: str) -> FingerprintMismatch:
     return FingerprintMismatch(
         f"the server at {target.url} presents certificate {presented}, but {pinned} was pinned when you "
@@ -175,7 +183,11 @@ def diagnose(target: Target, pinned: str | None, details: str, timeout: float) -
         if pinned and presented != pinned:
             return mismatch_error(target, pinned, presented)
     if seen.alpn != "h2" and target.tls:
-        hint = f" (that is gpuport's default HTTP port; the gRPC port is {DEFAULT_GRPC_PORT})" if target.port == DEFAULT_HTTP_PORT else ""
+        hint = (
+            f" (that is gpuport's default HTTP port; the gRPC port is {DEFAULT_GRPC_PORT})"
+            if target.port == DEFAULT_HTTP_PORT
+            else ""
+        )
         return ServerUnreachable(
             f"{target.url} answers, but not as a gpuport gRPC port{hint} — check the port in the URL "
             "against the `gRPC` line that `gpuport server` prints"

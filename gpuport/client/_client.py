@@ -11,14 +11,22 @@ from typing import Any, TypeVar
 import grpc
 
 from gpuport._version import __version__
-from gpuport.client._channel import Target, diagnose, map_rpc_error, mismatch_error, open_channel, parse_url, probe
+from gpuport.client._channel import (
+    Target,
+    diagnose,
+    map_rpc_error,
+    mismatch_error,
+    open_channel,
+    parse_url,
+    probe,
+    read_certificate,
+)
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._types import GPU, NewToken, ServerStatus, TokenInfo
 from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import ServerUnreachable, TLSError
-from gpuport.protocol.tls import fingerprint
 
 Reply = TypeVar("Reply")
 _EMPTY = pb.Empty()  # requests are only read, never changed: one instance serves every call
@@ -36,11 +44,10 @@ def _trusted_certificate(target: Target, settings: Settings, timeout: float) -> 
             f"no certificate pinned for {target.url} — run `gpuport login {target.url}`, or set "
             "GPUPORT_FINGERPRINT to the fingerprint `gpuport server` printed"
         )
-    seen = probe(target, timeout)
-    presented = fingerprint(seen.certificate) if seen.certificate else "none"
+    certificate, presented = read_certificate(target, timeout)
     if presented != settings.fingerprint:
         raise mismatch_error(target, settings.fingerprint, presented)
-    return seen.certificate
+    return certificate
 
 
 class Client:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from gpuport.client._channel import Target, mismatch_error, parse_url, probe
+from gpuport.client._channel import Target, mismatch_error, parse_url, read_certificate
 from gpuport.client._client import Client
-from gpuport.client._config import Profile, Settings, config_path, load_profiles, save_profile
+from gpuport.client._config import Profile, Settings, load_profiles, save_profile
 from gpuport.defaults import DEFAULT_CONNECT_TIMEOUT, DEFAULT_PROFILE, ENV_TOKEN
 from gpuport.protocol.errors import AuthenticationError, ConfigError, TLSError
-from gpuport.protocol.tls import fingerprint as fingerprint_of
 from gpuport.protocol.tls import normalize_fingerprint
 
 # Asked to trust a certificate: (target, presented fingerprint, fingerprint pinned before or None) → yes?
@@ -44,10 +43,7 @@ def login(
 
     certificate = presented = None
     if target.tls:
-        seen = probe(target, timeout)
-        if not seen.certificate:
-            raise TLSError(f"{target.url} presented no certificate")
-        certificate, presented = seen.certificate, fingerprint_of(seen.certificate)
+        certificate, presented = read_certificate(target, timeout)
         if fingerprint is not None:
             expected = normalize_fingerprint(fingerprint)
             if expected is None:
@@ -62,5 +58,3 @@ def login(
     client = Client(Settings(target.url, token, presented, certificate, profile), timeout=timeout)
     save_profile(profile, Profile(target.url, token, presented, certificate))
     return client
-
-

@@ -7,10 +7,20 @@ import re
 from gpuport.protocol.errors import InvalidRequest
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
@@ -33,9 +43,7 @@ def parse_size(text: str | int) -> int:
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _SIZE_UNITS:
-        raise InvalidRequest(
-            f"cannot read {text!r} as a size — write it like 8GiB, 512MiB, 1.5GB or a number of bytes"
-        )
+        raise InvalidRequest(f"cannot read {text!r} as a size — write it like 8GiB, 512MiB, 1.5GB or a number of bytes")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 

@@ -19,11 +19,15 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def print_json(value: Any) -> None:
+    print(json.dumps(_plain(value), indent=2, default=str))
+
+
+def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    elif isinstance(value, list):
-        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
-    print(json.dumps(value, indent=2, default=str))
+        return dataclasses.asdict(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def print_error(message: str) -> None:

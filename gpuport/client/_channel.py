@@ -161,7 +161,7 @@ def mismatch_error(target: Target, pinned: str, presented: str) -> FingerprintMi
 
 def open_channel(target: Target, certificate: str | None) -> grpc.Channel:
     """A channel to ``target`` that trusts exactly ``certificate`` (None: plaintext, loopback only)."""
-    options = [
+    options: list[tuple[str, int | str]] = [
         ("grpc.use_local_subchannel_pool", 1),  # each client its own connection
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -113,7 +113,6 @@ async def serve(
             ) from None
         http_socket = _bind_http(host, http_port)
         http_bound = http_socket.getsockname()[1]
-        tls_files = {"ssl_certfile": str(state.cert_path), "ssl_keyfile": str(state.key_path)} if identity else {}
         http = _HttpServer(
             uvicorn.Config(
                 build_http_app(app),
@@ -122,7 +121,8 @@ async def serve(
                 access_log=False,
                 lifespan="off",
                 server_header=False,
-                **tls_files,
+                ssl_certfile=str(state.cert_path) if identity else None,
+                ssl_keyfile=str(state.key_path) if identity else None,
             )
         )
         stop = asyncio.Event()

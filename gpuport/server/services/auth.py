@@ -129,7 +129,7 @@ class AuthService:
         if row is None:
             raise NotFound(f"no valid token named '{name}' — `gpuport token list` shows them")
         if row["admin"]:
-            admins = self._store.query_one("SELECT COUNT(*) FROM tokens WHERE admin = 1 AND revoked_at IS NULL")[0]
+            admins = self._store.query("SELECT COUNT(*) FROM tokens WHERE admin = 1 AND revoked_at IS NULL")[0][0]
             if admins <= 1:
                 raise Conflict(
                     f"'{name}' is the last admin token; without it nobody could manage this server — "

@@ -142,6 +142,27 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
         refused = start_server(tmp_path / "state", "--http-port", str(port), expect_ready=False)
     assert refused.process.returncode == 1
     assert f"cannot listen for HTTP on 127.0.0.1:{port}" in refused.banner
+    # The failed first start did not use up the admin token: the next start still shows it.
+    started = start_server(tmp_path / "state")
+    try:
+        assert started.admin_token
+        with started.connect() as admin:
+            assert admin.admin
+    finally:
+        started.stop()
+
+
+def test_new_admin_token_is_the_way_back_in(tmp_path: Path) -> None:
+    first = start_server(tmp_path / "state")
+    first.stop()
+    again = start_server(tmp_path / "state", "--new-admin-token")
+    try:
+        assert again.admin_token and again.admin_token != first.admin_token
+        with again.connect() as admin:
+            assert admin.user == "admin-2" and admin.admin
+            assert {t.name for t in admin.tokens()} == {"admin", "admin-2"}
+    finally:
+        again.stop()
 
 
 def test_bad_fake_gpu_list_is_refused(tmp_path: Path) -> None:

@@ -74,10 +74,19 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="Where the server keeps its state [default: the user data dir].",
 )
 @click.option("--insecure", is_flag=True, help="No TLS. Refused unless --host is a loopback address.")
+@click.option("--new-admin-token", is_flag=True, help="Print one more admin token (when every admin token is lost).")
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
-def server(host: str, port: int, http_port: int, state_dir: Path | None, insecure: bool, log_level: str) -> None:
+def server(
+    host: str,
+    port: int,
+    http_port: int,
+    state_dir: Path | None,
+    insecure: bool,
+    new_admin_token: bool,
+    log_level: str,
+) -> None:
     """Run the gpuport daemon on this (GPU) machine.
 
     The first start creates the state dir, a self-signed TLS certificate and an admin token, which
@@ -100,6 +109,7 @@ def server(host: str, port: int, http_port: int, state_dir: Path | None, insecur
             http_port=http_port,
             state_dir=state_dir or default_state_dir(),
             insecure=insecure,
+            new_admin_token=new_admin_token,
             say=lambda text: print(text, flush=True),
         )
     )

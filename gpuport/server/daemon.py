@@ -80,9 +80,14 @@ async def serve(
     http_port: int,
     state_dir: Path,
     insecure: bool = False,
+    new_admin_token: bool = False,
     say: Callable[[str], None] = print,
 ) -> None:
-    """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting."""
+    """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
+
+    The first start prints the first admin token; ``new_admin_token`` prints one more admin token
+    on any start (for when every admin token is lost).
+    """
     if insecure and not is_loopback(host):
         raise ConfigError(
             f"--insecure is refused on {host}: without TLS, tokens and data would cross the network in "
@@ -103,7 +108,6 @@ async def serve(
     inventory = detect_inventory()
     app = ServerApp(state, inventory)
     try:
-        first_token = app.auth.create_first_admin()
         credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
         try:
             grpc_server, bound = build_grpc_server(app, host, port, credentials)
@@ -137,6 +141,9 @@ async def serve(
             await http_task  # raises what stopped it
             raise ConfigError("the HTTP server stopped during start-up")
 
+        # Only now that both ports are ours: a start that fails must not use up the first admin token,
+        # which is shown once.
+        new_token = app.auth.create_first_admin() or (app.auth.create_recovery_admin() if new_admin_token else None)
         scheme = "http" if insecure else "https"
         gpus = inventory.gpus()
         lines = [
@@ -149,11 +156,11 @@ async def serve(
             if gpus
             else f"  GPUs         none: {inventory.note}",
         ]
-        if first_token:
+        if new_token:
             lines += [
-                f"  admin token  {first_token}",
+                f"  admin token  {new_token}",
                 "               shown once, now: store it. Log in with",
-                f"               gpuport login {_url(scheme, host, bound)} --token {first_token}",
+                f"               gpuport login {_url(scheme, host, bound)} --token {new_token}",
             ]
         lines.append("ready")
         # Everything imported and built so far lives as long as the server: move it out of the

@@ -69,6 +69,16 @@ class AuthService:
             return None
         return self._insert(FIRST_ADMIN, admin=True)[1]
 
+    def create_recovery_admin(self) -> str:
+        """Make one more admin token, named ``admin-<n>``, for whoever starts the server with
+        ``--new-admin-token``: access to the state dir is full control anyway, so this is the way
+        back in when every admin token was lost."""
+        taken = {r["name"] for r in self._store.query("SELECT name FROM tokens WHERE revoked_at IS NULL")}
+        number = 2
+        while f"{FIRST_ADMIN}-{number}" in taken:
+            number += 1
+        return self._insert(f"{FIRST_ADMIN}-{number}", admin=True)[1]
+
     def authenticate(self, authorization: str | None) -> Identity:
         """Return the identity behind an ``Authorization`` value (``Bearer gp_...``).
 

@@ -27,9 +27,9 @@ from gpuport.protocol.units import format_size
 from gpuport.server.api.grpc_api import build_grpc_server
 from gpuport.server.api.http_api import build_http_app
 from gpuport.server.app import ServerApp
-from gpuport.server.inventory import detect_inventory
+from gpuport.server.inventory import Inventory, detect_inventory
 from gpuport.server.state import open_state_dir
-from gpuport.server.tls import load_or_create_identity
+from gpuport.server.tls import TLSIdentity, load_or_create_identity
 
 log = logging.getLogger("gpuport.server")
 
@@ -71,6 +71,35 @@ def _bind_http(host: str, port: int) -> socket.socket:
 def _url(scheme: str, host: str, port: int) -> str:
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     return f"{scheme}://[{shown}]:{port}" if ":" in shown else f"{scheme}://{shown}:{port}"
+
+
+def _banner(
+    root: Path,
+    grpc_url: str,
+    http_url: str,
+    identity: TLSIdentity | None,
+    inventory: Inventory,
+    new_token: str | None,
+) -> str:
+    """What every start prints: where to reach the server, what to pin, what it has; then ``ready``."""
+    gpus = inventory.gpus()
+    lines = [
+        f"gpuport server {__version__}",
+        f"  state dir    {root}",
+        f"  gRPC         {grpc_url}",
+        f"  HTTP         {http_url}",
+        f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
+        f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
+        if gpus
+        else f"  GPUs         none: {inventory.note}",
+    ]
+    if new_token:
+        lines += [
+            f"  admin token  {new_token}",
+            "               shown once, now: store it. Log in with",
+            f"               gpuport login {grpc_url} --token {new_token}",
+        ]
+    return "\n".join([*lines, "ready"])
 
 
 async def serve(
@@ -145,29 +174,14 @@ async def serve(
         # which is shown once.
         new_token = app.auth.create_first_admin() or (app.auth.create_recovery_admin() if new_admin_token else None)
         scheme = "http" if insecure else "https"
-        gpus = inventory.gpus()
-        lines = [
-            f"gpuport server {__version__}",
-            f"  state dir    {state.root}",
-            f"  gRPC         {_url(scheme, host, bound)}",
-            f"  HTTP         {_url(scheme, host, http_bound)}",
-            f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
-            f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
-            if gpus
-            else f"  GPUs         none: {inventory.note}",
-        ]
-        if new_token:
-            lines += [
-                f"  admin token  {new_token}",
-                "               shown once, now: store it. Log in with",
-                f"               gpuport login {_url(scheme, host, bound)} --token {new_token}",
-            ]
-        lines.append("ready")
+        banner = _banner(
+            state.root, _url(scheme, host, bound), _url(scheme, host, http_bound), identity, inventory, new_token
+        )
         # Everything imported and built so far lives as long as the server: move it out of the
         # cyclic GC's sight, so that collections triggered by per-call garbage stay cheap.
         gc.collect()
         gc.freeze()
-        say("\n".join(lines))
+        say(banner)
         sys.stdout.flush()
 
         await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,47 +31,34 @@ class Gpuport:
 
 
 def start_gpuport(workdir: Path) -> Gpuport:
+    from gpuport.server.daemon import parse_banner  # here, not above: the raw server's process stays bare
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
     env.update(PYTHONUNBUFFERED="1", GPUPORT_FAKE_GPUS="2x16GiB")
     state = workdir / "state"
+    loopback = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-level", "warning"]
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gpuport",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-            "--state-dir",
-            str(state),
-            "--log-level",
-            "warning",
-        ],
+        [sys.executable, "-m", "gpuport", "server", *loopback, "--state-dir", str(state)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         env=env,
     )
-    lines = []
-    deadline = time.monotonic() + 60
     assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line or line.strip() == "ready":
             break
         lines.append(line)
-    text = "".join(lines)
-    url = re.search(r"gRPC\s+(\S+)", text)
-    token = re.search(r"admin token\s+(gp_\S+)", text)
-    fingerprint = re.search(r"fingerprint\s+(sha256:\S+)", text)
-    if not (url and token and fingerprint):
+    try:
+        banner = parse_banner("".join(lines))
+    except ValueError as e:
         process.kill()
-        raise SystemExit(f"gpuport server did not start:\n{text}")
-    return Gpuport(process, url.group(1), token.group(1), fingerprint.group(1), state)
+        raise SystemExit(f"gpuport server did not start: {e}") from None
+    assert banner.fingerprint and banner.admin_token
+    return Gpuport(process, banner.grpc_url, banner.admin_token, banner.fingerprint, state)
 
 
 def _serve_raw(cert: Path, key: Path) -> None:
@@ -121,11 +107,7 @@ class Raw:
 
 
 def start_raw(cert: Path, key: Path) -> Raw:
-    code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import _servers; "
-        f"_servers._serve_raw(__import__('pathlib').Path({str(cert)!r}), __import__('pathlib').Path({str(key)!r}))"
-    )
-    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, __file__, str(cert), str(key)], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     port = process.stdout.readline().strip()
     if not port:
@@ -135,3 +117,7 @@ def start_raw(cert: Path, key: Path) -> Raw:
 
 def workdir() -> tempfile.TemporaryDirectory[str]:
     return tempfile.TemporaryDirectory(prefix="gpuport-bench-")
+
+
+if __name__ == "__main__":  # the raw server's own process: _servers.py CERT KEY
+    _serve_raw(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -4,7 +4,6 @@ the CLI run as a real subprocess against it."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import ssl
 import subprocess
@@ -20,8 +19,11 @@ import httpx
 import pytest
 
 import gpuport
+from gpuport.server.daemon import parse_banner
 
 READY_TIMEOUT = 60.0
+# A server on loopback, on ports the kernel picks.
+SERVER_ARGS = ("server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0")
 CLIENT_ENV = ("GPUPORT_URL", "GPUPORT_TOKEN", "GPUPORT_FINGERPRINT", "GPUPORT_PROFILE")
 
 
@@ -86,21 +88,7 @@ def start_server(
     state_dir: Path, *args: str, env: dict[str, str] | None = None, expect_ready: bool = True
 ) -> RunningServer:
     """Start `gpuport server` and wait (bounded) for its `ready` line; parse what it printed."""
-    command = [
-        sys.executable,
-        "-m",
-        "gpuport",
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--http-port",
-        "0",
-        "--state-dir",
-        str(state_dir),
-        *args,
-    ]
+    command = [sys.executable, "-m", "gpuport", *SERVER_ARGS, "--state-dir", str(state_dir), *args]
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -128,13 +116,9 @@ def start_server(
     else:
         server.stop(signal.SIGKILL)
         raise AssertionError(f"server not ready in {READY_TIMEOUT}s:\n{server.banner}")
-    text = server.banner
-    server.url = re.search(r"gRPC\s+(\S+)", text).group(1)  # type: ignore[union-attr]
-    server.http_url = re.search(r"HTTP\s+(\S+)", text).group(1)  # type: ignore[union-attr]
-    if m := re.search(r"fingerprint\s+(sha256:[0-9a-f]{64})", text):
-        server.fingerprint = m.group(1)
-    if m := re.search(r"admin token\s+(gp_\S+)", text):
-        server.admin_token = m.group(1)
+    banner = parse_banner(server.banner)
+    server.url, server.http_url = banner.grpc_url, banner.http_url
+    server.fingerprint, server.admin_token = banner.fingerprint or "", banner.admin_token or ""
     server.drain()
     return server
 

@@ -8,6 +8,8 @@ import signal
 import socket
 import sqlite3
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,9 +97,6 @@ def test_unsafe_state_dir_is_refused_and_left_untouched(tmp_path: Path) -> None:
 
 def test_insecure_is_refused_off_loopback(tmp_path: Path) -> None:
     env = server_env()
-    import subprocess
-    import sys
-
     done = subprocess.run(
         [
             sys.executable,

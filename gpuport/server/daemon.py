@@ -11,10 +11,12 @@ import gc
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -71,6 +73,32 @@ def _bind_http(host: str, port: int) -> socket.socket:
 def _url(scheme: str, host: str, port: int) -> str:
     shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     return f"{scheme}://[{shown}]:{port}" if ":" in shown else f"{scheme}://{shown}:{port}"
+
+
+@dataclass(frozen=True)
+class Banner:
+    """What a start printed, read back by ``parse_banner``."""
+
+    grpc_url: str
+    http_url: str
+    fingerprint: str | None  # None with --insecure
+    admin_token: str | None  # only on a first start, or with --new-admin-token
+
+
+def parse_banner(text: str) -> Banner:
+    """Read the lines ``_banner`` prints, so that tests, benchmarks and scripts need no parser of their own.
+
+    Raises ``ValueError`` when the text holds no gRPC and HTTP URLs.
+    """
+
+    def field(label: str) -> str | None:
+        match = re.search(rf"^  {label}\s+(\S+)", text, re.MULTILINE)
+        return match.group(1) if match else None
+
+    grpc_url, http_url = field("gRPC"), field("HTTP")
+    if not (grpc_url and http_url):
+        raise ValueError(f"not a gpuport server banner:\n{text}")
+    return Banner(grpc_url, http_url, field("fingerprint"), field("admin token"))
 
 
 def _banner(

@@ -133,3 +133,9 @@ def test_rejected_tokens_are_logged_for_the_admin(server: RunningServer) -> None
     assert "rejected a call to Hello from ipv4:127.0.0.1" in server.banner
     assert "rejected GET /v1/status from 127.0.0.1" in server.banner
     assert "gp_intruder" not in server.banner  # the log never repeats a token
+
+
+def test_cli_says_when_no_token_was_given(server: RunningServer, cli) -> None:
+    done = cli("gpus", GPUPORT_URL=server.url, GPUPORT_FINGERPRINT=server.fingerprint)
+    assert done.code == 1
+    assert f"no token for {server.url}" in done.stderr and "--token" in done.stderr

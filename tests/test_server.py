@@ -168,3 +168,33 @@ def test_bad_fake_gpu_list_is_refused(tmp_path: Path) -> None:
     refused = start_server(tmp_path / "state", env=server_env(GPUPORT_FAKE_GPUS="lots"), expect_ready=False)
     assert refused.process.returncode == 1
     assert "GPUPORT_FAKE_GPUS='lots' is not a GPU list" in refused.banner
+
+
+def test_default_state_dir_is_the_user_data_dir_unless_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from gpuport.server.state import default_state_dir
+
+    monkeypatch.delenv("GPUPORT_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert default_state_dir() == tmp_path / "data" / "gpuport"
+    monkeypatch.setenv("GPUPORT_STATE_DIR", str(tmp_path / "elsewhere"))
+    assert default_state_dir() == tmp_path / "elsewhere"
+
+
+def test_server_without_state_dir_uses_the_default(tmp_path: Path) -> None:
+    env = server_env(GPUPORT_FAKE_GPUS="1x8GiB", XDG_DATA_HOME=str(tmp_path / "data"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gpuport", "server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    with process.stdout:
+        first = process.stdout.readline()
+        state_line = process.stdout.readline()
+        process.terminate()
+        process.wait(timeout=20)
+    assert first.startswith("gpuport server")
+    assert state_line.split() == ["state", "dir", str(tmp_path / "data" / "gpuport")]
+    assert stat.S_IMODE((tmp_path / "data" / "gpuport").stat().st_mode) == 0o700

@@ -13,7 +13,19 @@ import os as _os
 _os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from gpuport._version import __version__  # noqa: E402
-from gpuport.client import GPU, Client, GpuProcess, NewToken, ServerStatus, TokenInfo, connect, login  # noqa: E402
+from gpuport.client import (  # noqa: E402
+    GPU,
+    Client,
+    GpuProcess,
+    Job,
+    JobInfo,
+    NewToken,
+    ServerStatus,
+    Snapshot,
+    TokenInfo,
+    connect,
+    login,
+)
 from gpuport.protocol import errors as _errors  # noqa: E402
 from gpuport.protocol.errors import *  # noqa: E402,F403  (the error tree: see gpuport/protocol/errors.py)
 from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size  # noqa: E402
@@ -23,6 +35,9 @@ __all__ = [
     "connect",
     "login",
     "Client",
+    "Job",
+    "JobInfo",
+    "Snapshot",
     "GPU",
     "GpuProcess",
     "NewToken",

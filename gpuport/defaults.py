@@ -38,3 +38,35 @@ ENV_CONFIG_DIR = "GPUPORT_CONFIG_DIR"
 ENV_STATE_DIR = "GPUPORT_STATE_DIR"
 # A fake GPU inventory for tests and demos, e.g. "2x16GiB" or "16GiB,24GiB".
 ENV_FAKE_GPUS = "GPUPORT_FAKE_GPUS"
+
+# ---- jobs and sync ----
+# Folder (under the current directory) where `gpuport run` puts each job's outputs: ./gpuport-outputs/<job-id>/.
+DEFAULT_OUTPUT_DIR = "gpuport-outputs"
+# Seconds a cancelled job gets between SIGTERM and SIGKILL.
+DEFAULT_CANCEL_GRACE = 5.0
+# Seconds `gpuport run` waits after a first Ctrl-C for a second one that cancels the job.
+DEFAULT_DETACH_WINDOW = 2.0
+# Most files in one snapshot (a project, a dataset, a job's outputs).
+MAX_SNAPSHOT_FILES = 200_000
+# Longest path inside a snapshot, in bytes.
+MAX_PATH_BYTES = 1024
+# Largest single file a snapshot may hold.
+MAX_BLOB_BYTES = 64 * 1024**3
+# Bytes of blob data per message of an upload or download stream (many small files share one message).
+BLOB_BATCH_BYTES = 4 * 1024 * 1024
+# Most bytes of a job's command line, environment or hyperparameters (each).
+MAX_SPEC_BYTES = 256 * 1024
+# Largest JSON body the REST API accepts.
+MAX_REST_BODY_BYTES = 1024 * 1024
+# Bytes of log per message of a log stream.
+LOG_CHUNK_BYTES = 1024 * 1024
+# Seconds between looks at a running job's log file when a follower has read everything.
+LOG_POLL_INTERVAL = 0.02
+# Seconds a client keeps retrying a dropped log stream (e.g. while the server restarts) before giving up.
+DEFAULT_RECONNECT_WINDOW = 60.0
+# Folder for the client's cache of file hashes (default: the platform's user cache dir).
+ENV_CACHE_DIR = "GPUPORT_CACHE_DIR"
+# Environment every job gets: its id, where to write outputs, where datasets are.
+ENV_JOB_ID = "GPUPORT_JOB_ID"
+ENV_OUTPUT_DIR = "GPUPORT_OUTPUT_DIR"
+ENV_DATASETS_DIR = "GPUPORT_DATASETS_DIR"

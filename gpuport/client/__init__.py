@@ -2,8 +2,9 @@
 
 from gpuport.client._client import Client, connect
 from gpuport.client._config import config_path, load_profiles, remove_profile
+from gpuport.client._jobs import Job, JobInfo
 from gpuport.client._login import login
-from gpuport.client._types import GPU, GpuProcess, NewToken, ServerStatus, TokenInfo
+from gpuport.client._types import GPU, GpuProcess, NewToken, ServerStatus, Snapshot, TokenInfo
 
 __all__ = [
     "Client",
@@ -12,6 +13,9 @@ __all__ = [
     "config_path",
     "load_profiles",
     "remove_profile",
+    "Job",
+    "JobInfo",
+    "Snapshot",
     "GPU",
     "GpuProcess",
     "NewToken",

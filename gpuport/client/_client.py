@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -21,14 +23,18 @@ from gpuport.client._channel import (
     probe,
     read_certificate,
 )
+from gpuport.client import _sync
 from gpuport.client._config import Settings, resolve_settings
-from gpuport.client._types import GPU, NewToken, ServerStatus, TokenInfo
+from gpuport.client._jobs import Job, JobInfo
+from gpuport.client._types import GPU, NewToken, ServerStatus, Snapshot, TokenInfo
 from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
-from gpuport.protocol.errors import ServerUnreachable, TLSError
+from gpuport.protocol.errors import InvalidRequest, ServerError, ServerUnreachable, TLSError
 
 Reply = TypeVar("Reply")
+# progress(done_bytes, total_bytes), called as an upload or download goes.
+Progress = Callable[[int, int], None]
 _EMPTY = pb.Empty()  # requests are only read, never changed: one instance serves every call
 
 
@@ -67,6 +73,8 @@ class Client:
         self._channel = open_channel(self._target, certificate)
         self._control = pb_grpc.ControlStub(self._channel)
         self._tokens = pb_grpc.TokensStub(self._channel)
+        self._snapshots = pb_grpc.SnapshotsStub(self._channel)
+        self._jobs = pb_grpc.JobsStub(self._channel)
         try:
             hello = self._call(
                 self._control.Hello,
@@ -99,6 +107,19 @@ class Client:
         # Raised outside the except block: the gRPC error adds nothing a user can act on.
         if connecting and isinstance(error, ServerUnreachable):
             error = diagnose(self._target, self.fingerprint, details, timeout)
+        raise error
+
+    def _stream(self, method: Callable[..., Iterator[Reply]], request: Any, timeout: float | None = None) -> Iterator[Reply]:
+        """A server stream, with errors mapped as ``_call`` maps them."""
+        call = method(request, metadata=self._metadata, timeout=timeout)
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            error = map_rpc_error(e, self._target)
+        else:
+            return
+        finally:
+            call.cancel()  # a consumer that stops early frees the server's side of the stream
         raise error
 
     def ping(self) -> float:
@@ -151,6 +172,105 @@ class Client:
         Raises ``NotFound`` when no valid token has that name, ``Conflict`` for the last admin token.
         """
         return TokenInfo._from_message(self._call(self._tokens.Revoke, pb.RevokeTokenRequest(name=name)))
+
+    # ---- sync ---------------------------------------------------------------------------------------
+
+    def _sync(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
+        files = _sync.scan(folder)
+        cache = _sync.HashCache(folder)
+        files = cache.hash_all(files)
+        cache.save()
+        request = pb.CreateSnapshotRequest(entries=_sync.manifest(files), name=name)
+        reply = self._call(self._snapshots.Create, request)
+        uploaded_files = uploaded_bytes = 0
+        if reply.missing:
+            missing = set(reply.missing)
+            todo = []
+            for f in files:
+                if f.blob in missing:
+                    todo.append(f)
+                    missing.discard(f.blob)
+            uploaded_files, uploaded_bytes = len(todo), sum(f.size for f in todo)
+            self._call(self._snapshots.Upload, _sync.upload_batches(todo, progress), timeout=None)
+            reply = self._call(self._snapshots.Create, request)
+            if reply.missing:
+                raise ServerError(f"the server still lacks {len(reply.missing)} file(s) after the upload — sync again")
+        elif progress:
+            progress(0, 0)
+        return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploaded_files, uploaded_bytes)
+
+    def push(self, folder: str | os.PathLike[str], name: str, *, progress: Progress | None = None) -> Snapshot:
+        """Upload ``folder`` as a snapshot named ``name`` (a project or dataset for later jobs).
+
+        Only files the server lacks are sent. Pushing again under the same name moves the name to
+        the new snapshot. Raises ``InvalidRequest`` for a bad name or a symlink leaving the folder.
+        """
+        if not name:
+            raise InvalidRequest("a pushed snapshot needs a name")
+        return self._sync(Path(folder), name, progress)
+
+    def snapshots(self) -> list[Snapshot]:
+        """Your named snapshots (made with ``push``)."""
+        reply = self._call(self._snapshots.List, _EMPTY)
+        return [Snapshot(s.snapshot_id, s.name, s.files, s.bytes) for s in reply.snapshots]
+
+    def _download(self, snapshot_id: str, dest: Path, path: str | None, progress: Progress | None) -> list[Path]:
+        snapshot = self._call(self._snapshots.Get, pb.SnapshotRef(snapshot_id=snapshot_id))
+        entries = list(snapshot.entries)
+        _sync.check_download(entries)
+        chosen = _sync.select(entries, path)
+        dest.mkdir(parents=True, exist_ok=True)
+        needed = [e for e in chosen if not _sync.already_there(dest, e)]
+        blobs = sorted({e.blob for e in needed if e.blob})
+        stream = self._stream(self._snapshots.Download, pb.DownloadRequest(snapshot_id=snapshot_id, blobs=blobs))
+        _sync.place(dest, needed, stream if blobs else iter(()), progress)
+        return [dest / e.path for e in chosen]
+
+    # ---- jobs ---------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        cmd: str | Sequence[str],
+        workdir: str | os.PathLike[str] | None = ".",
+        gpus: int = 0,
+        env: dict[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
+        name: str | None = None,
+        *,
+        project: str | None = None,
+        datasets: Sequence[str] = (),
+        progress: Progress | None = None,
+    ) -> Job:
+        """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
+
+        ``cmd`` is an argv list, or a string run by ``/bin/sh -c``. ``outputs`` are paths in the
+        workdir brought back after the job (everything written to ``$GPUPORT_OUTPUT_DIR`` is too).
+        ``project`` runs in a snapshot pushed under that name instead of syncing ``workdir``;
+        ``datasets`` are pushed snapshots mounted read-only under ``$GPUPORT_DATASETS_DIR/<name>``.
+
+        Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
+        ``ResourceUnavailable`` (more GPUs than the server has), ``NotFound`` (unknown project).
+        """
+        spec = pb.JobSpec(gpus=gpus, env=env or {}, outputs=list(outputs or ()), name=name or "", datasets=list(datasets))
+        if isinstance(cmd, str):
+            spec.shell = cmd
+        else:
+            spec.command.extend(cmd)
+        if project:
+            spec.project = project
+        elif workdir is not None:
+            spec.snapshot_id = self._sync(Path(workdir), "", progress).id
+        return Job(self, JobInfo._from_message(self._call(self._jobs.Submit, spec)))
+
+    def job(self, job_id: str) -> Job:
+        """The job with this id (yours, or anyone's for an admin). Raises ``NotFound``."""
+        return Job(self, JobInfo._from_message(self._call(self._jobs.Get, pb.JobRef(job_id=job_id))))
+
+    def jobs(self, *, all: bool = False) -> list[Job]:
+        """Your queued and running jobs and those of the last day, newest first; every one with ``all``
+        (every user's, for an admin)."""
+        reply = self._call(self._jobs.List, pb.ListJobsRequest(all=all))
+        return [Job(self, JobInfo._from_message(j)) for j in reply.jobs]
 
     def close(self) -> None:
         """Close the connection. The client cannot be used afterwards."""

@@ -83,3 +83,15 @@ class NewToken:
     name: str
     admin: bool
     token: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A folder as stored on the server: ``id`` (its content hash), and what its sync uploaded."""
+
+    id: str
+    name: str
+    files: int
+    bytes: int
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0

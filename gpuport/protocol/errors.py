@@ -15,6 +15,7 @@ Every error is a ``GpuportError``; catch that to catch them all. The tree::
     ├── Conflict                 the request clashes with the current state (name taken, ...)
     ├── ResourceUnavailable      asks for more than this server has or will give
     ├── RemoteError              the user's own code failed on the server (carries its traceback)
+    ├── WaitTimeout              waited for longer than asked (also a ``TimeoutError``)
     └── ServerError              the server failed; its log says why
 
 The server turns an error into a gRPC status (and an HTTP status) with ``ERROR_TABLE``; the client
@@ -40,6 +41,7 @@ __all__ = [
     "Conflict",
     "ResourceUnavailable",
     "RemoteError",
+    "WaitTimeout",
     "ServerError",
 ]
 
@@ -115,6 +117,10 @@ class RemoteError(GpuportError):
         self.remote_traceback = remote_traceback
 
 
+class WaitTimeout(GpuportError, TimeoutError):
+    """A wait (for a job to end, ...) lasted longer than its timeout; the thing waited for goes on."""
+
+
 class ServerError(GpuportError):
     """The server failed to handle a request; the server's log says why."""
 
@@ -128,6 +134,7 @@ ERROR_TABLE: dict[type[GpuportError], tuple[grpc.StatusCode, int]] = {
     Conflict: (grpc.StatusCode.ALREADY_EXISTS, 409),
     ResourceUnavailable: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     RemoteError: (grpc.StatusCode.ABORTED, 500),
+    WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     ServerError: (grpc.StatusCode.INTERNAL, 500),
 }
 

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egpuport/protocol/gpuport.proto\x12\ngpuport.v1\"\x07\n\x05\x45mpty\">\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\"k\n\nHelloReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\x12\r\n\x05\x61\x64min\x18\x05 \x01(\x08\">\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x13\n\x0bmemory_used\x18\x02 \x01(\x03\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\xa9\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x03\x12\x13\n\x0butilization\x18\x06 \x01(\x05\x12)\n\tprocesses\x18\x07 \x03(\x0b\x32\x16.gpuport.v1.GpuProcess\x12\x0c\n\x04jobs\x18\x08 \x03(\t\"I\n\x07GpuList\x12\x11\n\tinventory\x18\x01 \x01(\t\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x1d\n\x04gpus\x18\x03 \x03(\x0b\x32\x0f.gpuport.v1.Gpu\"\xe1\x01\n\x0bStatusReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x03\x12\x18\n\x10memory_available\x18\x06 \x01(\x03\x12!\n\x04gpus\x18\x07 \x01(\x0b\x32\x13.gpuport.v1.GpuList\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\x12\x16\n\x0epython_version\x18\n \x01(\t\"P\n\tTokenInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\x12\n\nrevoked_at\x18\x04 \x01(\x01\"1\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\"F\n\x10\x43reateTokenReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.gpuport.v1.TokenInfo\x12\r\n\x05token\x18\x02 \x01(\t\",\n\x11ListTokensRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08\"2\n\tTokenList\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.TokenInfo\"\"\n\x12RevokeTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t2\xdc\x01\n\x07\x43ontrol\x12\x39\n\x05Hello\x12\x18.gpuport.v1.HelloRequest\x1a\x16.gpuport.v1.HelloReply\x12,\n\x04Ping\x12\x11.gpuport.v1.Empty\x1a\x11.gpuport.v1.Empty\x12\x34\n\x06Status\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.StatusReply\x12\x32\n\x08ListGpus\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.GpuList2\xcf\x01\n\x06Tokens\x12\x46\n\x06\x43reate\x12\x1e.gpuport.v1.CreateTokenRequest\x1a\x1c.gpuport.v1.CreateTokenReply\x12<\n\x04List\x12\x1d.gpuport.v1.ListTokensRequest\x1a\x15.gpuport.v1.TokenList\x12?\n\x06Revoke\x12\x1e.gpuport.v1.RevokeTokenRequest\x1a\x15.gpuport.v1.TokenInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egpuport/protocol/gpuport.proto\x12\ngpuport.v1\"\x07\n\x05\x45mpty\">\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\"k\n\nHelloReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\x12\r\n\x05\x61\x64min\x18\x05 \x01(\x08\">\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x13\n\x0bmemory_used\x18\x02 \x01(\x03\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"\xa9\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x03\x12\x13\n\x0butilization\x18\x06 \x01(\x05\x12)\n\tprocesses\x18\x07 \x03(\x0b\x32\x16.gpuport.v1.GpuProcess\x12\x0c\n\x04jobs\x18\x08 \x03(\t\"I\n\x07GpuList\x12\x11\n\tinventory\x18\x01 \x01(\t\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x1d\n\x04gpus\x18\x03 \x03(\x0b\x32\x0f.gpuport.v1.Gpu\"\xe1\x01\n\x0bStatusReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x03\x12\x18\n\x10memory_available\x18\x06 \x01(\x03\x12!\n\x04gpus\x18\x07 \x01(\x0b\x32\x13.gpuport.v1.GpuList\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\x12\x16\n\x0epython_version\x18\n \x01(\t\"P\n\tTokenInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\x12\n\nrevoked_at\x18\x04 \x01(\x01\"1\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\"F\n\x10\x43reateTokenReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.gpuport.v1.TokenInfo\x12\r\n\x05token\x18\x02 \x01(\t\",\n\x11ListTokensRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08\"2\n\tTokenList\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.TokenInfo\"\"\n\x12RevokeTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"U\n\rManifestEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62lob\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0c\n\x04link\x18\x05 \x01(\t\"Q\n\x15\x43reateSnapshotRequest\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\x12\x0c\n\x04name\x18\x02 \x01(\t\"Y\n\x13\x43reateSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"0\n\x0bSnapshotRef\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x8b\x01\n\x08Snapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\r\n\x05\x66iles\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12*\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\"7\n\x0cSnapshotList\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.Snapshot\"D\n\x08\x42lobPart\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"0\n\tBlobBatch\x12#\n\x05parts\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.BlobPart\"+\n\x0bUploadReply\x12\r\n\x05\x62lobs\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"5\n\x0f\x44ownloadRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t\"\x83\x02\n\x07JobSpec\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\r\n\x05shell\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0f\n\x07project\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12)\n\x03\x65nv\x18\x07 \x03(\x0b\x32\x1c.gpuport.v1.JobSpec.EnvEntry\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc3\x02\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x07 \x03(\x05\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x10\n\x08\x65nded_at\x18\n \x01(\x01\x12\x15\n\rhas_exit_code\x18\x0b \x01(\x08\x12\x11\n\texit_code\x18\x0c \x01(\x05\x12\x0f\n\x07message\x18\r \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x0e \x01(\t\x12\x1a\n\x12output_snapshot_id\x18\x0f \x01(\t\x12\x0f\n\x07outputs\x18\x10 \x03(\t\x12\x11\n\tlog_bytes\x18\x11 \x01(\x03\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1e\n\x0fListJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\",\n\x07JobList\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.gpuport.v1.JobInfo\"=\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"(\n\x08LogChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\".\n\x0bWaitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\x32\xdc\x01\n\x07\x43ontrol\x12\x39\n\x05Hello\x12\x18.gpuport.v1.HelloRequest\x1a\x16.gpuport.v1.HelloReply\x12,\n\x04Ping\x12\x11.gpuport.v1.Empty\x1a\x11.gpuport.v1.Empty\x12\x34\n\x06Status\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.StatusReply\x12\x32\n\x08ListGpus\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.GpuList2\xcf\x01\n\x06Tokens\x12\x46\n\x06\x43reate\x12\x1e.gpuport.v1.CreateTokenRequest\x1a\x1c.gpuport.v1.CreateTokenReply\x12<\n\x04List\x12\x1d.gpuport.v1.ListTokensRequest\x1a\x15.gpuport.v1.TokenList\x12?\n\x06Revoke\x12\x1e.gpuport.v1.RevokeTokenRequest\x1a\x15.gpuport.v1.TokenInfo2\xc2\x02\n\tSnapshots\x12L\n\x06\x43reate\x12!.gpuport.v1.CreateSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12\x34\n\x03Get\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12\x33\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x18.gpuport.v1.SnapshotList\x12:\n\x06Upload\x12\x15.gpuport.v1.BlobBatch\x1a\x17.gpuport.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x1b.gpuport.v1.DownloadRequest\x1a\x15.gpuport.v1.BlobBatch0\x01\x32\xc6\x02\n\x04Jobs\x12\x32\n\x06Submit\x12\x13.gpuport.v1.JobSpec\x1a\x13.gpuport.v1.JobInfo\x12.\n\x03Get\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12\x38\n\x04List\x12\x1b.gpuport.v1.ListJobsRequest\x1a\x13.gpuport.v1.JobList\x12\x37\n\x04Logs\x12\x17.gpuport.v1.LogsRequest\x1a\x14.gpuport.v1.LogChunk0\x01\x12\x34\n\x04Wait\x12\x17.gpuport.v1.WaitRequest\x1a\x13.gpuport.v1.JobInfo\x12\x31\n\x06\x43\x61ncel\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpuport.protocol.gpuport_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_JOBSPEC_ENVENTRY']._loaded_options = None
+  _globals['_JOBSPEC_ENVENTRY']._serialized_options = b'8\001'
   _globals['_EMPTY']._serialized_start=46
   _globals['_EMPTY']._serialized_end=53
   _globals['_HELLOREQUEST']._serialized_start=55
@@ -57,8 +59,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLIST']._serialized_end=1068
   _globals['_REVOKETOKENREQUEST']._serialized_start=1070
   _globals['_REVOKETOKENREQUEST']._serialized_end=1104
-  _globals['_CONTROL']._serialized_start=1107
-  _globals['_CONTROL']._serialized_end=1327
-  _globals['_TOKENS']._serialized_start=1330
-  _globals['_TOKENS']._serialized_end=1537
+  _globals['_MANIFESTENTRY']._serialized_start=1106
+  _globals['_MANIFESTENTRY']._serialized_end=1191
+  _globals['_CREATESNAPSHOTREQUEST']._serialized_start=1193
+  _globals['_CREATESNAPSHOTREQUEST']._serialized_end=1274
+  _globals['_CREATESNAPSHOTREPLY']._serialized_start=1276
+  _globals['_CREATESNAPSHOTREPLY']._serialized_end=1365
+  _globals['_SNAPSHOTREF']._serialized_start=1367
+  _globals['_SNAPSHOTREF']._serialized_end=1415
+  _globals['_SNAPSHOT']._serialized_start=1418
+  _globals['_SNAPSHOT']._serialized_end=1557
+  _globals['_SNAPSHOTLIST']._serialized_start=1559
+  _globals['_SNAPSHOTLIST']._serialized_end=1614
+  _globals['_BLOBPART']._serialized_start=1616
+  _globals['_BLOBPART']._serialized_end=1684
+  _globals['_BLOBBATCH']._serialized_start=1686
+  _globals['_BLOBBATCH']._serialized_end=1734
+  _globals['_UPLOADREPLY']._serialized_start=1736
+  _globals['_UPLOADREPLY']._serialized_end=1779
+  _globals['_DOWNLOADREQUEST']._serialized_start=1781
+  _globals['_DOWNLOADREQUEST']._serialized_end=1834
+  _globals['_JOBSPEC']._serialized_start=1837
+  _globals['_JOBSPEC']._serialized_end=2096
+  _globals['_JOBSPEC_ENVENTRY']._serialized_start=2054
+  _globals['_JOBSPEC_ENVENTRY']._serialized_end=2096
+  _globals['_JOBINFO']._serialized_start=2099
+  _globals['_JOBINFO']._serialized_end=2422
+  _globals['_JOBREF']._serialized_start=2424
+  _globals['_JOBREF']._serialized_end=2448
+  _globals['_LISTJOBSREQUEST']._serialized_start=2450
+  _globals['_LISTJOBSREQUEST']._serialized_end=2480
+  _globals['_JOBLIST']._serialized_start=2482
+  _globals['_JOBLIST']._serialized_end=2526
+  _globals['_LOGSREQUEST']._serialized_start=2528
+  _globals['_LOGSREQUEST']._serialized_end=2589
+  _globals['_LOGCHUNK']._serialized_start=2591
+  _globals['_LOGCHUNK']._serialized_end=2631
+  _globals['_WAITREQUEST']._serialized_start=2633
+  _globals['_WAITREQUEST']._serialized_end=2679
+  _globals['_CONTROL']._serialized_start=2682
+  _globals['_CONTROL']._serialized_end=2902
+  _globals['_TOKENS']._serialized_start=2905
+  _globals['_TOKENS']._serialized_end=3112
+  _globals['_SNAPSHOTS']._serialized_start=3115
+  _globals['_SNAPSHOTS']._serialized_end=3437
+  _globals['_JOBS']._serialized_start=3440
+  _globals['_JOBS']._serialized_end=3766
 # @@protoc_insertion_point(module_scope)

@@ -141,3 +141,214 @@ class RevokeTokenRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ManifestEntry(_message.Message):
+    __slots__ = ("path", "blob", "size", "mode", "link")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    blob: str
+    size: int
+    mode: int
+    link: str
+    def __init__(self, path: _Optional[str] = ..., blob: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., link: _Optional[str] = ...) -> None: ...
+
+class CreateSnapshotRequest(_message.Message):
+    __slots__ = ("entries", "name")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ManifestEntry]
+    name: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class CreateSnapshotReply(_message.Message):
+    __slots__ = ("snapshot_id", "missing", "files", "bytes")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    files: int
+    bytes: int
+    def __init__(self, snapshot_id: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class SnapshotRef(_message.Message):
+    __slots__ = ("snapshot_id", "name")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    name: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("snapshot_id", "name", "created_at", "files", "bytes", "entries")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    name: str
+    created_at: float
+    files: int
+    bytes: int
+    entries: _containers.RepeatedCompositeFieldContainer[ManifestEntry]
+    def __init__(self, snapshot_id: _Optional[str] = ..., name: _Optional[str] = ..., created_at: _Optional[float] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ...) -> None: ...
+
+class SnapshotList(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[Snapshot]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[Snapshot, _Mapping]]] = ...) -> None: ...
+
+class BlobPart(_message.Message):
+    __slots__ = ("blob", "offset", "data", "last")
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    blob: str
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, blob: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class BlobBatch(_message.Message):
+    __slots__ = ("parts",)
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[BlobPart]
+    def __init__(self, parts: _Optional[_Iterable[_Union[BlobPart, _Mapping]]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("blobs", "bytes")
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    blobs: int
+    bytes: int
+    def __init__(self, blobs: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("snapshot_id", "blobs")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    blobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, snapshot_id: _Optional[str] = ..., blobs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    SHELL_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HYPERPARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    shell: str
+    snapshot_id: str
+    project: str
+    datasets: _containers.RepeatedScalarFieldContainer[str]
+    gpus: int
+    env: _containers.ScalarMap[str, str]
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    name: str
+    hyperparameters_json: str
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ...) -> None: ...
+
+class JobInfo(_message.Message):
+    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    name: str
+    owner: str
+    state: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    gpus: int
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    created_at: float
+    started_at: float
+    ended_at: float
+    has_exit_code: bool
+    exit_code: int
+    message: str
+    snapshot_id: str
+    output_snapshot_id: str
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    log_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ...) -> None: ...
+
+class JobRef(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("all",)
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    all: bool
+    def __init__(self, all: _Optional[bool] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobInfo]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+
+class LogsRequest(_message.Message):
+    __slots__ = ("job_id", "offset", "follow")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    offset: int
+    follow: bool
+    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class LogChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WaitRequest(_message.Message):
+    __slots__ = ("job_id", "timeout")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    timeout: float
+    def __init__(self, job_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...

@@ -383,3 +383,535 @@ class Tokens:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SnapshotsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Create = channel.unary_unary(
+                '/gpuport.v1.Snapshots/Create',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/gpuport.v1.Snapshots/Get',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Snapshot.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/gpuport.v1.Snapshots/List',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotList.FromString,
+                _registered_method=True)
+        self.Upload = channel.stream_unary(
+                '/gpuport.v1.Snapshots/Upload',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.UploadReply.FromString,
+                _registered_method=True)
+        self.Download = channel.unary_stream(
+                '/gpuport.v1.Snapshots/Download',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.DownloadRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.FromString,
+                _registered_method=True)
+
+
+class SnapshotsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Create(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """the caller's named snapshots
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Upload(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Download(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SnapshotsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Create': grpc.unary_unary_rpc_method_handler(
+                    servicer.Create,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Snapshot.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotList.SerializeToString,
+            ),
+            'Upload': grpc.stream_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.UploadReply.SerializeToString,
+            ),
+            'Download': grpc.unary_stream_rpc_method_handler(
+                    servicer.Download,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.DownloadRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpuport.v1.Snapshots', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpuport.v1.Snapshots', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Snapshots:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Create(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/Create',
+            gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/Get',
+            gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.Snapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/List',
+            gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.SnapshotList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gpuport.v1.Snapshots/Upload',
+            gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Download(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/Download',
+            gpuport_dot_protocol_dot_gpuport__pb2.DownloadRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class JobsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Submit = channel.unary_unary(
+                '/gpuport.v1.Jobs/Submit',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobSpec.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/gpuport.v1.Jobs/Get',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/gpuport.v1.Jobs/List',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobList.FromString,
+                _registered_method=True)
+        self.Logs = channel.unary_stream(
+                '/gpuport.v1.Jobs/Logs',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.LogsRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.LogChunk.FromString,
+                _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/gpuport.v1.Jobs/Wait',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.WaitRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/gpuport.v1.Jobs/Cancel',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+                _registered_method=True)
+
+
+class JobsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Submit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Logs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wait(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_JobsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobSpec.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ListJobsRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobList.SerializeToString,
+            ),
+            'Logs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Logs,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.LogsRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.LogChunk.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.WaitRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpuport.v1.Jobs', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpuport.v1.Jobs', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Jobs:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Submit',
+            gpuport_dot_protocol_dot_gpuport__pb2.JobSpec.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Get',
+            gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/List',
+            gpuport_dot_protocol_dot_gpuport__pb2.ListJobsRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Logs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Logs',
+            gpuport_dot_protocol_dot_gpuport__pb2.LogsRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Wait',
+            gpuport_dot_protocol_dot_gpuport__pb2.WaitRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Cancel',
+            gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

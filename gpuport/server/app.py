@@ -13,8 +13,12 @@ from dataclasses import dataclass
 import psutil
 
 from gpuport._version import __version__
+from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.services.auth import AuthService, Identity
+from gpuport.server.services.blobs import BlobStore
+from gpuport.server.services.jobs import JobService
+from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
 
@@ -41,17 +45,28 @@ class ServerStatus:
 
 
 class ServerApp:
-    def __init__(self, state: StateDir, inventory: Inventory) -> None:
+    def __init__(self, state: StateDir, inventory: Inventory, executor: Executor | None = None) -> None:
         self.state = state
         self.store = Store(state.db_path)
         self.auth = AuthService(self.store)
         self.inventory = inventory
+        self.blobs = BlobStore(state.blobs_dir)
+        self.snapshots = SnapshotService(self.store, self.blobs)
+        self.jobs = JobService(self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor())
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.python_version = platform.python_version()
 
+    async def start(self) -> None:
+        """Start the services that run in the background (the job queue), picking up a previous run's jobs."""
+        await self.jobs.start()
+
     def gpus(self, caller: Identity) -> GpuListing:
-        return GpuListing(self.inventory.kind, self.inventory.note, self.inventory.gpus())
+        gpus = self.inventory.gpus()
+        holders = self.jobs.running_on_gpus()
+        for gpu in gpus:
+            gpu.jobs = holders.get(gpu.index, [])
+        return GpuListing(self.inventory.kind, self.inventory.note, gpus)
 
     def status(self, caller: Identity) -> ServerStatus:
         memory = psutil.virtual_memory()

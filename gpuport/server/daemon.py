@@ -190,6 +190,7 @@ async def serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        await app.start()
         await grpc_server.start()
         http_task = asyncio.create_task(http.serve(sockets=[http_socket]))
         while not http.started and not http_task.done():

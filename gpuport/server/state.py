@@ -1,11 +1,13 @@
-"""The server's state dir: one private folder holding the TLS key, the database and (later) blobs.
+"""The server's state dir: one private folder holding the TLS key, the database, blobs and jobs.
 
 Layout::
 
     STATE_DIR/          mode 0700, owned by the user running the server
       tls/cert.pem      the self-signed certificate clients pin
       tls/key.pem       its private key (0600)
-      gpuport.db        SQLite, WAL mode: tokens, and the jobs of later issues
+      gpuport.db        SQLite, WAL mode: tokens, snapshots, jobs
+      blobs/ab/cdef..   file contents by SHA-256 (read-only), shared by every snapshot and output
+      jobs/<id>/        each job's directory: its log, exit status and working copy
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ class StateDir:
     @property
     def db_path(self) -> Path:
         return self.root / "gpuport.db"
+
+    @property
+    def blobs_dir(self) -> Path:
+        return self.root / "blobs"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.root / "jobs"
 
 
 def open_state_dir(path: Path) -> StateDir:

@@ -28,6 +28,46 @@ MIGRATIONS: list[str] = [
     );
     CREATE UNIQUE INDEX tokens_active_name ON tokens(name) WHERE revoked_at IS NULL;
     """,
+    """
+    CREATE TABLE snapshots (
+        id          TEXT NOT NULL,            -- sha256 of the canonical manifest
+        owner       TEXT NOT NULL,
+        created_at  REAL NOT NULL,
+        files       INTEGER NOT NULL,
+        bytes       INTEGER NOT NULL,
+        manifest    TEXT NOT NULL,            -- JSON [[path, blob, size, mode, link], ...], sorted by path
+        PRIMARY KEY (id, owner)
+    );
+    CREATE TABLE snapshot_names (
+        owner       TEXT NOT NULL,
+        name        TEXT NOT NULL,
+        snapshot_id TEXT NOT NULL,
+        updated_at  REAL NOT NULL,
+        PRIMARY KEY (owner, name)
+    );
+    CREATE TABLE jobs (
+        seq                 INTEGER PRIMARY KEY,      -- submission order: the queue's order
+        id                  TEXT NOT NULL UNIQUE,
+        owner               TEXT NOT NULL,
+        name                TEXT NOT NULL DEFAULT '',
+        state               TEXT NOT NULL,            -- JobState
+        command             TEXT NOT NULL,            -- JSON argv
+        gpus                INTEGER NOT NULL,
+        gpu_indices         TEXT NOT NULL,            -- JSON list, set when it starts
+        created_at          REAL NOT NULL,
+        started_at          REAL,
+        ended_at            REAL,
+        exit_code           INTEGER,
+        message             TEXT NOT NULL DEFAULT '',
+        snapshot_id         TEXT NOT NULL DEFAULT '', -- the workdir; '' for an empty one
+        output_snapshot_id  TEXT NOT NULL DEFAULT '',
+        outputs             TEXT NOT NULL,            -- JSON list of declared output paths
+        spec                TEXT NOT NULL,            -- JSON: env, datasets, hyperparameters
+        cancel_requested    INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX jobs_owner ON jobs(owner, seq);
+    CREATE INDEX jobs_state ON jobs(state);
+    """,
 ]
 
 

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from gpuport._version import __version__
-from gpuport.defaults import MAX_MESSAGE_BYTES
+from gpuport.defaults import BLOB_BATCH_BYTES, MAX_MESSAGE_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
-from gpuport.protocol.errors import ERROR_METADATA_KEY, AuthenticationError, GpuportError, ServerError, status_for
+from gpuport.protocol.errors import (
+    ERROR_METADATA_KEY,
+    AuthenticationError,
+    GpuportError,
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    status_for,
+)
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
+from gpuport.server.services.blobs import check_hash, read_parts
+from gpuport.server.services.jobs import JobRecord, JobRequest
+from gpuport.server.services.snapshots import Entry, SnapshotRecord
 
 log = logging.getLogger(__name__)
 _EMPTY = pb.Empty()
@@ -54,6 +67,30 @@ def rpc(method: Handler) -> Handler:
         await context.abort(code, str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
 
     return wrapper  # type: ignore[return-value]
+
+
+def stream_rpc(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """``rpc`` for server-streaming methods: the same authentication and error mapping, around a generator."""
+
+    @functools.wraps(method)
+    async def wrapper(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            identity = self.app.auth.authenticate(_authorization(context))
+            async for reply in method(self, request, identity):
+                yield reply
+            return
+        except AuthenticationError as e:
+            log.warning("rejected a call to %s from %s: %s", method.__name__, context.peer(), e)
+            error: GpuportError = e
+        except GpuportError as e:
+            error = e
+        except Exception:
+            log.exception("%s failed", method.__qualname__)
+            error = ServerError("internal server error — the server's log has the details")
+        code, _ = status_for(error)
+        await context.abort(code, str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
+
+    return wrapper
 
 
 class _Servicer:
@@ -139,6 +176,166 @@ class TokensServicer(_Servicer, pb_grpc.TokensServicer):
         return token_message(self.app.auth.revoke(caller, request.name))
 
 
+def snapshot_message(record: SnapshotRecord, entries: list[Entry] | None = None) -> pb.Snapshot:
+    return pb.Snapshot(
+        snapshot_id=record.id,
+        name=record.name,
+        created_at=record.created_at,
+        files=record.files,
+        bytes=record.bytes,
+        entries=[pb.ManifestEntry(path=e.path, blob=e.blob, size=e.size, mode=e.mode, link=e.link) for e in entries or ()],
+    )
+
+
+class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
+    @rpc
+    async def Create(self, request: pb.CreateSnapshotRequest, caller: Identity) -> pb.CreateSnapshotReply:
+        entries = [Entry(e.path, e.blob, e.size, e.mode & 0o777, e.link) for e in request.entries]
+        record, missing = self.app.snapshots.create(caller, entries, request.name)
+        if record is None:
+            return pb.CreateSnapshotReply(missing=missing)
+        return pb.CreateSnapshotReply(snapshot_id=record.id, files=record.files, bytes=record.bytes)
+
+    @rpc
+    async def Get(self, request: pb.SnapshotRef, caller: Identity) -> pb.Snapshot:
+        record = self.app.snapshots.resolve(caller, request.snapshot_id, request.name)
+        return snapshot_message(record, self.app.snapshots.manifest(record))
+
+    @rpc
+    async def List(self, request: pb.Empty, caller: Identity) -> pb.SnapshotList:
+        return pb.SnapshotList(snapshots=[snapshot_message(r) for r in self.app.snapshots.named(caller)])
+
+    async def Upload(self, requests: AsyncIterator[pb.BlobBatch], context: grpc.aio.ServicerContext) -> pb.UploadReply:
+        # Not under @rpc: the caller is checked before the first message is read.
+        try:
+            self.app.auth.authenticate(_authorization(context))
+        except AuthenticationError as e:
+            log.warning("rejected an upload from %s: %s", context.peer(), e)
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, str(e), trailing_metadata=((ERROR_METADATA_KEY, type(e).__name__),)
+            )
+        writer = self.app.blobs.writer()
+        try:
+            async for batch in requests:
+                await asyncio.to_thread(_write_batch, writer, batch)
+            writer.finish()
+        except GpuportError as e:
+            writer.abort()
+            code, _ = status_for(e)
+            await context.abort(code, str(e), trailing_metadata=((ERROR_METADATA_KEY, type(e).__name__),))
+        except BaseException:
+            writer.abort()
+            raise
+        return pb.UploadReply(blobs=writer.blobs, bytes=writer.bytes)
+
+    @stream_rpc
+    async def Download(self, request: pb.DownloadRequest, caller: Identity) -> AsyncIterator[pb.BlobBatch]:
+        record = self.app.snapshots.resolve(caller, request.snapshot_id)
+        owned = {e.blob for e in self.app.snapshots.manifest(record)}
+        for blob in request.blobs:
+            check_hash(blob)
+            if blob not in owned:
+                raise NotFound(f"blob {blob} is not part of snapshot {record.id}")
+        parts = read_parts(self.app.blobs, request.blobs, BLOB_BATCH_BYTES)
+        while True:
+            batch = await asyncio.to_thread(_read_batch, parts)
+            if not batch.parts:
+                return
+            yield batch
+
+
+def _write_batch(writer: Any, batch: pb.BlobBatch) -> None:
+    for part in batch.parts:
+        writer.write(part.blob, part.offset, part.data, part.last)
+
+
+def _read_batch(parts: Any) -> pb.BlobBatch:
+    """Parts from ``parts`` until about BLOB_BATCH_BYTES are gathered (small files share a message)."""
+    batch = pb.BlobBatch()
+    size = 0
+    for blob, offset, data, last in parts:
+        batch.parts.append(pb.BlobPart(blob=blob, offset=offset, data=data, last=last))
+        size += len(data) + 100
+        if size >= BLOB_BATCH_BYTES:
+            break
+    return batch
+
+
+def job_message(job: JobRecord) -> pb.JobInfo:
+    return pb.JobInfo(
+        job_id=job.id,
+        name=job.name,
+        owner=job.owner,
+        state=job.state.value,
+        command=job.command,
+        gpus=job.gpus,
+        gpu_indices=job.gpu_indices,
+        created_at=job.created_at,
+        started_at=job.started_at or 0.0,
+        ended_at=job.ended_at or 0.0,
+        has_exit_code=job.exit_code is not None,
+        exit_code=job.exit_code or 0,
+        message=job.message,
+        snapshot_id=job.snapshot_id,
+        output_snapshot_id=job.output_snapshot_id,
+        outputs=job.outputs,
+        log_bytes=job.log_bytes,
+    )
+
+
+# The longest a Wait call blocks; clients that wait longer call again.
+_MAX_WAIT = 300.0
+
+
+class JobsServicer(_Servicer, pb_grpc.JobsServicer):
+    @rpc
+    async def Submit(self, request: pb.JobSpec, caller: Identity) -> pb.JobInfo:
+        hyperparameters = None
+        if request.hyperparameters_json:
+            try:
+                hyperparameters = json.loads(request.hyperparameters_json)
+            except ValueError as e:
+                raise InvalidRequest(f"hyperparameters are not valid JSON: {e}") from None
+        job = self.app.jobs.submit(
+            caller,
+            JobRequest(
+                command=list(request.command),
+                shell=request.shell,
+                snapshot_id=request.snapshot_id,
+                project=request.project,
+                datasets=list(request.datasets),
+                gpus=request.gpus,
+                env=dict(request.env),
+                outputs=list(request.outputs),
+                name=request.name,
+                hyperparameters=hyperparameters,
+            ),
+        )
+        return job_message(job)
+
+    @rpc
+    async def Get(self, request: pb.JobRef, caller: Identity) -> pb.JobInfo:
+        return job_message(self.app.jobs.get(caller, request.job_id))
+
+    @rpc
+    async def List(self, request: pb.ListJobsRequest, caller: Identity) -> pb.JobList:
+        return pb.JobList(jobs=[job_message(j) for j in self.app.jobs.list(caller, all=request.all)])
+
+    @stream_rpc
+    async def Logs(self, request: pb.LogsRequest, caller: Identity) -> AsyncIterator[pb.LogChunk]:
+        async for offset, data in self.app.jobs.logs(caller, request.job_id, request.offset, request.follow):
+            yield pb.LogChunk(offset=offset, data=data)
+
+    @rpc
+    async def Wait(self, request: pb.WaitRequest, caller: Identity) -> pb.JobInfo:
+        timeout = min(max(request.timeout, 0.0), _MAX_WAIT) if request.timeout else _MAX_WAIT
+        return job_message(await self.app.jobs.wait(caller, request.job_id, timeout))
+
+    @rpc
+    async def Cancel(self, request: pb.JobRef, caller: Identity) -> pb.JobInfo:
+        return job_message(self.app.jobs.cancel(caller, request.job_id))
+
+
 def build_grpc_server(
     app: ServerApp, host: str, port: int, credentials: grpc.ServerCredentials | None
 ) -> tuple[grpc.aio.Server, int]:
@@ -155,6 +352,8 @@ def build_grpc_server(
     )
     pb_grpc.add_ControlServicer_to_server(ControlServicer(app), server)
     pb_grpc.add_TokensServicer_to_server(TokensServicer(app), server)
+    pb_grpc.add_SnapshotsServicer_to_server(SnapshotsServicer(app), server)
+    pb_grpc.add_JobsServicer_to_server(JobsServicer(app), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)

@@ -1,0 +1,199 @@
+"""``Job``: a handle on a job submitted with ``Client.submit``: its state, logs, outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuport.defaults import DEFAULT_RECONNECT_WINDOW
+from gpuport.protocol import gpuport_pb2 as pb
+from gpuport.protocol.errors import ConnectionFailed, InvalidRequest, ServerError, WaitTimeout
+
+if TYPE_CHECKING:
+    from gpuport.client._client import Client, Progress
+
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "lost"})
+# Longest single Wait call; longer waits make several.
+_WAIT_SLICE = 60.0
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job as the server described it at one moment.
+
+    ``state`` is one of queued, running, succeeded, failed, cancelled, lost. ``exit_code`` is None
+    until the job has ended (negative: killed by that signal). ``message`` says why it waits or how
+    it ended.
+    """
+
+    id: str
+    name: str
+    owner: str
+    state: str
+    command: tuple[str, ...]
+    gpus: int
+    gpu_indices: tuple[int, ...]
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    message: str
+    outputs: tuple[str, ...]
+    output_snapshot_id: str
+    log_bytes: int
+
+    @property
+    def ended(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @classmethod
+    def _from_message(cls, m: pb.JobInfo) -> JobInfo:
+        return cls(
+            id=m.job_id,
+            name=m.name,
+            owner=m.owner,
+            state=m.state,
+            command=tuple(m.command),
+            gpus=m.gpus,
+            gpu_indices=tuple(m.gpu_indices),
+            created_at=m.created_at,
+            started_at=m.started_at or None,
+            ended_at=m.ended_at or None,
+            exit_code=m.exit_code if m.has_exit_code else None,
+            message=m.message,
+            outputs=tuple(m.outputs),
+            output_snapshot_id=m.output_snapshot_id,
+            log_bytes=m.log_bytes,
+        )
+
+
+class Job:
+    """A job on the server. ``gpu.submit(...)`` and ``gpu.job(id)`` return one.
+
+    >>> job = gpu.submit(["python", "train.py"], outputs=["model/"])
+    >>> for line in job.logs(follow=True):
+    ...     print(line)
+    >>> job.wait().exit_code
+    0
+    >>> job.download("results/")
+    """
+
+    def __init__(self, client: Client, info: JobInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def refresh(self) -> JobInfo:
+        """Ask the server for the job's current state."""
+        self.info = JobInfo._from_message(self._client._call(self._client._jobs.Get, pb.JobRef(job_id=self.id)))
+        return self.info
+
+    @property
+    def status(self) -> str:
+        """The job's state now: queued, running, succeeded, failed, cancelled or lost."""
+        return self.info.state if self.info.ended else self.refresh().state
+
+    @property
+    def exit_code(self) -> int | None:
+        """The exit code once the job has ended (negative: killed by that signal); None before."""
+        return self.info.exit_code if self.info.ended else self.refresh().exit_code
+
+    def wait(self, timeout: float | None = None) -> Job:
+        """Block until the job has ended; return the job. Raises ``WaitTimeout`` after ``timeout`` seconds.
+
+        A dropped connection (a server restart) is retried for up to a minute.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reconnecting_since = None
+        while not self.info.ended:
+            remaining = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"job {self.id} is still {self.info.state} after {timeout:g}s")
+            request = pb.WaitRequest(job_id=self.id, timeout=min(remaining, _WAIT_SLICE))
+            try:
+                reply = self._client._call(self._client._jobs.Wait, request, timeout=min(remaining, _WAIT_SLICE) + 30)
+            except ConnectionFailed:
+                reconnecting_since = reconnecting_since or time.monotonic()
+                if time.monotonic() - reconnecting_since > DEFAULT_RECONNECT_WINDOW:
+                    raise
+                time.sleep(0.5)
+                continue
+            reconnecting_since = None
+            self.info = JobInfo._from_message(reply)
+        return self
+
+    def cancel(self) -> JobInfo:
+        """Cancel the job: a queued job at once, a running one with SIGTERM (SIGKILL after a grace period).
+
+        Raises ``Conflict`` when it has already ended.
+        """
+        self.info = JobInfo._from_message(self._client._call(self._client._jobs.Cancel, pb.JobRef(job_id=self.id)))
+        return self.info
+
+    def log_chunks(self, offset: int = 0, *, follow: bool = False) -> Iterator[tuple[int, bytes]]:
+        """(offset, bytes) of the log from ``offset``. With ``follow``, until the job ends.
+
+        A dropped stream is resumed from the last byte received (for up to a minute of retries), so
+        no byte is lost or repeated.
+        """
+        reconnecting_since = None
+        while True:
+            request = pb.LogsRequest(job_id=self.id, offset=offset, follow=follow)
+            try:
+                for chunk in self._client._stream(self._client._jobs.Logs, request):
+                    if chunk.offset != offset:
+                        raise ServerError(f"log of {self.id}: got bytes from offset {chunk.offset}, expected {offset}")
+                    reconnecting_since = None
+                    offset += len(chunk.data)
+                    yield chunk.offset, chunk.data
+                return
+            except ConnectionFailed:
+                if not follow:
+                    raise
+                reconnecting_since = reconnecting_since or time.monotonic()
+                if time.monotonic() - reconnecting_since > DEFAULT_RECONNECT_WINDOW:
+                    raise
+                time.sleep(0.5)
+
+    def logs(self, follow: bool = False, *, offset: int = 0) -> Iterator[str]:
+        """The job's log (stdout and stderr, in order) as lines without their newline.
+
+        With ``follow``, lines arrive as the job prints them, until it ends.
+        """
+        pending = b""
+        for _, data in self.log_chunks(offset, follow=follow):
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line.decode("utf-8", "replace")
+        if pending:
+            yield pending.decode("utf-8", "replace")
+
+    def download(self, dest: str | Path, path: str | None = None, *, progress: Progress | None = None) -> list[Path]:
+        """Fetch the job's outputs (or those at ``path``) into folder ``dest``; return the files written.
+
+        Files already in ``dest`` with the same content are not fetched again. Raises
+        ``InvalidRequest`` while the job runs, or when ``path`` matches no output.
+        """
+        if not self.info.ended:
+            self.refresh()
+        if not self.info.ended:
+            raise InvalidRequest(f"job {self.id} is {self.info.state}; its outputs are collected when it ends")
+        if not self.info.output_snapshot_id:
+            if path is not None:
+                raise InvalidRequest(f"job {self.id} has no outputs")
+            return []
+        return self._client._download(self.info.output_snapshot_id, Path(dest), path, progress)
+
+    def __repr__(self) -> str:
+        return f"<gpuport.Job {self.id} {self.info.state}>"

@@ -1,0 +1,307 @@
+"""Folder sync by content hash: scan a folder, send its manifest, upload only the blobs the server lacks.
+
+Scanning honours ``.gitignore`` and ``.gpuportignore`` files (in any folder, git's rules) and always
+skips ``.git``, ``__pycache__``, virtualenvs (a folder holding ``pyvenv.cfg``) and the
+``gpuport-outputs`` folder at the top. Hashes are cached per folder by (size, mtime, inode), so a
+re-sync of an unchanged project reads no file and costs one call. Downloads go the other way and
+fetch only files whose content differs from what is already there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pathspec
+import platformdirs
+
+from gpuport._files import atomic_write
+from gpuport.defaults import BLOB_BATCH_BYTES, DEFAULT_OUTPUT_DIR, ENV_CACHE_DIR, MAX_SNAPSHOT_FILES
+from gpuport.protocol import gpuport_pb2 as pb
+from gpuport.protocol.errors import InvalidRequest
+from gpuport.protocol.paths import check_entries, check_link, check_path
+
+# progress(done_bytes, total_bytes)
+Progress = Callable[[int, int], None]
+
+_ALWAYS_SKIPPED = {".git", "__pycache__", ".hg", ".svn"}
+_IGNORE_FILES = (".gitignore", ".gpuportignore")
+# A hash is cached only for a file unchanged for this long: a write within the same mtime tick
+# as the hashing would otherwise go unseen.
+_SETTLED_NS = 2_000_000_000
+_READ_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path: str  # snapshot path
+    full: str  # where it is on disk
+    size: int
+    mode: int
+    blob: str = ""
+    link: str = ""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE_DIR) or platformdirs.user_cache_dir("gpuport", appauthor=False))
+
+
+def _hash(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_READ_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _Ignore:
+    """The ignore files met on the way down, each applying below its own folder."""
+
+    def __init__(self, specs: tuple[tuple[str, pathspec.PathSpec], ...] = ()) -> None:
+        self.specs = specs
+
+    def below(self, folder: str, full: str) -> _Ignore:
+        lines: list[str] = []
+        for name in _IGNORE_FILES:
+            try:
+                with open(os.path.join(full, name), encoding="utf-8", errors="replace") as f:
+                    lines += f.read().splitlines()
+            except OSError:
+                continue
+        if not lines:
+            return self
+        return _Ignore((*self.specs, (folder, pathspec.GitIgnoreSpec.from_lines(lines))))
+
+    def ignored(self, path: str, is_dir: bool) -> bool:
+        verdict = False
+        for base, spec in self.specs:  # deeper files come later and decide last, as in git
+            relative = path[len(base) + 1 :] if base else path
+            result = spec.check_file(relative + "/" if is_dir else relative)
+            if result.include is not None:
+                verdict = result.include
+        return verdict
+
+
+def scan(root: Path) -> list[LocalFile]:
+    """Every file to sync under ``root``, unhashed. Raises ``InvalidRequest`` for a symlink leaving ``root``."""
+    if not root.is_dir():
+        raise InvalidRequest(f"workdir {root} is not a folder")
+    real_root = os.path.realpath(root)
+    found: list[LocalFile] = []
+
+    def walk(folder: str, full: str, ignore: _Ignore) -> None:
+        ignore = ignore.below(folder, full)
+        with os.scandir(full) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                path = f"{folder}/{entry.name}" if folder else entry.name
+                if entry.name in _ALWAYS_SKIPPED or (not folder and entry.name == DEFAULT_OUTPUT_DIR):
+                    continue
+                try:
+                    path.encode()
+                except UnicodeEncodeError:
+                    raise InvalidRequest(
+                        f"{os.path.join(root, path)!r}: the name is not valid UTF-8 — rename it, or add it to .gpuportignore"
+                    ) from None
+                is_link = entry.is_symlink()
+                is_dir = not is_link and entry.is_dir()
+                if ignore.ignored(path, is_dir):
+                    continue
+                if is_link:
+                    found.append(_link(real_root, root, path, entry.path))
+                elif is_dir:
+                    if os.path.exists(os.path.join(entry.path, "pyvenv.cfg")):
+                        continue  # a virtualenv: rebuilt on the server, never copied
+                    walk(path, entry.path, ignore)
+                elif entry.is_file():
+                    info = entry.stat()
+                    found.append(LocalFile(path, entry.path, info.st_size, stat.S_IMODE(info.st_mode)))
+                if len(found) > MAX_SNAPSHOT_FILES:
+                    raise InvalidRequest(
+                        f"{root} holds more than {MAX_SNAPSHOT_FILES} files — add what the job does not need "
+                        "to .gpuportignore, or push large data once as a dataset"
+                    )
+
+    walk("", str(root), _Ignore())
+    return found
+
+
+def _link(real_root: str, root: Path, path: str, full: str) -> LocalFile:
+    target = os.readlink(full)
+    resolved = os.path.realpath(full)
+    if resolved != real_root and not resolved.startswith(real_root + os.sep):
+        raise InvalidRequest(
+            f"{os.path.join(root, path)} is a symlink to {target}, outside the workdir {root} — nothing was "
+            "uploaded. Copy what it points to into the workdir, or add the link to .gpuportignore"
+        )
+    link = os.path.relpath(resolved, os.path.dirname(os.path.join(real_root, path)))
+    check_link(path, link)
+    return LocalFile(path, full, 0, 0o777, link=link)
+
+
+class HashCache:
+    """(size, mtime, inode) → SHA-256 of each file of one folder, kept between runs in the user's cache dir."""
+
+    def __init__(self, root: Path) -> None:
+        key = hashlib.sha256(os.path.realpath(root).encode()).hexdigest()[:32]
+        self.path = cache_dir() / "hashes" / f"{key}.json"
+        try:
+            self.entries: dict[str, list[int | str]] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.changed = False
+
+    def hash_all(self, files: list[LocalFile]) -> list[LocalFile]:
+        now = time.time_ns()
+        hashed: dict[str, str] = {}
+        todo: list[tuple[LocalFile, os.stat_result]] = []
+        for f in files:
+            if f.link:
+                continue
+            info = os.stat(f.full)
+            cached = self.entries.get(f.path)
+            if cached and cached[:3] == [info.st_size, info.st_mtime_ns, info.st_ino]:
+                hashed[f.path] = str(cached[3])
+            else:
+                todo.append((f, info))
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:  # hashlib releases the GIL
+                for (f, info), blob in zip(todo, pool.map(lambda t: _hash(t[0].full), todo)):
+                    hashed[f.path] = blob
+                    if now - info.st_mtime_ns > _SETTLED_NS:
+                        self.entries[f.path] = [info.st_size, info.st_mtime_ns, info.st_ino, blob]
+                        self.changed = True
+        return [f if f.link else _with(f, blob=hashed[f.path]) for f in files]
+
+    def save(self) -> None:
+        if self.changed:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, json.dumps(self.entries, separators=(",", ":")).encode())
+
+
+def _with(f: LocalFile, **changes: object) -> LocalFile:
+    return LocalFile(**{**f.__dict__, **changes})  # type: ignore[arg-type]
+
+
+def manifest(files: Iterable[LocalFile]) -> list[pb.ManifestEntry]:
+    return [pb.ManifestEntry(path=f.path, blob=f.blob, size=f.size, mode=f.mode, link=f.link) for f in files]
+
+
+def upload_batches(files: list[LocalFile], progress: Progress | None) -> Iterator[pb.BlobBatch]:
+    """The upload stream: each file's bytes as parts, packed into messages of about BLOB_BATCH_BYTES."""
+    total = sum(f.size for f in files)
+    done = 0
+    batch = pb.BlobBatch()
+    size = 0
+    for f in files:
+        with open(f.full, "rb", buffering=0) as src:
+            offset = 0
+            while True:
+                data = src.read(BLOB_BATCH_BYTES - size if size else BLOB_BATCH_BYTES)
+                last = offset + len(data) >= f.size or not data
+                batch.parts.append(pb.BlobPart(blob=f.blob, offset=offset, data=data, last=last))
+                offset += len(data)
+                size += len(data) + 100
+                done += len(data)
+                if size >= BLOB_BATCH_BYTES:
+                    yield batch
+                    if progress:
+                        progress(done, total)
+                    batch, size = pb.BlobBatch(), 0
+                if last:
+                    break
+    if batch.parts:
+        yield batch
+    if progress:
+        progress(done, total)
+
+
+def check_download(entries: list[pb.ManifestEntry]) -> None:
+    """A manifest from the server gets the same checks as one sent to it, before anything is written."""
+    check_entries(entries)
+
+
+def select(entries: Iterable[pb.ManifestEntry], path: str | None) -> list[pb.ManifestEntry]:
+    """The entries at ``path`` or below it (all of them for None)."""
+    if path is None:
+        return list(entries)
+    path = check_path(path.rstrip("/") or ".", what="path") if path.strip("/") else ""
+    if not path:
+        return list(entries)
+    chosen = [e for e in entries if e.path == path or e.path.startswith(path + "/")]
+    if not chosen:
+        raise InvalidRequest(f"the outputs hold nothing at {path!r}")
+    return chosen
+
+
+def already_there(dest: Path, entry: pb.ManifestEntry) -> bool:
+    target = dest / entry.path
+    if entry.link:
+        return target.is_symlink() and os.readlink(target) == entry.link
+    try:
+        info = target.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_size == entry.size and _hash(str(target)) == entry.blob
+
+
+def place(dest: Path, entries: list[pb.ManifestEntry], blobs: Iterator[pb.BlobBatch], progress: Progress | None) -> None:
+    """Write ``entries`` under ``dest`` from a download stream of their blobs (each blob sent once)."""
+    by_blob: dict[str, list[pb.ManifestEntry]] = {}
+    for e in entries:
+        if e.link:
+            target = dest / e.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or target.exists():
+                target.unlink()
+            os.symlink(e.link, target)
+        else:
+            by_blob.setdefault(e.blob, []).append(e)
+    total = sum(group[0].size for group in by_blob.values())
+    done = 0
+    current = None
+    temp: Path | None = None
+    digest = hashlib.sha256()
+    try:
+        for batch in blobs:
+            for part in batch.parts:
+                if part.blob not in by_blob:
+                    raise InvalidRequest(f"the server sent blob {part.blob}, which was not asked for")
+                if current is None:
+                    first = by_blob[part.blob][0]
+                    target = dest / first.path
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    temp = target.with_name(f".{target.name}.gpuport-tmp")
+                    current, digest = open(temp, "wb"), hashlib.sha256()
+                current.write(part.data)
+                digest.update(part.data)
+                done += len(part.data)
+                if part.last:
+                    current.close()
+                    current = None
+                    assert temp is not None
+                    if digest.hexdigest() != part.blob:
+                        raise InvalidRequest(f"blob {part.blob} arrived damaged (its hash does not match) — download again")
+                    group = by_blob.pop(part.blob)
+                    for e in group[1:]:
+                        with open(temp, "rb") as src, open(dest / e.path, "wb") as out:
+                            out.write(src.read())
+                        os.chmod(dest / e.path, e.mode & 0o777)
+                    os.chmod(temp, group[0].mode & 0o777)
+                    os.replace(temp, dest / group[0].path)
+                    temp = None
+            if progress:
+                progress(done, total)
+    finally:
+        if current is not None:
+            current.close()
+        if temp is not None:
+            temp.unlink(missing_ok=True)
+    if by_blob:
+        raise InvalidRequest(f"the download ended before {len(by_blob)} file(s) arrived — download again")

@@ -1,0 +1,546 @@
+"""Jobs: a command + a snapshot + env + GPUs → a detached process, its log, its exit code and its outputs.
+
+The database is the truth for every job's state; the job's directory holds what its supervisor
+writes (the log, the exit status). Layout of ``STATE_DIR/jobs/<id>/``::
+
+    spec.json         what the supervisor runs           log          stdout + stderr, in order
+    work/             the workdir, from the snapshot     exit.json    exit code and times (atomic)
+    out/              $GPUPORT_OUTPUT_DIR                supervisor.lock  held while the job runs
+    datasets/<name>/  read-only named snapshots          supervisor.json  its pid, once started
+
+A server that restarts (even after SIGKILL) finds each job where it was: running jobs are watched
+again through their supervisor's lock, jobs that ended meanwhile get their recorded exit code,
+and queued jobs start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from gpuport.defaults import (
+    DEFAULT_CANCEL_GRACE,
+    ENV_DATASETS_DIR,
+    ENV_JOB_ID,
+    ENV_OUTPUT_DIR,
+    LOG_CHUNK_BYTES,
+    LOG_POLL_INTERVAL,
+    MAX_NAME_LENGTH,
+    MAX_SPEC_BYTES,
+)
+from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, ResourceUnavailable
+from gpuport.protocol.paths import check_path
+from gpuport.protocol.units import format_size
+from gpuport.server.executors import Executor, Launch
+from gpuport.server.inventory import Inventory
+from gpuport.server.scheduler import Pending, first_come
+from gpuport.server.services.auth import Identity
+from gpuport.server.services.snapshots import SnapshotService, check_snapshot_name
+from gpuport.server.store import Store
+
+log = logging.getLogger(__name__)
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RESERVED_ENV = ("GPUPORT_", "CUDA_VISIBLE_DEVICES")
+_MAX_OUTPUTS = 100
+_MAX_DATASETS = 16
+_RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
+_LIST_LIMIT = 500
+
+
+class JobState(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"  # its supervisor vanished without recording an exit code
+
+    def is_terminal(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+
+# A running job goes back to the queue only when a crash came between its start and its launch.
+_MOVES = {
+    JobState.QUEUED: {JobState.RUNNING, JobState.CANCELLED},
+    JobState.RUNNING: {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST, JobState.QUEUED},
+}
+
+
+def check_move(job_id: str, old: JobState, new: JobState) -> None:
+    if new not in _MOVES.get(old, set()):
+        raise Conflict(f"job {job_id} is {old.value}; it cannot become {new.value}")
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A job as submitted, before it is checked. ``command`` is argv; ``shell`` a /bin/sh command line."""
+
+    command: list[str] = field(default_factory=list)
+    shell: str = ""
+    snapshot_id: str = ""
+    project: str = ""
+    datasets: list[str] = field(default_factory=list)
+    gpus: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
+    name: str = ""
+    hyperparameters: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    owner: str
+    name: str
+    state: JobState
+    command: list[str]
+    gpus: int
+    gpu_indices: list[int]
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    exit_code: int | None
+    message: str
+    snapshot_id: str
+    output_snapshot_id: str
+    outputs: list[str]
+    log_bytes: int = 0
+
+
+def exit_message(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"killed by {name}"
+
+
+def _spec_size(value: Any) -> int:
+    return len(json.dumps(value))
+
+
+class JobService:
+    def __init__(
+        self, store: Store, snapshots: SnapshotService, inventory: Inventory, root: Path, executor: Executor
+    ) -> None:
+        self.store = store
+        self.snapshots = snapshots
+        self.inventory = inventory
+        self.root = root
+        self.executor = executor
+        self.root.mkdir(exist_ok=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ended: dict[str, asyncio.Event] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._gpu_count = len(inventory.gpus())
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def _check(self, caller: Identity, request: JobRequest) -> tuple[list[str], str, dict[str, Any]]:
+        """Validate ``request``; return argv, the workdir snapshot id and the spec to store."""
+        if bool(request.command) == bool(request.shell):
+            raise InvalidRequest("give a command (argv) or a shell command line, and not both")
+        argv = ["/bin/sh", "-c", request.shell] if request.shell else list(request.command)
+        if any(not isinstance(a, str) or "\0" in a for a in argv):
+            raise InvalidRequest("every command argument must be a string without NUL bytes")
+        if _spec_size(argv) > MAX_SPEC_BYTES:
+            raise InvalidRequest(f"the command is larger than the limit of {format_size(MAX_SPEC_BYTES)}")
+        if request.name and (len(request.name) > MAX_NAME_LENGTH or not request.name.isprintable()):
+            raise InvalidRequest(f"job name {request.name[:80]!r}: use up to {MAX_NAME_LENGTH} printable characters")
+        for key, value in request.env.items():
+            if not _ENV_NAME.fullmatch(key):
+                raise InvalidRequest(f"environment variable name {key[:80]!r} is not valid (letters, digits, '_')")
+            if key.startswith(_RESERVED_ENV):
+                raise InvalidRequest(f"environment variable {key} is set by gpuport for each job; pick another name")
+            if "\0" in value:
+                raise InvalidRequest(f"environment variable {key} contains a NUL byte")
+        if _spec_size(request.env) > MAX_SPEC_BYTES:
+            raise InvalidRequest(f"the environment is larger than the limit of {format_size(MAX_SPEC_BYTES)}")
+        if request.hyperparameters is not None and _spec_size(request.hyperparameters) > MAX_SPEC_BYTES:
+            raise InvalidRequest(f"the hyperparameters are larger than the limit of {format_size(MAX_SPEC_BYTES)}")
+        if len(request.outputs) > _MAX_OUTPUTS:
+            raise InvalidRequest(f"{len(request.outputs)} outputs declared; the limit is {_MAX_OUTPUTS}")
+        outputs = [check_path(p, what="output path") for p in request.outputs]
+        if request.gpus < 0:
+            raise InvalidRequest(f"gpus must be 0 or more, not {request.gpus}")
+        if request.gpus > self._gpu_count:
+            gpus = self.inventory.gpus()
+            have = (
+                f"{len(gpus)} x {format_size(gpus[0].memory_total)}"
+                if gpus and len({g.memory_total for g in gpus}) == 1
+                else ", ".join(format_size(g.memory_total) for g in gpus) or f"none ({self.inventory.note})"
+            )
+            raise ResourceUnavailable(
+                f"asked for {request.gpus} GPU{'s' if request.gpus > 1 else ''}; this server has {have}"
+            )
+        if request.snapshot_id and request.project:
+            raise InvalidRequest("give a snapshot id or a project name, not both")
+        snapshot = ""
+        if request.snapshot_id or request.project:
+            snapshot = self.snapshots.resolve(caller, request.snapshot_id, request.project).id
+        if len(request.datasets) > _MAX_DATASETS:
+            raise InvalidRequest(f"{len(request.datasets)} datasets; the limit is {_MAX_DATASETS}")
+        datasets = {}
+        for name in request.datasets:
+            datasets[check_snapshot_name(name)] = self.snapshots.resolve(caller, name=name).id
+        spec = {
+            "env": request.env,
+            "datasets": datasets,
+            "hyperparameters": request.hyperparameters,
+        }
+        return argv, snapshot, {"outputs": outputs, **spec}
+
+    def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
+        """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot) or ``ResourceUnavailable``."""
+        argv, snapshot, spec = self._check(caller, request)
+        with self.store.transaction() as db:
+            while True:
+                job_id = "j-" + secrets.token_hex(4)
+                if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+                    break
+            db.execute(
+                "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
+                "outputs, spec) VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?)",
+                (
+                    job_id,
+                    caller.name,
+                    request.name,
+                    json.dumps(argv),
+                    request.gpus,
+                    time.time(),
+                    snapshot,
+                    json.dumps(spec.pop("outputs")),
+                    json.dumps(spec),
+                ),
+            )
+        log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
+        self._schedule()
+        return self._load(job_id)
+
+    def _load(self, job_id: str) -> JobRecord:
+        row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        return self._record(row)
+
+    def _record(self, row: Any) -> JobRecord:
+        try:
+            log_bytes = (self.root / row["id"] / "log").stat().st_size
+        except OSError:
+            log_bytes = 0
+        return JobRecord(
+            id=row["id"],
+            owner=row["owner"],
+            name=row["name"],
+            state=JobState(row["state"]),
+            command=json.loads(row["command"]),
+            gpus=row["gpus"],
+            gpu_indices=json.loads(row["gpu_indices"]),
+            created_at=row["created_at"],
+            started_at=row["started_at"],
+            ended_at=row["ended_at"],
+            exit_code=row["exit_code"],
+            message=row["message"],
+            snapshot_id=row["snapshot_id"],
+            output_snapshot_id=row["output_snapshot_id"],
+            outputs=json.loads(row["outputs"]),
+            log_bytes=log_bytes,
+        )
+
+    def get(self, caller: Identity, job_id: str) -> JobRecord:
+        """The job, if ``caller`` owns it or is an admin; ``NotFound`` otherwise (it does not say which)."""
+        row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id[:64],))
+        if row is None or (row["owner"] != caller.name and not caller.admin):
+            raise NotFound(f"no job {job_id[:64]!r} — `gpuport jobs --all` lists yours")
+        return self._record(row)
+
+    def list(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
+        where, params = ["1"], []
+        if not (all and caller.admin):
+            where.append("owner = ?")
+            params.append(caller.name)
+        if not all:
+            where.append("(state IN ('queued', 'running') OR created_at > ?)")
+            params.append(time.time() - _RECENT_SECONDS)
+        rows = self.store.query(
+            f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT {_LIST_LIMIT}", params
+        )
+        return [self._record(r) for r in rows]
+
+    def running_on_gpus(self) -> dict[int, list[str]]:
+        """GPU index → ids of the running jobs holding it."""
+        holders: dict[int, list[str]] = {}
+        for row in self.store.query("SELECT id, gpu_indices FROM jobs WHERE state = 'running'"):
+            for index in json.loads(row["gpu_indices"]):
+                holders.setdefault(index, []).append(row["id"])
+        return holders
+
+    def cancel(self, caller: Identity, job_id: str) -> JobRecord:
+        """Cancel a queued job at once; ask a running one to stop (SIGTERM, then SIGKILL after the grace)."""
+        job = self.get(caller, job_id)
+        if job.state.is_terminal():
+            raise Conflict(f"job {job.id} has already ended ({job.state.value}); there is nothing to cancel")
+        if job.state is JobState.QUEUED:
+            self._move(job.id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message="cancelled")
+            self._ended_event(job.id).set()
+        else:
+            with self.store.transaction() as db:
+                db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job.id,))
+            self.executor.cancel(self.root / job.id)
+        log.info("job %s: cancel asked by %s", job.id, caller.name)
+        return self._load(job.id)
+
+    async def wait(self, caller: Identity, job_id: str, timeout: float) -> JobRecord:
+        """The job once it has ended, or as it is when ``timeout`` seconds have passed."""
+        job = self.get(caller, job_id)
+        if not job.state.is_terminal():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ended_event(job.id).wait(), timeout)
+        return self._load(job.id)
+
+    async def logs(self, caller: Identity, job_id: str, offset: int, follow: bool) -> AsyncIterator[tuple[int, bytes]]:
+        """(offset, bytes) chunks of the job's log from ``offset``; with ``follow``, until the job has ended."""
+        job = self.get(caller, job_id)
+        if offset < 0:
+            raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
+        ended = self._ended_event(job.id)
+        if job.state.is_terminal():
+            ended.set()
+        path = self.root / job.id / "log"
+        f = None
+        try:
+            while True:
+                done = ended.is_set()  # looked at before reading, so the last bytes are never missed
+                if f is None:
+                    with contextlib.suppress(FileNotFoundError):
+                        f = open(path, "rb")
+                data = b""
+                if f is not None:
+                    f.seek(offset)
+                    data = f.read(LOG_CHUNK_BYTES)
+                if data:
+                    yield offset, data
+                    offset += len(data)
+                    continue
+                if done or not follow:
+                    return
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ended.wait(), LOG_POLL_INTERVAL)
+        finally:
+            if f is not None:
+                f.close()
+
+    # ---- life cycle -----------------------------------------------------------------------------
+
+    def _ended_event(self, job_id: str) -> asyncio.Event:
+        event = self._ended.get(job_id)
+        if event is None:
+            event = self._ended[job_id] = asyncio.Event()
+        return event
+
+    def _move(self, job_id: str, old: JobState, new: JobState, **columns: Any) -> None:
+        check_move(job_id, old, new)
+        sets = ", ".join(f"{k} = ?" for k in columns)
+        with self.store.transaction() as db:
+            changed = db.execute(
+                f"UPDATE jobs SET state = ?{', ' + sets if sets else ''} WHERE id = ? AND state = ?",
+                (new.value, *columns.values(), job_id, old.value),
+            ).rowcount
+        if not changed:
+            raise Conflict(f"job {job_id} is no longer {old.value}")
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> None:
+        """Pick up where the last server left off, then start what can start."""
+        self._loop = asyncio.get_running_loop()
+        for row in self.store.query("SELECT id FROM jobs WHERE state = 'running' ORDER BY seq"):
+            job_dir = self.root / row["id"]
+            if self.executor.is_running(job_dir):
+                log.info("job %s is still running: watching it again", row["id"])
+                self.executor.reattach(job_dir, self._exit_callback(row["id"]))
+            elif (job_dir / "exit.json").exists() or (job_dir / "supervisor.json").exists():
+                self._spawn(self._finish(row["id"]))  # it ended while no server was watching
+            else:  # the server stopped between granting GPUs and launching: launch it again
+                log.info("job %s never launched: back to the queue", row["id"])
+                shutil.rmtree(job_dir, ignore_errors=True)
+                self._move(row["id"], JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", started_at=None)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._loop is None:
+            return  # not started yet: start() schedules
+        queued = self.store.query("SELECT id, gpus, message FROM jobs WHERE state = 'queued' ORDER BY seq")
+        if not queued:
+            return
+        busy = self.running_on_gpus()
+        messages = {r["id"]: r["message"] for r in queued}
+        for decision in first_come([Pending(r["id"], r["gpus"]) for r in queued], self._gpu_count, busy):
+            if decision.gpu_indices is None:
+                if messages[decision.job_id] != decision.reason:
+                    with self.store.transaction() as db:
+                        db.execute("UPDATE jobs SET message = ? WHERE id = ?", (decision.reason, decision.job_id))
+                continue
+            self._move(
+                decision.job_id,
+                JobState.QUEUED,
+                JobState.RUNNING,
+                gpu_indices=json.dumps(list(decision.gpu_indices)),
+                started_at=time.time(),
+                message="",
+            )
+            self._spawn(self._launch(decision.job_id))
+
+    def _exit_callback(self, job_id: str) -> Any:
+        loop = self._loop
+        assert loop is not None
+
+        def on_exit() -> None:
+            loop.call_soon_threadsafe(self._spawn, self._finish(job_id))
+
+        return on_exit
+
+    async def _launch(self, job_id: str) -> None:
+        row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        assert row is not None
+        try:
+            launch = await asyncio.to_thread(self._prepare, row)
+        except Exception as e:
+            log.exception("job %s: preparing its directory failed", job_id)
+            self._end(job_id, JobState.FAILED, None, f"the server could not prepare the job: {e}")
+            return
+        if self.store.query_one("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,))["cancel_requested"]:
+            self._end(job_id, JobState.CANCELLED, None, "cancelled before it started")
+            return
+        self.executor.start(launch, self._exit_callback(job_id))
+
+    def _prepare(self, row: Any) -> Launch:
+        """Make the job's directory (workdir, outputs folder, datasets) and its environment."""
+        job_dir = self.root / row["id"]
+        shutil.rmtree(job_dir, ignore_errors=True)
+        job_dir.mkdir()
+        work, out = job_dir / "work", job_dir / "out"
+        out.mkdir()
+        owner = Identity(row["owner"], admin=False)
+        if row["snapshot_id"]:
+            self.snapshots.materialize(self.snapshots.resolve(owner, row["snapshot_id"]), work)
+        else:
+            work.mkdir()
+        spec = json.loads(row["spec"])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+        # Jobs use the server's Python environment first: where `gpuport server` and the frameworks live.
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "/usr/bin:/bin")])
+        env["PYTHONUNBUFFERED"] = "1"  # print() reaches the log (and the user) as it happens
+        env.update(spec["env"])
+        if spec["datasets"]:
+            datasets = job_dir / "datasets"
+            for name, snapshot in spec["datasets"].items():
+                self.snapshots.materialize(self.snapshots.resolve(owner, snapshot), datasets / name, read_only=True)
+            env[ENV_DATASETS_DIR] = str(datasets)
+        if spec["hyperparameters"] is not None:
+            (work / "hyperparameters.json").write_text(json.dumps(spec["hyperparameters"], indent=2))
+        env[ENV_JOB_ID] = row["id"]
+        env[ENV_OUTPUT_DIR] = str(out)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = NVML's = ours
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, json.loads(row["gpu_indices"])))
+        return Launch(job_dir, json.loads(row["command"]), work, env, DEFAULT_CANCEL_GRACE)
+
+    async def _finish(self, job_id: str) -> None:
+        """The job's processes are gone: record how it ended, collect its outputs, free its GPUs."""
+        row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        assert row is not None
+        job_dir = self.root / job_id
+        try:
+            status = json.loads((job_dir / "exit.json").read_text())
+        except (OSError, ValueError):
+            status = None
+        try:
+            outputs, missing = await asyncio.to_thread(self._collect_outputs, row)
+        except Exception as e:
+            log.exception("job %s: collecting outputs failed", job_id)
+            outputs, missing = "", [f"(collecting outputs failed: {e})"]
+        note = f"; outputs not found: {', '.join(missing)}" if missing else ""
+        if status is None:
+            state, code = JobState.LOST, None
+            message = "its supervisor ended without recording an exit code (killed, or the machine restarted)"
+        else:
+            code = status["exit_code"]
+            message = status.get("error") or exit_message(code)
+            if row["cancel_requested"] or status.get("cancelled"):
+                state, message = JobState.CANCELLED, f"cancelled ({message})"
+            else:
+                state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
+        self._end(job_id, state, code, message + note, outputs, (status or {}).get("ended_at"))
+        await asyncio.to_thread(self._tidy, job_dir)
+
+    def _end(
+        self,
+        job_id: str,
+        state: JobState,
+        code: int | None,
+        message: str,
+        outputs: str = "",
+        ended_at: float | None = None,
+    ) -> None:
+        self._move(
+            job_id,
+            JobState.RUNNING,
+            state,
+            exit_code=code,
+            message=message,
+            output_snapshot_id=outputs,
+            ended_at=ended_at or time.time(),
+        )
+        log.info("job %s %s: %s", job_id, state.value, message)
+        self._ended_event(job_id).set()
+        self._schedule()
+
+    def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:
+        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found."""
+        job_dir = self.root / row["id"]
+        files: dict[str, Path] = {}
+        missing = []
+        roots = [(job_dir / "out", "")]
+        for declared in json.loads(row["outputs"]):
+            path = job_dir / "work" / declared
+            if path.is_symlink() or not path.exists():
+                missing.append(declared)
+            elif path.is_file():
+                files[declared] = path
+            else:
+                roots.append((path, declared + "/"))
+        for root, prefix in roots:
+            for folder, dirs, names in os.walk(root):
+                for name in names:
+                    file = Path(folder) / name
+                    if file.is_file() and not file.is_symlink():
+                        files.setdefault(prefix + file.relative_to(root).as_posix(), file)
+        if not files and not json.loads(row["outputs"]):
+            return "", missing
+        record = self.snapshots.ingest_folder(row["owner"], sorted(files.items()))
+        return record.id, missing
+
+    def _tidy(self, job_dir: Path) -> None:
+        """Drop the job's working copies; its log, exit status and outputs (in the blob store) stay."""
+        for name in ("work", "out", "datasets"):
+            shutil.rmtree(job_dir / name, ignore_errors=True)

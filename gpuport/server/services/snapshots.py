@@ -1,0 +1,195 @@
+"""Snapshots: a folder at one moment, as a manifest of path → blob (+ mode, or a symlink target).
+
+A snapshot's id is the SHA-256 of its canonical manifest, so the same folder synced twice is the
+same snapshot and a no-change re-sync costs one call. Snapshots belong to their owner; a name
+given with ``gpuport push`` points at one of them (projects and datasets for later jobs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuport.defaults import MAX_BLOB_BYTES, MAX_NAME_LENGTH, MAX_SNAPSHOT_FILES
+from gpuport.protocol.errors import InvalidRequest, NotFound
+from gpuport.protocol.paths import check_entries
+from gpuport.server.services.auth import Identity
+from gpuport.server.services.blobs import BlobStore, check_hash
+from gpuport.server.store import Store
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_CACHED_MANIFESTS = 64
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    blob: str  # empty for a symlink
+    size: int
+    mode: int
+    link: str = ""
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    id: str
+    owner: str
+    name: str
+    created_at: float
+    files: int
+    bytes: int
+
+
+def check_snapshot_name(name: str) -> str:
+    if len(name) > MAX_NAME_LENGTH or not _NAME.fullmatch(name):
+        raise InvalidRequest(
+            f"snapshot name {name[:80]!r} is not valid — use up to {MAX_NAME_LENGTH} letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def snapshot_id(entries: list[Entry]) -> str:
+    canonical = json.dumps([[e.path, e.blob, e.size, e.mode & 0o777, e.link] for e in entries], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def check_manifest(entries: list[Entry]) -> list[Entry]:
+    """Validate a manifest from a client; return it sorted by path. Raises ``InvalidRequest``."""
+    if len(entries) > MAX_SNAPSHOT_FILES:
+        raise InvalidRequest(f"the snapshot has {len(entries)} files; the limit is {MAX_SNAPSHOT_FILES}")
+    check_entries(entries)
+    for e in entries:
+        if e.link:
+            if e.blob:
+                raise InvalidRequest(f"manifest entry {e.path!r} is both a symlink and a file")
+            continue
+        check_hash(e.blob)
+        if not 0 <= e.size <= MAX_BLOB_BYTES:
+            raise InvalidRequest(f"file {e.path!r} has size {e.size}, outside 0..{MAX_BLOB_BYTES}")
+    return sorted(entries, key=lambda e: e.path)
+
+
+class SnapshotService:
+    def __init__(self, store: Store, blobs: BlobStore) -> None:
+        self.store = store
+        self.blobs = blobs
+        self._manifests: OrderedDict[str, list[Entry]] = OrderedDict()
+
+    def create(self, caller: Identity, entries: list[Entry], name: str = "") -> tuple[SnapshotRecord | None, list[str]]:
+        """Record the snapshot if every blob is present; else return the missing blobs and record nothing."""
+        if name:
+            check_snapshot_name(name)
+        entries = check_manifest(entries)
+        sid = snapshot_id(entries)
+        row = self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, caller.name))
+        if row is None:
+            missing = self.blobs.missing(e.blob for e in entries if e.blob)
+            if missing:
+                return None, missing
+            # The blob's size is the truth; a manifest that lies about it would mislead downloads.
+            for e in entries:
+                if e.blob and self.blobs.path(e.blob).stat().st_size != e.size:
+                    raise InvalidRequest(f"file {e.path!r}: the manifest says {e.size} bytes, its blob has another size")
+            self._insert(caller.name, sid, entries)
+        if name:
+            with self.store.transaction() as db:
+                db.execute(
+                    "INSERT INTO snapshot_names (owner, name, snapshot_id, updated_at) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (owner, name) DO UPDATE SET snapshot_id = excluded.snapshot_id, "
+                    "updated_at = excluded.updated_at",
+                    (caller.name, name, sid, time.time()),
+                )
+        return self._record(sid, caller.name, name), []
+
+    def _insert(self, owner: str, sid: str, entries: list[Entry]) -> None:
+        manifest = json.dumps([[e.path, e.blob, e.size, e.mode, e.link] for e in entries], separators=(",", ":"))
+        with self.store.transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO snapshots (id, owner, created_at, files, bytes, manifest) VALUES (?, ?, ?, ?, ?, ?)",
+                (sid, owner, time.time(), len(entries), sum(e.size for e in entries), manifest),
+            )
+
+    def ingest_folder(self, owner: str, files: Iterable[tuple[str, Path]]) -> SnapshotRecord:
+        """Make a snapshot from files on the server's disk (a job's outputs): (snapshot path, file) pairs."""
+        entries = []
+        for path, file in files:
+            blob, size = self.blobs.ingest(file)
+            entries.append(Entry(path, blob, size, os.stat(file).st_mode & 0o777))
+        entries = check_manifest(entries)
+        sid = snapshot_id(entries)
+        self._insert(owner, sid, entries)
+        return self._record(sid, owner, "")
+
+    def _record(self, sid: str, owner: str, name: str) -> SnapshotRecord:
+        row = self.store.query_one(
+            "SELECT created_at, files, bytes FROM snapshots WHERE id = ? AND owner = ?", (sid, owner)
+        )
+        assert row is not None
+        return SnapshotRecord(sid, owner, name, row["created_at"], row["files"], row["bytes"])
+
+    def resolve(self, caller: Identity, snapshot_id: str = "", name: str = "", owner: str | None = None) -> SnapshotRecord:
+        """The snapshot with this id, or under this name, owned by ``owner`` (default: the caller)."""
+        owner = owner or caller.name
+        if name:
+            check_snapshot_name(name)
+            row = self.store.query_one(
+                "SELECT snapshot_id FROM snapshot_names WHERE owner = ? AND name = ?", (owner, name)
+            )
+            if row is None:
+                raise NotFound(f"no snapshot named {name!r} — create it with `gpuport push DIR --name {name}`")
+            snapshot_id = row["snapshot_id"]
+        check_hash(snapshot_id)
+        row = self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (snapshot_id, owner))
+        if row is None and caller.admin:
+            row = self.store.query_one("SELECT owner FROM snapshots WHERE id = ?", (snapshot_id,))
+            if row is not None:
+                owner = row["owner"]
+        if row is None:
+            raise NotFound(f"no snapshot {snapshot_id}")
+        return self._record(snapshot_id, owner, name)
+
+    def manifest(self, record: SnapshotRecord) -> list[Entry]:
+        cached = self._manifests.get(record.id)
+        if cached is not None:
+            self._manifests.move_to_end(record.id)
+            return cached
+        row = self.store.query_one("SELECT manifest FROM snapshots WHERE id = ? AND owner = ?", (record.id, record.owner))
+        assert row is not None
+        entries = [Entry(*item) for item in json.loads(row["manifest"])]
+        self._manifests[record.id] = entries
+        if len(self._manifests) > _CACHED_MANIFESTS:
+            self._manifests.popitem(last=False)
+        return entries
+
+    def named(self, caller: Identity) -> list[SnapshotRecord]:
+        rows = self.store.query(
+            "SELECT n.name, n.snapshot_id, s.created_at, s.files, s.bytes FROM snapshot_names n "
+            "JOIN snapshots s ON s.id = n.snapshot_id AND s.owner = n.owner WHERE n.owner = ? ORDER BY n.name",
+            (caller.name,),
+        )
+        return [SnapshotRecord(r["snapshot_id"], caller.name, r["name"], r["created_at"], r["files"], r["bytes"]) for r in rows]
+
+    def materialize(self, record: SnapshotRecord, dest: Path, *, read_only: bool = False) -> None:
+        """Write the snapshot's files under ``dest`` (copies; read-only hard links with ``read_only``)."""
+        dest.mkdir(parents=True, exist_ok=True)
+        made: set[str] = set()
+        for e in self.manifest(record):
+            target = dest / e.path
+            parent = os.path.dirname(e.path)
+            if parent and parent not in made:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                made.add(parent)
+            if e.link:
+                os.symlink(e.link, target)
+            elif read_only:
+                self.blobs.link_to(e.blob, target)
+            else:
+                self.blobs.copy_to(e.blob, target, e.mode)

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +136,7 @@ def client_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test its own client config dir, and no GPUPORT_* settings from outside."""
     folder = tmp_path / "config"
     monkeypatch.setenv("GPUPORT_CONFIG_DIR", str(folder))
+    monkeypatch.setenv("GPUPORT_CACHE_DIR", str(tmp_path / "cache"))
     for name in CLIENT_ENV:
         monkeypatch.delenv(name, raising=False)
     return folder
@@ -168,7 +169,7 @@ class CliResult:
 def cli(client_config: Path) -> object:
     """Run `gpuport ARGS...` as a subprocess with this test's config dir; returns a CliResult."""
 
-    def run(*args: str, input: str | None = None, **env: str) -> CliResult:
+    def run(*args: str, input: str | None = None, cwd: Path | None = None, **env: str) -> CliResult:
         full_env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
         full_env.update(GPUPORT_CONFIG_DIR=str(client_config), COLUMNS="200", **env)
         done = subprocess.run(
@@ -177,11 +178,32 @@ def cli(client_config: Path) -> object:
             text=True,
             input=input if input is not None else "",
             env=full_env,
-            timeout=60,
+            timeout=120,
+            cwd=cwd,
         )
         return CliResult(done.returncode, done.stdout, done.stderr)
 
     return run
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    """Poll ``condition`` until it returns something true, for at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def client_env(server: RunningServer, token: str | None = None) -> dict[str, str]:
+    """The environment that points the CLI at ``server`` without a login."""
+    return {
+        "GPUPORT_URL": server.url,
+        "GPUPORT_TOKEN": token or server.admin_token,
+        "GPUPORT_FINGERPRINT": server.fingerprint,
+    }
 
 
 def _nvml_gpu_count() -> int:

@@ -12,6 +12,9 @@ import click
 from rich.markup import escape
 
 import gpuport
+from gpuport.cli._common import client as _client
+from gpuport.cli._common import json_option
+from gpuport.cli._jobs import JOB_COMMANDS
 from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_json, when
 from gpuport.client import Client, config_path, connect, load_profiles, login, remove_profile
 from gpuport.client._channel import Target
@@ -19,7 +22,6 @@ from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT,
 from gpuport.protocol.errors import GpuportError
 from gpuport.protocol.units import format_size
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
 class _Gpuport(click.Group):
@@ -31,12 +33,6 @@ class _Gpuport(click.Group):
         except GpuportError as e:
             print_error(str(e))
             ctx.exit(1)
-
-
-def _client(ctx: click.Context) -> Client:
-    client = connect(profile=ctx.obj.get("profile"))
-    ctx.call_on_close(client.close)
-    return client
 
 
 @click.group(cls=_Gpuport)
@@ -287,6 +283,10 @@ def token_revoke(ctx: click.Context, name: str) -> None:
     """Revoke the token of NAME: it stops working at once."""
     _client(ctx).revoke_token(name)
     out.print(f"Revoked the token '{escape(name)}'.")
+
+
+for _command in JOB_COMMANDS:
+    cli.add_command(_command)
 
 
 def main() -> None:

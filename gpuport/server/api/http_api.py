@@ -7,19 +7,23 @@ Errors come out as ``{"error": {"type": "NotFound", "message": "..."}}`` with th
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuport._version import __version__
+from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
+from gpuport.protocol.paths import check_path
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
+from gpuport.server.services.jobs import JobRecord, JobRequest
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,68 @@ log = logging.getLogger(__name__)
 class TokenCreate(BaseModel):
     name: str
     admin: bool = False
+
+
+class JobCreate(BaseModel):
+    """A job for ``POST /v1/jobs``: a ``command`` (argv list, or a string run by /bin/sh -c), or a
+    ``script`` run as ``python SCRIPT --key value ...`` with its ``hyperparameters``."""
+
+    command: list[str] | str | None = None
+    script: str | None = Field(None, description="A Python file of the project, run with the hyperparameters as flags")
+    hyperparameters: dict[str, Any] | None = Field(None, description="Also written to hyperparameters.json in the workdir")
+    project: str | None = Field(None, description="A snapshot pushed under this name (gpuport push DIR --name NAME)")
+    snapshot_id: str | None = None
+    datasets: list[str] = Field(default_factory=list, description="Pushed snapshots mounted read-only")
+    gpus: int = 0
+    env: dict[str, str] = Field(default_factory=dict)
+    outputs: list[str] = Field(default_factory=list, description="Workdir paths brought back as outputs")
+    name: str = ""
+
+
+def _flag_value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def job_request(body: JobCreate) -> JobRequest:
+    if (body.command is None) == (body.script is None):
+        raise InvalidRequest("give either `command` or `script` (with `hyperparameters`), not both")
+    command: list[str] = []
+    shell = ""
+    if body.script is not None:
+        command = ["python", check_path(body.script, what="script")]
+        for key, value in (body.hyperparameters or {}).items():
+            command += [f"--{key}", _flag_value(value)]
+    elif isinstance(body.command, str):
+        shell = body.command
+    else:
+        command = list(body.command or [])
+    return JobRequest(
+        command=command,
+        shell=shell,
+        snapshot_id=body.snapshot_id or "",
+        project=body.project or "",
+        datasets=body.datasets,
+        gpus=body.gpus,
+        env=body.env,
+        outputs=body.outputs,
+        name=body.name,
+        hyperparameters=body.hyperparameters,
+    )
+
+
+def job_json(job: JobRecord) -> dict[str, Any]:
+    return {"job_id": job.id, **dataclasses.asdict(job), "state": job.state.value}
+
+
+def _complete_utf8(data: bytes) -> bytes:
+    """``data`` without a UTF-8 character cut at its end (the next read starts with it instead)."""
+    for cut in range(1, 4):
+        if len(data) >= cut and data[-cut] & 0xC0 == 0xC0:  # a lead byte `cut` bytes from the end
+            needed = 2 if data[-cut] < 0xE0 else 3 if data[-cut] < 0xF0 else 4
+            return data[:-cut] if needed > cut else data
+        if len(data) >= cut and data[-cut] & 0xC0 != 0x80:
+            return data
+    return data
 
 
 _bearer = HTTPBearer(auto_error=False)
@@ -65,6 +131,19 @@ def build_http_app(app: ServerApp) -> FastAPI:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         return _error_response(InvalidRequest(f"malformed request: {problems}"))
 
+    @api.middleware("http")
+    async def _limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
+            error = InvalidRequest(
+                f"request body of {length} bytes is over the limit of {MAX_REST_BODY_BYTES} — upload files with "
+                "`gpuport push`, and refer to them by name"
+            )
+            response = _error_response(error)
+            response.status_code = 413
+            return response
+        return await call_next(request)  # type: ignore[no-any-return]
+
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
@@ -98,5 +177,43 @@ def build_http_app(app: ServerApp) -> FastAPI:
     @api.delete("/v1/tokens/{name}", summary="Revoke a token (admin)")
     async def revoke_token(name: str, identity: Caller) -> dict[str, Any]:
         return dataclasses.asdict(app.auth.revoke(identity, name))
+
+    @api.post("/v1/jobs", status_code=201, summary="Submit a job; the reply carries its job_id")
+    async def submit_job(body: JobCreate, identity: Caller) -> dict[str, Any]:
+        return job_json(app.jobs.submit(identity, job_request(body)))
+
+    @api.get("/v1/jobs", summary="Your active and recent jobs (all=true: every one; admins: every user's)")
+    async def list_jobs(identity: Caller, all: bool = False) -> list[dict[str, Any]]:
+        return [job_json(j) for j in app.jobs.list(identity, all=all)]
+
+    @api.get("/v1/jobs/{job_id}", summary="One job")
+    async def get_job(job_id: str, identity: Caller) -> dict[str, Any]:
+        return job_json(app.jobs.get(identity, job_id))
+
+    @api.get(
+        "/v1/jobs/{job_id}/logs",
+        summary="The log from a byte offset; call again with next_offset until `complete` is true",
+    )
+    async def job_logs(job_id: str, identity: Caller, offset: int = 0, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:
+        job, data = app.jobs.read_log(identity, job_id, offset, limit)
+        if not job.state.is_terminal() or len(data) == limit:
+            data = _complete_utf8(data)
+        next_offset = offset + len(data)
+        return {
+            "job_id": job.id,
+            "state": job.state.value,
+            "offset": offset,
+            "next_offset": next_offset,
+            "data": data.decode("utf-8", "replace"),
+            "complete": job.state.is_terminal() and next_offset >= job.log_bytes,
+        }
+
+    @api.post("/v1/jobs/{job_id}/cancel", summary="Cancel a job (SIGTERM, then SIGKILL after a grace period)")
+    async def cancel_job(job_id: str, identity: Caller) -> dict[str, Any]:
+        return job_json(app.jobs.cancel(identity, job_id))
+
+    @api.get("/v1/snapshots", summary="Your named snapshots (gpuport push)")
+    async def list_snapshots(identity: Caller) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(s) for s in app.snapshots.named(identity)]
 
     return api

@@ -315,6 +315,18 @@ class JobService:
                 await asyncio.wait_for(self._ended_event(job.id).wait(), timeout)
         return self._load(job.id)
 
+    def read_log(self, caller: Identity, job_id: str, offset: int, limit: int) -> tuple[JobRecord, bytes]:
+        """The job (as it was before the read) and up to ``limit`` bytes of its log from ``offset``."""
+        job = self.get(caller, job_id)
+        if offset < 0:
+            raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
+        try:
+            with open(self.root / job.id / "log", "rb") as f:
+                f.seek(offset)
+                return job, f.read(max(0, min(limit, LOG_CHUNK_BYTES)))
+        except FileNotFoundError:
+            return job, b""
+
     async def logs(self, caller: Identity, job_id: str, offset: int, follow: bool) -> AsyncIterator[tuple[int, bytes]]:
         """(offset, bytes) chunks of the job's log from ``offset``; with ``follow``, until the job has ended."""
         job = self.get(caller, job_id)

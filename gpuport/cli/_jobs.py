@@ -1,0 +1,339 @@
+"""Job commands: ``run``, ``jobs``, ``logs``, ``wait``, ``cancel``, ``download``, ``push``, ``snapshots``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from gpuport.cli._common import client, json_option
+from gpuport.cli._output import ago, err, out, print_json
+from gpuport.client import Job, JobInfo
+from gpuport.defaults import DEFAULT_DETACH_WINDOW, DEFAULT_OUTPUT_DIR
+from gpuport.protocol.errors import InvalidRequest, WaitTimeout
+from gpuport.protocol.units import format_duration, format_size
+
+# Transfers smaller than this finish before a progress bar would be worth drawing.
+_PROGRESS_FROM_BYTES = 4 * 1024 * 1024
+
+
+@contextmanager
+def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
+    """A callback for uploads and downloads that draws a bar on stderr once a transfer is large enough."""
+    bar: Progress | None = None
+    task = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar, task
+        if bar is None:
+            if total < _PROGRESS_FROM_BYTES or not err.is_terminal and "GPUPORT_PROGRESS" not in os.environ:
+                return
+            bar = Progress(
+                TextColumn(verb), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True
+            )
+            bar.start()
+            task = bar.add_task(verb, total=total)
+        assert task is not None
+        bar.update(task, completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _exit_status(info: JobInfo) -> int:
+    """The shell's convention: the exit code, or 128 + the signal that killed it."""
+    if info.exit_code is None:
+        return 130 if info.state == "cancelled" else 1
+    if info.exit_code < 0:
+        return 128 - info.exit_code
+    return min(info.exit_code, 255)
+
+
+def _env(pairs: tuple[str, ...]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            if key not in os.environ:
+                raise InvalidRequest(f"--env {key}: give KEY=VALUE, or a KEY set in your environment")
+            value = os.environ[key]
+        env[key] = value
+    return env
+
+
+def _stream_log(job: Job, offset: int = 0) -> int:
+    """Copy the job's log to stdout as it grows, until the job ends; return the offset reached."""
+    sink = sys.stdout.buffer
+    for chunk_offset, data in job.log_chunks(offset, follow=True):
+        sink.write(data)
+        sink.flush()
+        offset = chunk_offset + len(data)
+    return offset
+
+
+def _summary(info: JobInfo) -> str:
+    took = ""
+    if info.started_at and info.ended_at:
+        took = f" in {format_duration(info.ended_at - info.started_at)}"
+    style = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "lost": "red"}.get(info.state, "")
+    return f"[{style}]job {info.id} {info.state}[/]{took}: {escape(info.message)}"
+
+
+def _download(job: Job, dest: Path, path: str | None = None) -> None:
+    with _progress("downloading") as progress:
+        files = job.download(dest, path, progress=progress)
+    if files:
+        err.print(f"outputs: {escape(str(dest))}/ ({len(files)} file{'s' if len(files) != 1 else ''})")
+
+
+@click.command("run", context_settings={"allow_interspersed_args": False})
+@click.option("--gpus", default=0, show_default=True, type=int, help="Whole GPUs to give the job.")
+@click.option("--name", help="A name to find the job by.")
+@click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable (repeatable).")
+@click.option(
+    "--workdir",
+    "-w",
+    default=".",
+    show_default=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Folder to sync and run in.",
+)
+@click.option(
+    "--output",
+    "-o",
+    "outputs",
+    multiple=True,
+    metavar="PATH",
+    help="File or folder of the workdir to bring back (repeatable).",
+)
+@click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Where outputs go.")
+@click.option("--project", help="Run in a snapshot pushed under this name instead of syncing --workdir.")
+@click.option("--dataset", "datasets", multiple=True, metavar="NAME", help="Mount a pushed snapshot read-only.")
+@click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run_command(
+    ctx: click.Context,
+    gpus: int,
+    name: str | None,
+    env: tuple[str, ...],
+    workdir: Path,
+    outputs: tuple[str, ...],
+    output_dir: Path | None,
+    project: str | None,
+    datasets: tuple[str, ...],
+    detach: bool,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND on the server: sync the workdir, stream the logs, bring the outputs back.
+
+    \b
+        gpuport run --gpus 1 --output model/ -- python train.py --epochs 5
+
+    Only files the server lacks are uploaded (.gitignore and .gpuportignore are honoured). The
+    command exits with the job's exit code. Outputs (--output paths, and whatever the job writes to
+    $GPUPORT_OUTPUT_DIR) land in ./gpuport-outputs/<job-id>/. Ctrl-C detaches from a running job;
+    a second Ctrl-C cancels it.
+    """
+    gpu = client(ctx)
+    with _progress("uploading") as progress:
+        job = gpu.submit(
+            list(command),
+            workdir,
+            gpus=gpus,
+            env=_env(env),
+            outputs=outputs,
+            name=name,
+            project=project,
+            datasets=datasets,
+            progress=progress,
+        )
+    if detach:
+        out.print(job.id)
+        err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
+        return
+    if job.info.state == "queued" and job.info.message:
+        err.print(f"[dim]job {job.id} queued: {escape(job.info.message)}[/]")
+    offset = 0
+    try:
+        offset = _stream_log(job)
+    except KeyboardInterrupt:
+        err.print(
+            f"\ndetached from job {job.id}, which keeps running — "
+            f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
+        )
+        try:
+            time.sleep(DEFAULT_DETACH_WINDOW)
+        except KeyboardInterrupt:
+            job.cancel()
+            err.print(f"cancelling job {job.id}...")
+            _stream_log(job, offset)
+            info = job.wait().info
+            err.print(_summary(info))
+            ctx.exit(_exit_status(info))
+        err.print(f"re-attach with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
+        ctx.exit(0)
+    info = job.wait().info
+    if info.output_snapshot_id:
+        _download(job, output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id)
+    err.print(_summary(info))
+    ctx.exit(_exit_status(info))
+
+
+def _jobs_table(jobs: list[JobInfo]) -> Table:
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("JOB", "NAME", "OWNER", "STATE", "GPUS", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
+        table.add_column(column, overflow="fold" if column == "COMMAND" else None)
+    for j in jobs:
+        ran = "-"
+        if j.started_at:
+            ran = format_duration((j.ended_at or time.time()) - j.started_at)
+        exit_code = "-" if j.exit_code is None else str(j.exit_code)
+        command = " ".join(j.command)
+        table.add_row(
+            j.id,
+            escape(j.name) or "-",
+            escape(j.owner),
+            j.state + (f" ({escape(j.message)})" if j.state == "queued" and j.message else ""),
+            ",".join(map(str, j.gpu_indices)) if j.gpu_indices else str(j.gpus),
+            f"{ago(j.created_at)} ago",
+            ran,
+            exit_code,
+            escape(command if len(command) <= 60 else command[:57] + "..."),
+        )
+    return table
+
+
+@click.command("jobs")
+@click.option("--all", "-a", "all_", is_flag=True, help="Every job, not only active and recent ones (admins: every user's).")
+@json_option
+@click.pass_context
+def jobs_command(ctx: click.Context, all_: bool, as_json: bool) -> None:
+    """List your jobs: queued, running, and those of the last day (newest first)."""
+    infos = [j.info for j in client(ctx).jobs(all=all_)]
+    if as_json:
+        print_json(infos)
+    elif not infos:
+        err.print("no jobs" + ("" if all_ else " in the last day (--all shows older ones)"))
+    else:
+        out.print(_jobs_table(infos))
+
+
+@click.command("logs")
+@click.argument("job_id", metavar="JOB")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+@click.pass_context
+def logs_command(ctx: click.Context, job_id: str, follow: bool) -> None:
+    """Print a job's log (stdout and stderr, in order)."""
+    job = client(ctx).job(job_id)
+    sink = sys.stdout.buffer
+    try:
+        for _, data in job.log_chunks(0, follow=follow):
+            sink.write(data)
+            sink.flush()
+    except KeyboardInterrupt:
+        ctx.exit(130)
+
+
+@click.command("wait")
+@click.argument("job_id", metavar="JOB")
+@click.option("--timeout", type=float, help="Give up after this many seconds (exit status 124).")
+@click.pass_context
+def wait_command(ctx: click.Context, job_id: str, timeout: float | None) -> None:
+    """Wait for a job to end; exit with its exit code."""
+    job = client(ctx).job(job_id)
+    try:
+        info = job.wait(timeout).info
+    except WaitTimeout as e:
+        err.print(escape(str(e)))
+        ctx.exit(124)
+    err.print(_summary(info))
+    ctx.exit(_exit_status(info))
+
+
+@click.command("cancel")
+@click.argument("job_id", metavar="JOB")
+@click.pass_context
+def cancel_command(ctx: click.Context, job_id: str) -> None:
+    """Cancel a job: a queued one at once, a running one with SIGTERM, then SIGKILL after a grace period."""
+    info = client(ctx).job(job_id).cancel()
+    if info.state == "cancelled":
+        err.print(f"job {info.id} cancelled")
+    else:
+        err.print(f"job {info.id}: stopping (SIGTERM now, SIGKILL after the grace period)")
+
+
+@click.command("download")
+@click.argument("job_id", metavar="JOB")
+@click.argument("path", required=False)
+@click.option("--output-dir", "-o", type=click.Path(file_okay=False, path_type=Path), help="Where to put the files.")
+@click.pass_context
+def download_command(ctx: click.Context, job_id: str, path: str | None, output_dir: Path | None) -> None:
+    """Download a finished job's outputs (or only those at PATH) into ./gpuport-outputs/JOB/.
+
+    Files already there with the same content are not fetched again.
+    """
+    job = client(ctx).job(job_id)
+    dest = output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id
+    if not job.info.output_snapshot_id and job.info.ended:
+        err.print(f"job {job.id} has no outputs")
+        return
+    _download(job, dest, path)
+
+
+@click.command("push")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--name", required=True, help="Name of the snapshot: a --project or --dataset for later jobs.")
+@json_option
+@click.pass_context
+def push_command(ctx: click.Context, folder: Path, name: str, as_json: bool) -> None:
+    """Upload FOLDER as a named snapshot (only what the server lacks is sent)."""
+    with _progress("uploading") as progress:
+        snapshot = client(ctx).push(folder, name, progress=progress)
+    if as_json:
+        print_json(snapshot)
+        return
+    err.print(
+        f"pushed {escape(str(folder))} as {escape(name)}: {snapshot.files} files, {format_size(snapshot.bytes)} "
+        f"(uploaded {snapshot.uploaded_files} files, {format_size(snapshot.uploaded_bytes)})"
+    )
+
+
+@click.command("snapshots")
+@json_option
+@click.pass_context
+def snapshots_command(ctx: click.Context, as_json: bool) -> None:
+    """List your named snapshots (made with `gpuport push`)."""
+    snapshots = client(ctx).snapshots()
+    if as_json:
+        print_json(snapshots)
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "FILES", "SIZE", "ID"):
+        table.add_column(column)
+    for s in snapshots:
+        table.add_row(escape(s.name), str(s.files), format_size(s.bytes), s.id[:12])
+    out.print(table)
+
+
+JOB_COMMANDS = [
+    run_command,
+    jobs_command,
+    logs_command,
+    wait_command,
+    cancel_command,
+    download_command,
+    push_command,
+    snapshots_command,
+]

@@ -1,0 +1,238 @@
+"""Jobs end to end through the Python API and the CLI, against the real server and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import gpuport
+from tests.conftest import RunningServer, client_env, wait_for
+
+TRAIN = textwrap.dedent(
+    """
+    import json, os, sys
+    print("training on", os.environ.get("CUDA_VISIBLE_DEVICES"), "job", os.environ["GPUPORT_JOB_ID"])
+    print("to stderr", file=sys.stderr)
+    print("back to stdout")
+    os.makedirs("model", exist_ok=True)
+    with open("model/weights.bin", "wb") as f:
+        f.write(bytes(range(256)) * 40)
+    with open(os.path.join(os.environ["GPUPORT_OUTPUT_DIR"], "metrics.json"), "w") as f:
+        json.dump({"accuracy": 0.9, "extra": os.environ.get("EXTRA")}, f)
+    sys.exit(int(os.environ.get("EXIT", "0")))
+    """
+)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    (root / "data").mkdir(parents=True)
+    (root / "train.py").write_text(TRAIN)
+    (root / "data" / "table.csv").write_text("a,b\n1,2\n")
+    (root / ".gitignore").write_text("*.tmp\n")
+    (root / "scratch.tmp").write_text("not synced")
+    return root
+
+
+def test_submit_runs_in_the_synced_workdir_streams_logs_and_brings_outputs_back(
+    admin: gpuport.Client, project: Path, tmp_path: Path
+) -> None:
+    job = admin.submit(["python", "train.py"], workdir=project, gpus=1, env={"EXTRA": "x", "EXIT": "3"}, outputs=["model/"])
+    assert job.id.startswith("j-")
+    lines = list(job.logs(follow=True))
+    assert lines == [f"training on 0 job {job.id}", "to stderr", "back to stdout"]
+    assert job.wait().exit_code == 3
+    assert job.status == "failed" and job.info.message == "exited with code 3"
+    files = job.download(tmp_path / "out")
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in files) == ["metrics.json", "model/weights.bin"]
+    assert (tmp_path / "out" / "model" / "weights.bin").read_bytes() == bytes(range(256)) * 40
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {"accuracy": 0.9, "extra": "x"}
+    only = job.download(tmp_path / "part", "model")
+    assert [p.name for p in only] == ["weights.bin"] and not (tmp_path / "part" / "metrics.json").exists()
+    assert admin.job(job.id).info.state == "failed"
+    assert job.id in [j.id for j in admin.jobs()]
+
+
+def test_download_fetches_only_files_that_differ(admin: gpuport.Client, project: Path, tmp_path: Path) -> None:
+    job = admin.submit(["python", "train.py"], workdir=project, outputs=["model"]).wait()
+    dest = tmp_path / "out"
+    job.download(dest)
+    weights, metrics = dest / "model" / "weights.bin", dest / "metrics.json"
+    metrics.write_text("edited")
+    before = weights.stat().st_ino, weights.stat().st_mtime_ns
+    job.download(dest)
+    assert (weights.stat().st_ino, weights.stat().st_mtime_ns) == before  # same content: not fetched again
+    assert json.loads(metrics.read_text())["accuracy"] == 0.9  # changed: fetched again
+
+
+def test_only_missing_files_are_uploaded_and_ignored_ones_never(admin: gpuport.Client, project: Path) -> None:
+    first = admin.push(project, "sync-test")
+    assert first.files == 3  # train.py, data/table.csv, .gitignore; not scratch.tmp
+    again = admin.push(project, "sync-test")
+    assert (again.id, again.uploaded_files) == (first.id, 0)
+    (project / "data" / "table.csv").write_text("a,b\n3,4\n")
+    (project / "new.py").write_text("print(1)\n")
+    changed = admin.push(project, "sync-test")
+    assert changed.id != first.id and changed.uploaded_files == 2
+    job = admin.submit("cat data/table.csv; ls", workdir=None, project="sync-test").wait()
+    assert list(job.logs()) == ["a,b", "3,4", "data", "new.py", "train.py"]
+    assert "sync-test" in [s.name for s in admin.snapshots()]
+
+
+def test_a_job_gets_its_gpus_job_id_output_dir_and_datasets(admin: gpuport.Client, tmp_path: Path) -> None:
+    dataset = tmp_path / "ds"
+    dataset.mkdir()
+    (dataset / "x.txt").write_text("dataset bytes")
+    admin.push(dataset, "ds-test")
+    script = (
+        'import os; print(os.environ["CUDA_VISIBLE_DEVICES"]); '
+        'd = os.environ["GPUPORT_DATASETS_DIR"]; print(open(os.path.join(d, "ds-test", "x.txt")).read()); '
+        'print(os.stat(os.path.join(d, "ds-test", "x.txt")).st_mode & 0o222)'
+    )
+    job = admin.submit(["python", "-c", script], workdir=None, gpus=2, datasets=["ds-test"]).wait()
+    assert list(job.logs()) == ["0,1", "dataset bytes", "0"]  # read-only
+    assert job.info.gpu_indices == (0, 1)
+
+
+def test_gpu_jobs_queue_first_come_and_show_in_gpus(admin: gpuport.Client, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    hold = f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.02)"
+    big = admin.submit(["python", "-c", hold], workdir=None, gpus=2)
+    wait_for(lambda: big.status == "running", what="the 2-GPU job running")
+    small = admin.submit(["python", "-c", "pass"], workdir=None, gpus=1)
+    assert small.status == "queued" and "waiting for 1 GPU (0 free)" in small.info.message
+    assert [g.jobs for g in admin.gpus()] == [(big.id,), (big.id,)]
+    cpu = admin.submit(["python", "-c", "pass"], workdir=None).wait(30)
+    assert cpu.info.state == "succeeded"  # needs no GPU: not held up
+    flag.touch()
+    assert small.wait(30).exit_code == 0 and big.wait(30).exit_code == 0
+    assert small.info.started_at >= big.info.ended_at - 0.5
+
+
+def test_cancel_a_queued_job_and_a_running_one(admin: gpuport.Client, tmp_path: Path) -> None:
+    handler = textwrap.dedent(
+        """
+        import signal, sys, time
+        def stop(*_):
+            print("got SIGTERM, saving", flush=True)
+            sys.exit(5)
+        signal.signal(signal.SIGTERM, stop)
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    running = admin.submit(["python", "-c", handler], workdir=None, gpus=2)
+    wait_for(lambda: running.info.log_bytes or running.refresh().log_bytes, what="the job's first line")
+    queued = admin.submit(["python", "-c", "pass"], workdir=None, gpus=1)
+    assert queued.cancel().state == "cancelled"
+    running.cancel()
+    info = running.wait(30).info
+    assert (info.state, info.exit_code) == ("cancelled", 5)
+    assert list(running.logs()) == ["ready", "got SIGTERM, saving"]
+    with pytest.raises(gpuport.Conflict, match="already ended"):
+        running.cancel()
+
+
+def test_cancel_kills_a_job_that_ignores_sigterm_after_the_grace_period(admin: gpuport.Client) -> None:
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    job = admin.submit(["python", "-c", stubborn], workdir=None)
+    wait_for(lambda: job.refresh().log_bytes, what="the job's first line")
+    job.cancel()
+    info = job.wait(30).info
+    assert info.state == "cancelled" and "SIGKILL" in info.message
+
+
+def test_wait_timeout_and_a_command_that_does_not_exist(admin: gpuport.Client) -> None:
+    job = admin.submit(["python", "-c", "import time; time.sleep(30)"], workdir=None)
+    with pytest.raises(gpuport.WaitTimeout, match="still running"):
+        job.wait(timeout=0.3)
+    job.cancel()
+    missing = admin.submit(["no-such-program-here"], workdir=None).wait(30)
+    assert (missing.info.state, missing.info.exit_code) == ("failed", 127)
+    assert "cannot start 'no-such-program-here'" in "\n".join(missing.logs())
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------
+
+
+def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
+    cli: object, server: RunningServer, project: Path
+) -> None:
+    result = cli("run", "--gpus", "1", "--output", "model/", "-e", "EXIT=4", "--", "python", "train.py", cwd=project, **client_env(server))  # type: ignore[operator]
+    assert result.code == 4, result.output
+    assert "training on 0 job j-" in result.stdout and "to stderr" in result.stdout
+    job_id = result.stdout.split(" job ")[1].split()[0]
+    outputs = project / "gpuport-outputs" / job_id
+    assert (outputs / "model" / "weights.bin").stat().st_size == 10240
+    assert (outputs / "metrics.json").exists()
+    assert f"job {job_id} failed" in result.stderr
+    # The outputs folder is never synced back up with the next run.
+    again = cli("run", "--", "ls", cwd=project, **client_env(server))  # type: ignore[operator]
+    assert again.code == 0 and "gpuport-outputs" not in again.stdout
+
+
+def test_cli_detach_jobs_logs_wait_download_cancel(cli: object, server: RunningServer, project: Path, tmp_path: Path) -> None:
+    env = client_env(server)
+    run = cli("run", "--detach", "--name", "detached", "--output", "model", "--", "python", "train.py", cwd=project, **env)  # type: ignore[operator]
+    assert run.code == 0, run.output
+    job_id = run.stdout.strip()
+    assert cli("wait", job_id, **env).code == 0  # type: ignore[operator]
+    listing = cli("jobs", "--json", **env)  # type: ignore[operator]
+    mine = [j for j in json.loads(listing.stdout) if j["id"] == job_id][0]
+    assert (mine["name"], mine["state"], mine["exit_code"]) == ("detached", "succeeded", 0)
+    assert "detached" in cli("jobs", **env).stdout  # type: ignore[operator]
+    logs = cli("logs", job_id, **env)  # type: ignore[operator]
+    assert logs.stdout.splitlines()[1:] == ["to stderr", "back to stdout"]
+    download = cli("download", job_id, "model", "-o", str(tmp_path / "dl"), **env)  # type: ignore[operator]
+    assert download.code == 0 and (tmp_path / "dl" / "model" / "weights.bin").exists()
+    sleeper = cli("run", "-d", "--", "sleep", "30", cwd=project, **env).stdout.strip()  # type: ignore[operator]
+    assert cli("cancel", sleeper, **env).code == 0  # type: ignore[operator]
+    assert cli("wait", sleeper, **env).code == 128 + signal.SIGTERM  # type: ignore[operator]
+    pushed = cli("push", str(project), "--name", "cli-proj", **env)  # type: ignore[operator]
+    assert pushed.code == 0 and "as cli-proj" in pushed.stderr
+    assert "cli-proj" in cli("snapshots", **env).stdout  # type: ignore[operator]
+
+
+def _start_cli_run(server: RunningServer, project: Path, client_config: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+    env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config))
+    script = "import time\nprint('started', flush=True)\ntime.sleep(60)"
+    return subprocess.Popen(
+        [sys.executable, "-m", "gpuport", "run", "--", "python", "-c", script],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
+    server: RunningServer, admin: gpuport.Client, project: Path, client_config: Path
+) -> None:
+    run = _start_cli_run(server, project, client_config)
+    assert run.stdout is not None and run.stdout.readline() == "started\n"
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=30)
+    assert run.returncode == 0, stderr
+    job_id = stderr.split("gpuport logs -f ")[1].split("`")[0]
+    assert "re-attach" in stderr and admin.job(job_id).status == "running"
+    admin.job(job_id).cancel()
+
+    run = _start_cli_run(server, project, client_config)
+    assert run.stdout is not None and run.stdout.readline() == "started\n"
+    run.send_signal(signal.SIGINT)
+    assert run.stderr is not None
+    wait_for(lambda: "press Ctrl-C again" in run.stderr.readline(), what="the detach prompt")  # type: ignore[union-attr]
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=30)
+    assert "cancelled" in stderr and run.returncode == 128 + signal.SIGTERM

@@ -12,8 +12,8 @@ import os as _os
 # that say what to do, so the raw lines are only noise. Set GRPC_VERBOSITY to see them.
 _os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from gpuport._version import __version__  # noqa: E402
-from gpuport.client import (  # noqa: E402
+from gpuport._version import __version__
+from gpuport.client import (
     GPU,
     Client,
     GpuProcess,
@@ -26,9 +26,9 @@ from gpuport.client import (  # noqa: E402
     connect,
     login,
 )
-from gpuport.protocol import errors as _errors  # noqa: E402
-from gpuport.protocol.errors import *  # noqa: E402,F403  (the error tree: see gpuport/protocol/errors.py)
-from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size  # noqa: E402
+from gpuport.protocol import errors as _errors
+from gpuport.protocol.errors import *
+from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = [
     "__version__",

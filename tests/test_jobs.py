@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,9 @@ def project(tmp_path: Path) -> Path:
 def test_submit_runs_in_the_synced_workdir_streams_logs_and_brings_outputs_back(
     admin: gpuport.Client, project: Path, tmp_path: Path
 ) -> None:
-    job = admin.submit(["python", "train.py"], workdir=project, gpus=1, env={"EXTRA": "x", "EXIT": "3"}, outputs=["model/"])
+    job = admin.submit(
+        ["python", "train.py"], workdir=project, gpus=1, env={"EXTRA": "x", "EXIT": "3"}, outputs=["model/"]
+    )
     assert job.id.startswith("j-")
     lines = list(job.logs(follow=True))
     assert lines == [f"training on 0 job {job.id}", "to stderr", "back to stdout"]
@@ -143,7 +144,9 @@ def test_cancel_a_queued_job_and_a_running_one(admin: gpuport.Client, tmp_path: 
 
 
 def test_cancel_kills_a_job_that_ignores_sigterm_after_the_grace_period(admin: gpuport.Client) -> None:
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
     job = admin.submit(["python", "-c", stubborn], workdir=None)
     wait_for(lambda: job.refresh().log_bytes, what="the job's first line")
     job.cancel()
@@ -167,7 +170,20 @@ def test_wait_timeout_and_a_command_that_does_not_exist(admin: gpuport.Client) -
 def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
     cli: object, server: RunningServer, project: Path
 ) -> None:
-    result = cli("run", "--gpus", "1", "--output", "model/", "-e", "EXIT=4", "--", "python", "train.py", cwd=project, **client_env(server))  # type: ignore[operator]
+    result = cli(
+        "run",
+        "--gpus",
+        "1",
+        "--output",
+        "model/",
+        "-e",
+        "EXIT=4",
+        "--",
+        "python",
+        "train.py",
+        cwd=project,
+        **client_env(server),
+    )  # type: ignore[operator]
     assert result.code == 4, result.output
     assert "training on 0 job j-" in result.stdout and "to stderr" in result.stdout
     job_id = result.stdout.split(" job ")[1].split()[0]
@@ -180,9 +196,13 @@ def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
     assert again.code == 0 and "gpuport-outputs" not in again.stdout
 
 
-def test_cli_detach_jobs_logs_wait_download_cancel(cli: object, server: RunningServer, project: Path, tmp_path: Path) -> None:
+def test_cli_detach_jobs_logs_wait_download_cancel(
+    cli: object, server: RunningServer, project: Path, tmp_path: Path
+) -> None:
     env = client_env(server)
-    run = cli("run", "--detach", "--name", "detached", "--output", "model", "--", "python", "train.py", cwd=project, **env)  # type: ignore[operator]
+    run = cli(
+        "run", "--detach", "--name", "detached", "--output", "model", "--", "python", "train.py", cwd=project, **env
+    )  # type: ignore[operator]
     assert run.code == 0, run.output
     job_id = run.stdout.strip()
     assert cli("wait", job_id, **env).code == 0  # type: ignore[operator]

@@ -48,7 +48,11 @@ def test_links_inside_pass() -> None:
 
 
 def test_nothing_may_sit_below_a_symlink() -> None:
-    entries = [Entry("d", "", 0, 0o777, link="real"), Entry("d/x", "a" * 64, 1, 0o644), Entry("real/y", "b" * 64, 1, 0o644)]
+    entries = [
+        Entry("d", "", 0, 0o777, link="real"),
+        Entry("d/x", "a" * 64, 1, 0o644),
+        Entry("real/y", "b" * 64, 1, 0o644),
+    ]
     with pytest.raises(InvalidRequest, match="below the symlink"):
         check_entries(entries)
 

@@ -100,7 +100,9 @@ def _download(job: Job, dest: Path, path: str | None = None) -> None:
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--gpus", default=0, show_default=True, type=int, help="Whole GPUs to give the job.")
 @click.option("--name", help="A name to find the job by.")
-@click.option("--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable (repeatable).")
+@click.option(
+    "--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable (repeatable)."
+)
 @click.option(
     "--workdir",
     "-w",
@@ -216,7 +218,9 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
 
 
 @click.command("jobs")
-@click.option("--all", "-a", "all_", is_flag=True, help="Every job, not only active and recent ones (admins: every user's).")
+@click.option(
+    "--all", "-a", "all_", is_flag=True, help="Every job, not only active and recent ones (admins: every user's)."
+)
 @json_option
 @click.pass_context
 def jobs_command(ctx: click.Context, all_: bool, as_json: bool) -> None:

@@ -7,18 +7,18 @@ from gpuport.client._login import login
 from gpuport.client._types import GPU, GpuProcess, NewToken, ServerStatus, Snapshot, TokenInfo
 
 __all__ = [
+    "GPU",
     "Client",
-    "connect",
-    "login",
-    "config_path",
-    "load_profiles",
-    "remove_profile",
+    "GpuProcess",
     "Job",
     "JobInfo",
-    "Snapshot",
-    "GPU",
-    "GpuProcess",
     "NewToken",
     "ServerStatus",
+    "Snapshot",
     "TokenInfo",
+    "config_path",
+    "connect",
+    "load_profiles",
+    "login",
+    "remove_profile",
 ]

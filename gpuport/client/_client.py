@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gpuport._version import __version__
+from gpuport.client import _sync
 from gpuport.client._channel import (
     Target,
     diagnose,
@@ -23,7 +24,6 @@ from gpuport.client._channel import (
     probe,
     read_certificate,
 )
-from gpuport.client import _sync
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import Job, JobInfo
 from gpuport.client._types import GPU, NewToken, ServerStatus, Snapshot, TokenInfo
@@ -109,7 +109,9 @@ class Client:
             error = diagnose(self._target, self.fingerprint, details, timeout)
         raise error
 
-    def _stream(self, method: Callable[..., Iterator[Reply]], request: Any, timeout: float | None = None) -> Iterator[Reply]:
+    def _stream(
+        self, method: Callable[..., Iterator[Reply]], request: Any, timeout: float | None = None
+    ) -> Iterator[Reply]:
         """A server stream, with errors mapped as ``_call`` maps them."""
         call = method(request, metadata=self._metadata, timeout=timeout)
         try:
@@ -251,7 +253,9 @@ class Client:
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
         ``ResourceUnavailable`` (more GPUs than the server has), ``NotFound`` (unknown project).
         """
-        spec = pb.JobSpec(gpus=gpus, env=env or {}, outputs=list(outputs or ()), name=name or "", datasets=list(datasets))
+        spec = pb.JobSpec(
+            gpus=gpus, env=env or {}, outputs=list(outputs or ()), name=name or "", datasets=list(datasets)
+        )
         if isinstance(cmd, str):
             spec.shell = cmd
         else:

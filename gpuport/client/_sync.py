@@ -251,7 +251,9 @@ def already_there(dest: Path, entry: pb.ManifestEntry) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_size == entry.size and _hash(str(target)) == entry.blob
 
 
-def place(dest: Path, entries: list[pb.ManifestEntry], blobs: Iterator[pb.BlobBatch], progress: Progress | None) -> None:
+def place(
+    dest: Path, entries: list[pb.ManifestEntry], blobs: Iterator[pb.BlobBatch], progress: Progress | None
+) -> None:
     """Write ``entries`` under ``dest`` from a download stream of their blobs (each blob sent once)."""
     by_blob: dict[str, list[pb.ManifestEntry]] = {}
     for e in entries:
@@ -287,7 +289,9 @@ def place(dest: Path, entries: list[pb.ManifestEntry], blobs: Iterator[pb.BlobBa
                     current = None
                     assert temp is not None
                     if digest.hexdigest() != part.blob:
-                        raise InvalidRequest(f"blob {part.blob} arrived damaged (its hash does not match) — download again")
+                        raise InvalidRequest(
+                            f"blob {part.blob} arrived damaged (its hash does not match) — download again"
+                        )
                     group = by_blob.pop(part.blob)
                     for e in group[1:]:
                         with open(temp, "rb") as src, open(dest / e.path, "wb") as out:

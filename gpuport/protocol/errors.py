@@ -28,21 +28,21 @@ from __future__ import annotations
 import grpc
 
 __all__ = [
-    "GpuportError",
+    "AuthenticationError",
     "ConfigError",
+    "Conflict",
     "ConnectionFailed",
+    "FingerprintMismatch",
+    "GpuportError",
+    "InvalidRequest",
+    "NotFound",
+    "PermissionDenied",
+    "RemoteError",
+    "ResourceUnavailable",
+    "ServerError",
     "ServerUnreachable",
     "TLSError",
-    "FingerprintMismatch",
-    "AuthenticationError",
-    "PermissionDenied",
-    "NotFound",
-    "InvalidRequest",
-    "Conflict",
-    "ResourceUnavailable",
-    "RemoteError",
     "WaitTimeout",
-    "ServerError",
 ]
 
 ERROR_METADATA_KEY = "gpuport-error"

@@ -39,7 +39,9 @@ def check_path(path: str, *, what: str = "path") -> str:
 def check_link(path: str, target: str) -> str:
     """Return ``target`` if a symlink at ``path`` pointing there stays inside the snapshot; raise ``InvalidRequest``."""
     if not target or target.startswith("/") or "\0" in target:
-        raise InvalidRequest(f"symlink {path!r} points to {target!r}, outside the workdir — only relative links stay inside")
+        raise InvalidRequest(
+            f"symlink {path!r} points to {target!r}, outside the workdir — only relative links stay inside"
+        )
     resolved = posixpath.normpath(posixpath.join(posixpath.dirname(path), target))
     if resolved == ".." or resolved.startswith("../"):
         raise InvalidRequest(f"symlink {path!r} points to {target!r}, outside the workdir")

@@ -56,7 +56,7 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-def parse_duration(text: str | float | int) -> float:
+def parse_duration(text: str | float) -> float:
     """Return the seconds in ``text`` (``"90s"``, ``"2h"``, ``"1h30m"``, ``"250ms"``, or a number).
 
     Raises ``InvalidRequest`` for anything else.

@@ -183,7 +183,9 @@ def snapshot_message(record: SnapshotRecord, entries: list[Entry] | None = None)
         created_at=record.created_at,
         files=record.files,
         bytes=record.bytes,
-        entries=[pb.ManifestEntry(path=e.path, blob=e.blob, size=e.size, mode=e.mode, link=e.link) for e in entries or ()],
+        entries=[
+            pb.ManifestEntry(path=e.path, blob=e.blob, size=e.size, mode=e.mode, link=e.link) for e in entries or ()
+        ],
     )
 
 

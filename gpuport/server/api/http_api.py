@@ -39,7 +39,9 @@ class JobCreate(BaseModel):
 
     command: list[str] | str | None = None
     script: str | None = Field(None, description="A Python file of the project, run with the hyperparameters as flags")
-    hyperparameters: dict[str, Any] | None = Field(None, description="Also written to hyperparameters.json in the workdir")
+    hyperparameters: dict[str, Any] | None = Field(
+        None, description="Also written to hyperparameters.json in the workdir"
+    )
     project: str | None = Field(None, description="A snapshot pushed under this name (gpuport push DIR --name NAME)")
     snapshot_id: str | None = None
     datasets: list[str] = Field(default_factory=list, description="Pushed snapshots mounted read-only")

@@ -97,7 +97,9 @@ class SnapshotService:
             # The blob's size is the truth; a manifest that lies about it would mislead downloads.
             for e in entries:
                 if e.blob and self.blobs.path(e.blob).stat().st_size != e.size:
-                    raise InvalidRequest(f"file {e.path!r}: the manifest says {e.size} bytes, its blob has another size")
+                    raise InvalidRequest(
+                        f"file {e.path!r}: the manifest says {e.size} bytes, its blob has another size"
+                    )
             self._insert(caller.name, sid, entries)
         if name:
             with self.store.transaction() as db:
@@ -135,7 +137,9 @@ class SnapshotService:
         assert row is not None
         return SnapshotRecord(sid, owner, name, row["created_at"], row["files"], row["bytes"])
 
-    def resolve(self, caller: Identity, snapshot_id: str = "", name: str = "", owner: str | None = None) -> SnapshotRecord:
+    def resolve(
+        self, caller: Identity, snapshot_id: str = "", name: str = "", owner: str | None = None
+    ) -> SnapshotRecord:
         """The snapshot with this id, or under this name, owned by ``owner`` (default: the caller)."""
         owner = owner or caller.name
         if name:
@@ -161,7 +165,9 @@ class SnapshotService:
         if cached is not None:
             self._manifests.move_to_end(record.id)
             return cached
-        row = self.store.query_one("SELECT manifest FROM snapshots WHERE id = ? AND owner = ?", (record.id, record.owner))
+        row = self.store.query_one(
+            "SELECT manifest FROM snapshots WHERE id = ? AND owner = ?", (record.id, record.owner)
+        )
         assert row is not None
         entries = [Entry(*item) for item in json.loads(row["manifest"])]
         self._manifests[record.id] = entries
@@ -175,7 +181,10 @@ class SnapshotService:
             "JOIN snapshots s ON s.id = n.snapshot_id AND s.owner = n.owner WHERE n.owner = ? ORDER BY n.name",
             (caller.name,),
         )
-        return [SnapshotRecord(r["snapshot_id"], caller.name, r["name"], r["created_at"], r["files"], r["bytes"]) for r in rows]
+        return [
+            SnapshotRecord(r["snapshot_id"], caller.name, r["name"], r["created_at"], r["files"], r["bytes"])
+            for r in rows
+        ]
 
     def materialize(self, record: SnapshotRecord, dest: Path, *, read_only: bool = False) -> None:
         """Write the snapshot's files under ``dest`` (copies; read-only hard links with ``read_only``)."""

@@ -80,7 +80,9 @@ def main(job_dir):
     running.append(child)
     if status.get("cancelled"):  # cancelled while it was being started
         terminate(signal.SIGTERM, None)
-    _write_json(os.path.join(job_dir, "supervisor.json"), {"pid": os.getpid(), "child": child.pid, "started_at": started_at})
+    _write_json(
+        os.path.join(job_dir, "supervisor.json"), {"pid": os.getpid(), "child": child.pid, "started_at": started_at}
+    )
     code = child.wait()
     signal.setitimer(signal.ITIMER_REAL, 0)
     try:  # what the job left behind in its group would hold the GPU and the log open

@@ -9,9 +9,9 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# The server side only: enough for the demo.
-$(VENV)/.server: pyproject.toml | $(PY)
-	$(PIP) -e '.[server]'
+# The server and what the demo's Keras job needs (TensorFlow on the CPU, scikit-learn's digits).
+$(VENV)/.demo: pyproject.toml | $(PY)
+	$(PIP) -e '.[server,tf,examples]'
 	touch $@
 
 # Everything the tests use. torch is pinned first to the CPU build (2.13.0); the `torch` extra's
@@ -21,7 +21,7 @@ $(VENV)/.dev: pyproject.toml | $(PY)
 	$(PIP) -e '.[dev,tf,torch]'
 	touch $@
 
-demo: $(VENV)/.server
+demo: $(VENV)/.demo
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh
 
 test: $(VENV)/.dev

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make demo`: start a gpuport server on 127.0.0.1 with a throwaway state dir, log in to it as a
 # user would (pinning its certificate), look at its GPUs and status, make a token for a teammate,
-# and stop the server. Nothing outside a temporary folder is touched.
+# then the main job: train a Keras model remotely with live logs, bring the model back and score
+# it here. Nothing outside a temporary folder is touched.
 # GPUPORT_FAKE_GPUS=2x16GiB make demo   shows what it looks like on a machine with GPUs.
 set -euo pipefail
 
@@ -52,6 +53,16 @@ GPUPORT_TOKEN="$alice" gpuport status --json | python3 -c 'import json,sys; s=js
 
 step "GPUPORT_TOKEN=<alice's> gpuport token list      # but may not manage tokens"
 GPUPORT_TOKEN="$alice" gpuport token list 2>&1 || true
+
+step "cd examples/keras_digits && gpuport run --output model/ -- python train.py --epochs 15"
+(cd "$(dirname "$0")/keras_digits" &&
+  gpuport run --output model/ --output-dir "$work/outputs" -- python train.py --epochs 15)
+
+step "python evaluate.py gpuport-outputs/<job>/model/digits.keras   # the trained model, back here"
+(cd "$(dirname "$0")/keras_digits" && python evaluate.py "$work/outputs/model/digits.keras" 2>/dev/null)
+
+step "gpuport jobs"
+gpuport jobs
 
 step "kill -TERM <server>"
 kill -TERM "$server_pid"

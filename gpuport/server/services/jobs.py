@@ -299,7 +299,7 @@ class JobService:
             raise Conflict(f"job {job.id} has already ended ({job.state.value}); there is nothing to cancel")
         if job.state is JobState.QUEUED:
             self._move(job.id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message="cancelled")
-            self._ended_event(job.id).set()
+            self._announce_end(job.id)
         else:
             with self.store.transaction() as db:
                 db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job.id,))
@@ -332,7 +332,7 @@ class JobService:
         job = self.get(caller, job_id)
         if offset < 0:
             raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
-        ended = self._ended_event(job.id)
+        ended = asyncio.Event() if job.state.is_terminal() else self._ended_event(job.id)
         if job.state.is_terminal():
             ended.set()
         path = self.root / job.id / "log"
@@ -366,6 +366,12 @@ class JobService:
         if event is None:
             event = self._ended[job_id] = asyncio.Event()
         return event
+
+    def _announce_end(self, job_id: str) -> None:
+        """Wake whoever waits for the job or follows its log; later callers read the state from the store."""
+        event = self._ended.pop(job_id, None)
+        if event is not None:
+            event.set()
 
     def _move(self, job_id: str, old: JobState, new: JobState, **columns: Any) -> None:
         check_move(job_id, old, new)
@@ -524,7 +530,7 @@ class JobService:
             ended_at=ended_at or time.time(),
         )
         log.info("job %s %s: %s", job_id, state.value, message)
-        self._ended_event(job_id).set()
+        self._announce_end(job_id)
         self._schedule()
 
     def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:

@@ -196,7 +196,7 @@ def run_command(
 def _jobs_table(jobs: list[JobInfo]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("JOB", "NAME", "OWNER", "STATE", "GPUS", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
-        table.add_column(column, overflow="fold" if column == "COMMAND" else None)
+        table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
     for j in jobs:
         ran = "-"
         if j.started_at:

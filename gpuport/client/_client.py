@@ -96,7 +96,7 @@ class Client:
         method: Callable[..., Reply],
         request: Any,
         *,
-        timeout: float = DEFAULT_CALL_TIMEOUT,
+        timeout: float | None = DEFAULT_CALL_TIMEOUT,
         connecting: bool = False,
     ) -> Reply:
         try:
@@ -106,14 +106,14 @@ class Client:
             details = e.details() or ""  # type: ignore[attr-defined]
         # Raised outside the except block: the gRPC error adds nothing a user can act on.
         if connecting and isinstance(error, ServerUnreachable):
-            error = diagnose(self._target, self.fingerprint, details, timeout)
+            error = diagnose(self._target, self.fingerprint, details, timeout or DEFAULT_CONNECT_TIMEOUT)
         raise error
 
     def _stream(
         self, method: Callable[..., Iterator[Reply]], request: Any, timeout: float | None = None
     ) -> Iterator[Reply]:
         """A server stream, with errors mapped as ``_call`` maps them."""
-        call = method(request, metadata=self._metadata, timeout=timeout)
+        call: Any = method(request, metadata=self._metadata, timeout=timeout)  # an iterator and a grpc.Call
         try:
             yield from call
         except grpc.RpcError as e:

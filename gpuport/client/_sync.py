@@ -107,7 +107,8 @@ def scan(root: Path) -> list[LocalFile]:
                     path.encode()
                 except UnicodeEncodeError:
                     raise InvalidRequest(
-                        f"{os.path.join(root, path)!r}: the name is not valid UTF-8 — rename it, or add it to .gpuportignore"
+                        f"{os.path.join(root, path)!r}: the name is not valid UTF-8 — rename it, "
+                        "or add it to .gpuportignore"
                     ) from None
                 is_link = entry.is_symlink()
                 is_dir = not is_link and entry.is_dir()
@@ -172,7 +173,7 @@ class HashCache:
                 todo.append((f, info))
         if todo:
             with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:  # hashlib releases the GIL
-                for (f, info), blob in zip(todo, pool.map(lambda t: _hash(t[0].full), todo)):
+                for (f, info), blob in zip(todo, pool.map(lambda t: _hash(t[0].full), todo), strict=True):
                     hashed[f.path] = blob
                     if now - info.st_mtime_ns > _SETTLED_NS:
                         self.entries[f.path] = [info.st_size, info.st_mtime_ns, info.st_ino, blob]

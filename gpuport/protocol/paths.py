@@ -49,9 +49,12 @@ def check_link(path: str, target: str) -> str:
 
 
 class _Entry(Protocol):
-    path: str
-    blob: str
-    link: str
+    @property
+    def path(self) -> str: ...
+    @property
+    def blob(self) -> str: ...
+    @property
+    def link(self) -> str: ...
 
 
 def check_entries(entries: Iterable[_Entry]) -> None:

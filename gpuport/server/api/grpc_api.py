@@ -321,7 +321,7 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
 
     @rpc
     async def List(self, request: pb.ListJobsRequest, caller: Identity) -> pb.JobList:
-        return pb.JobList(jobs=[job_message(j) for j in self.app.jobs.list(caller, all=request.all)])
+        return pb.JobList(jobs=[job_message(j) for j in self.app.jobs.list_for(caller, all=request.all)])
 
     @stream_rpc
     async def Logs(self, request: pb.LogsRequest, caller: Identity) -> AsyncIterator[pb.LogChunk]:

@@ -186,7 +186,7 @@ def build_http_app(app: ServerApp) -> FastAPI:
 
     @api.get("/v1/jobs", summary="Your active and recent jobs (all=true: every one; admins: every user's)")
     async def list_jobs(identity: Caller, all: bool = False) -> list[dict[str, Any]]:
-        return [job_json(j) for j in app.jobs.list(identity, all=all)]
+        return [job_json(j) for j in app.jobs.list_for(identity, all=all)]
 
     @api.get("/v1/jobs/{job_id}", summary="One job")
     async def get_job(job_id: str, identity: Caller) -> dict[str, Any]:

@@ -271,8 +271,11 @@ class JobService:
             raise NotFound(f"no job {job_id[:64]!r} — `gpuport jobs --all` lists yours")
         return self._record(row)
 
-    def list(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
-        where, params = ["1"], []
+    def list_for(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
+        """The caller's active jobs and those of the last day, newest first; every one with ``all``
+        (every user's, for an admin)."""
+        where: list[str] = ["1"]
+        params: list[object] = []
         if not (all and caller.admin):
             where.append("owner = ?")
             params.append(caller.name)
@@ -447,7 +450,8 @@ class JobService:
             log.exception("job %s: preparing its directory failed", job_id)
             self._end(job_id, JobState.FAILED, None, f"the server could not prepare the job: {e}")
             return
-        if self.store.query_one("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,))["cancel_requested"]:
+        flags = self.store.query_one("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,))
+        if flags is not None and flags["cancel_requested"]:
             self._end(job_id, JobState.CANCELLED, None, "cancelled before it started")
             return
         self.executor.start(launch, self._exit_callback(job_id))
@@ -548,7 +552,7 @@ class JobService:
             else:
                 roots.append((path, declared + "/"))
         for root, prefix in roots:
-            for folder, dirs, names in os.walk(root):
+            for folder, _, names in os.walk(root):
                 for name in names:
                     file = Path(folder) / name
                     if file.is_file() and not file.is_symlink():

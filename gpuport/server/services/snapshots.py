@@ -115,7 +115,8 @@ class SnapshotService:
         manifest = json.dumps([[e.path, e.blob, e.size, e.mode, e.link] for e in entries], separators=(",", ":"))
         with self.store.transaction() as db:
             db.execute(
-                "INSERT OR IGNORE INTO snapshots (id, owner, created_at, files, bytes, manifest) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO snapshots (id, owner, created_at, files, bytes, manifest) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
                 (sid, owner, time.time(), len(entries), sum(e.size for e in entries), manifest),
             )
 

@@ -57,6 +57,18 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%", 1)[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as a dual-stack socket shows it
+    return address.is_loopback
+
+
+def alive_in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running (zombies waiting to be reaped are not)."""
+    return [pid for pid in session_processes(sid) if _alive(pid)]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -78,7 +90,7 @@ def stop_session(sid: int, leader: subprocess.Popen[bytes] | None = None, grace:
         while time.monotonic() < deadline:
             if leader is not None:
                 leader.poll()  # reap our own child, or it stays a zombie of this session
-            if not any(_alive(pid) for pid in session_processes(sid)):
+            if not alive_in_session(sid):
                 return
             time.sleep(0.1)
 
@@ -107,7 +119,7 @@ class Rsync:
 def rsync_version() -> str | None:
     if not shutil.which("rsync"):
         return None
-    out = subprocess.run(["rsync", "--version"], capture_output=True, text=True).stdout
+    out = subprocess.run(["rsync", "--version"], check=False, capture_output=True, text=True).stdout
     return out.split("\n", 1)[0].replace("  ", " ").strip()
 
 
@@ -166,6 +178,7 @@ class RayHead:
         start = time.perf_counter()
         result = subprocess.run(
             [self.cli, "job", "submit", "--address", self.address, "--", *argv],
+            check=False,
             cwd=cwd,
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -174,7 +187,9 @@ class RayHead:
         )
         elapsed = time.perf_counter() - start
         if result.returncode != 0 or "succeeded" not in result.stdout + result.stderr:
-            raise RuntimeError(f"ray job submit failed ({result.returncode}): {(result.stdout + result.stderr)[-2000:]}")
+            raise RuntimeError(
+                f"ray job submit failed ({result.returncode}): {(result.stdout + result.stderr)[-2000:]}"
+            )
         return elapsed
 
     def check_loopback(self) -> str:
@@ -182,28 +197,34 @@ class RayHead:
         import psutil
 
         pids = set(session_processes(self.process.pid))
-        listening, offenders = 0, set()
+        listening, mapped, offenders, remote = 0, 0, set(), set()
         for conn in psutil.net_connections(kind="inet"):
-            if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
+            if conn.pid not in pids:
+                continue
+            if conn.status == psutil.CONN_LISTEN:
                 listening += 1
-                if conn.laddr.ip != LOOPBACK:
+                mapped += conn.laddr.ip.startswith("::ffff:")
+                if not _is_loopback(conn.laddr.ip):
                     offenders.add(f"{conn.laddr.ip}:{conn.laddr.port}")
+            elif conn.raddr and not _is_loopback(conn.raddr.ip):
+                remote.add(f"{conn.raddr.ip}:{conn.raddr.port}")
         in_logs = set()
         for path in self.temp_dir.glob("session_*/logs/**/*"):
             if path.is_file() and path.suffix in {".log", ".out", ".err", ".txt"}:
                 text = path.read_text(errors="replace")
                 for found in re.findall(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])", text):
                     try:
-                        address = ipaddress.ip_address(found)
+                        if not _is_loopback(found):
+                            in_logs.add(found)
                     except ValueError:
                         continue  # a version number or the like
-                    if not address.is_loopback:
-                        in_logs.add(found)
         parts = [f"{listening} listening sockets of {len(pids)} Ray processes"]
-        parts.append("all on 127.0.0.1" if not offenders else f"NOT loopback: {', '.join(sorted(offenders))}")
-        parts.append(
-            "logs name no other address" if not in_logs else f"logs also name {', '.join(sorted(in_logs))}"
-        )
+        if offenders:
+            parts.append(f"NOT loopback: {', '.join(sorted(offenders))}")
+        else:
+            parts.append(f"all on 127.0.0.1 ({mapped} of them dual-stack, as ::ffff:127.0.0.1)")
+        parts.append("no connection leaves 127.0.0.1" if not remote else f"connected to {', '.join(sorted(remote))}")
+        parts.append("logs name no other address" if not in_logs else f"logs also name {', '.join(sorted(in_logs))}")
         return "; ".join(parts)
 
     def stop(self) -> None:
@@ -236,11 +257,10 @@ def start_ray(work: Path) -> RayHead:
         f"--runtime-env-agent-port={ports['env_agent']}", f"--metrics-export-port={ports['metrics']}",
         f"--temp-dir={temp_dir}", "--disable-usage-stats", f"--num-cpus={os.cpu_count() or 1}",
     ]  # fmt: skip
-    log = open(work / "ray-start.log", "wb")
-    process = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    log.close()
+    with open(work / "ray-start.log", "wb") as log:
+        process = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     head = RayHead(process, f"http://{LOOPBACK}:{dashboard}", temp_dir, env, cli, "token")
     try:
         _wait_port(dashboard, process, "ray start", timeout=120)
@@ -249,7 +269,7 @@ def start_ray(work: Path) -> RayHead:
         while True:
             probe = subprocess.run(
                 [cli, "job", "list", "--address", head.address],
-                env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                check=False, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
             )  # fmt: skip
             if probe.returncode == 0:
                 break

@@ -256,3 +256,22 @@ def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=30)
     assert "cancelled" in stderr and run.returncode == 128 + signal.SIGTERM
+
+
+def test_python_output_is_live_and_in_order_without_flushes(admin: gpuport.Client, tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        print("first")                  # no flush: the bootstrap keeps it live
+        while not os.path.exists({str(flag)!r}):
+            time.sleep(0.02)
+        print("out 1"); print("err", file=sys.stderr); print("out 2")
+        """
+    )
+    job = admin.submit(["python", "-c", script], workdir=None)
+    lines = job.logs(follow=True)
+    assert next(lines) == "first"  # while the job still runs
+    assert job.status == "running"
+    flag.touch()
+    assert list(lines) == ["out 1", "err", "out 2"]

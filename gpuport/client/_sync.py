@@ -47,6 +47,8 @@ class LocalFile:
     mode: int
     blob: str = ""
     link: str = ""
+    mtime_ns: int = 0
+    ino: int = 0
 
 
 def cache_dir() -> Path:
@@ -122,7 +124,16 @@ def scan(root: Path) -> list[LocalFile]:
                     walk(path, entry.path, ignore)
                 elif entry.is_file():
                     info = entry.stat()
-                    found.append(LocalFile(path, entry.path, info.st_size, stat.S_IMODE(info.st_mode)))
+                    found.append(
+                        LocalFile(
+                            path,
+                            entry.path,
+                            info.st_size,
+                            stat.S_IMODE(info.st_mode),
+                            mtime_ns=info.st_mtime_ns,
+                            ino=info.st_ino,
+                        )
+                    )
                 if len(found) > MAX_SNAPSHOT_FILES:
                     raise InvalidRequest(
                         f"{root} holds more than {MAX_SNAPSHOT_FILES} files — add what the job does not need "
@@ -161,29 +172,29 @@ class HashCache:
     def hash_all(self, files: list[LocalFile]) -> list[LocalFile]:
         now = time.time_ns()
         hashed: dict[str, str] = {}
-        todo: list[tuple[LocalFile, os.stat_result]] = []
+        todo: list[LocalFile] = []
         for f in files:
             if f.link:
                 continue
-            info = os.stat(f.full)
             cached = self.entries.get(f.path)
-            if cached and cached[:3] == [info.st_size, info.st_mtime_ns, info.st_ino]:
+            if cached and cached[0] == f.size and cached[1] == f.mtime_ns and cached[2] == f.ino:
                 hashed[f.path] = str(cached[3])
             else:
-                todo.append((f, info))
+                todo.append(f)
         if todo:
             with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:  # hashlib releases the GIL
-                for (f, info), blob in zip(todo, pool.map(lambda t: _hash(t[0].full), todo), strict=True):
+                for f, blob in zip(todo, pool.map(lambda f: _hash(f.full), todo), strict=True):
                     hashed[f.path] = blob
-                    if now - info.st_mtime_ns > _SETTLED_NS:
-                        self.entries[f.path] = [info.st_size, info.st_mtime_ns, info.st_ino, blob]
+                    if now - f.mtime_ns > _SETTLED_NS:
+                        self.entries[f.path] = [f.size, f.mtime_ns, f.ino, blob]
                         self.changed = True
         return [f if f.link else _with(f, blob=hashed[f.path]) for f in files]
 
     def save(self) -> None:
         if self.changed:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.path, json.dumps(self.entries, separators=(",", ":")).encode())
+            # Renamed into place but not fsynced: a cache lost in a crash only costs a re-hash.
+            atomic_write(self.path, json.dumps(self.entries, separators=(",", ":")).encode(), durable=False)
 
 
 def _with(f: LocalFile, **changes: object) -> LocalFile:

@@ -54,8 +54,17 @@ class BlobStore:
     def has(self, blob: str) -> bool:
         return self.path(blob).exists()
 
-    def missing(self, blobs: Iterable[str]) -> list[str]:
-        return sorted({b for b in blobs if not self.has(b)})
+    def sizes(self, blobs: Iterable[str]) -> dict[str, int | None]:
+        """Each blob's size, or None for a blob the store lacks (one stat each)."""
+        root = str(self.root)
+        sizes: dict[str, int | None] = {}
+        for blob in blobs:
+            if blob not in sizes:
+                try:
+                    sizes[blob] = os.stat(f"{root}/{blob[:2]}/{blob[2:]}").st_size
+                except FileNotFoundError:
+                    sizes[blob] = None
+        return sizes
 
     def _place(self, temp: str, blob: str) -> None:
         target = self.path(blob)

@@ -51,6 +51,7 @@ from gpuport.server.scheduler import Pending, first_come
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.snapshots import SnapshotService, check_snapshot_name
 from gpuport.server.store import Store
+from gpuport.server.worker import bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ _MAX_OUTPUTS = 100
 _MAX_DATASETS = 16
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
 _LIST_LIMIT = 500
+_BOOTSTRAP = Path(bootstrap.__file__).parent
 
 
 class JobState(str, Enum):
@@ -472,8 +474,9 @@ class JobService:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
         # Jobs use the server's Python environment first: where `gpuport server` and the frameworks live.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "/usr/bin:/bin")])
-        env["PYTHONUNBUFFERED"] = "1"  # print() reaches the log (and the user) as it happens
         env.update(spec["env"])
+        # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), env.get("PYTHONPATH")) if p)
         if spec["datasets"]:
             datasets = job_dir / "datasets"
             for name, snapshot in spec["datasets"].items():

@@ -91,12 +91,13 @@ class SnapshotService:
         sid = snapshot_id(entries)
         row = self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, caller.name))
         if row is None:
-            missing = self.blobs.missing(e.blob for e in entries if e.blob)
+            sizes = self.blobs.sizes(e.blob for e in entries if e.blob)
+            missing = sorted(blob for blob, size in sizes.items() if size is None)
             if missing:
                 return None, missing
             # The blob's size is the truth; a manifest that lies about it would mislead downloads.
             for e in entries:
-                if e.blob and self.blobs.path(e.blob).stat().st_size != e.size:
+                if e.blob and sizes[e.blob] != e.size:
                     raise InvalidRequest(
                         f"file {e.path!r}: the manifest says {e.size} bytes, its blob has another size"
                     )

@@ -244,6 +244,8 @@ def start_ray(work: Path) -> RayHead:
         RAY_AUTH_MODE="token",  # as gpuport: a token on every call (Ray 2.60's job API takes it)
         RAY_AUTH_TOKEN=secrets.token_hex(32),  # given here, so nothing lands in ~/.ray
         PYTHONUNBUFFERED="1",
+        # Jobs find this environment's Python first, as gpuport's jobs find the server's.
+        PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")]),
     )
     ports = {name: free_port() for name in ("port", "dashboard", "client", "agent_http", "agent_grpc", "env_agent")}
     ports["metrics"] = free_port()
@@ -276,6 +278,16 @@ def start_ray(work: Path) -> RayHead:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"Ray's job API did not answer: {(probe.stdout + probe.stderr)[-1500:]}")
             time.sleep(0.5)
+        # Is the token really asked for? (Ray before token auth ignores RAY_AUTH_MODE.)
+        bare = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
+        probe = subprocess.run(
+            [cli, "job", "list", "--address", head.address],
+            check=False, env=bare, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        if probe.returncode == 0:
+            head.auth = "token asked, but not enforced: calls without it work"
+        else:
+            head.auth = "token (calls without it are refused)"
     except BaseException:
         head.stop()
         raise

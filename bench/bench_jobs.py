@@ -278,7 +278,7 @@ def bench_ray(args: argparse.Namespace, work: Path, cli_s: float | None) -> None
         return
     try:
         say(f"  ray {_peers.ray_version()} head up in {time.perf_counter() - start:.1f}s, job API at {head.address}, "
-            f"RAY_AUTH_MODE={head.auth}")  # fmt: skip
+            f"auth: {head.auth}")  # fmt: skip
         say(f"  loopback check: {head.check_loopback()}")
         head.submit(PASS, folder)  # warm-up
         times = [head.submit(PASS, folder) for _ in range(args.ray)]
@@ -456,6 +456,14 @@ for i in range(n):
 """
 
 
+# How a job's stdout behaves: unbuffered (a write per print), or buffered (and then kept live by gpuport?).
+STDOUT_PROBE = """
+import os, sys
+print(f"PYTHONUNBUFFERED={os.environ.get('PYTHONUNBUFFERED', '')!r}, write_through={sys.stdout.write_through}, "
+      f"line_buffering={sys.stdout.line_buffering}, stderr is {type(sys.stderr).__name__}")
+"""
+
+
 def bench_logs(args: argparse.Namespace, work: Path, server: _servers.Gpuport) -> None:
     lines = args.log_mb * 1_000_000 // 100
     expected = lines * 100
@@ -467,6 +475,9 @@ def bench_logs(args: argparse.Namespace, work: Path, server: _servers.Gpuport) -
     out = work / "local-log.txt"
 
     with connect(server) as gpu:
+        probe = gpu.submit(["python", "-c", STDOUT_PROBE], workdir=workdir)
+        mode = " ".join(probe.logs(follow=True)).strip()
+        say(f"  a job's stdout here: {mode}")
 
         def remote() -> float:
             start = time.perf_counter()
@@ -503,7 +514,7 @@ def bench_logs(args: argparse.Namespace, work: Path, server: _servers.Gpuport) -
         f"({median(t['local']):.2f}s, default buffering); median of {args.log_repeats}"
     )
     say(
-        f"  jobs run with PYTHONUNBUFFERED=1: the same program locally with it set writes {un:.0f} MB/s "
+        f"  the same program locally with PYTHONUNBUFFERED=1 (a write per print) writes {un:.0f} MB/s "
         f"({median(t['unbuffered']):.2f}s); the job streamed at {r / un:.2f}x of that"
     )
     ROWS.append(

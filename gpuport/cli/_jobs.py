@@ -8,10 +8,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from gpuport.cli._common import client, json_option
@@ -28,7 +28,7 @@ _PROGRESS_FROM_BYTES = 4 * 1024 * 1024
 @contextmanager
 def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
     """A callback for uploads and downloads that draws a bar on stderr once a transfer is large enough."""
-    bar: Progress | None = None
+    bar: Any = None  # a rich Progress, made (and imported) only for a transfer large enough to show
     task = None
 
     def update(done: int, total: int) -> None:
@@ -36,6 +36,8 @@ def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
         if bar is None:
             if total < _PROGRESS_FROM_BYTES or not err.is_terminal and "GPUPORT_PROGRESS" not in os.environ:
                 return
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
             bar = Progress(
                 TextColumn(verb), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -178,28 +179,84 @@ class Client:
     # ---- sync ---------------------------------------------------------------------------------------
 
     def _sync(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
+        """Sync ``folder``: only blobs the server lacks travel, and they start while the rest is hashed."""
         files = _sync.scan(folder)
         cache = _sync.HashCache(folder)
-        files = cache.hash_all(files)
-        cache.save()
+        known, unknown = cache.split(files)
+        uploads = _sync.UploadQueue()
+        files = self._hash_and_upload(cache, known, unknown, uploads, progress) if unknown else known
         request = pb.CreateSnapshotRequest(entries=_sync.manifest(files), name=name)
         reply = self._call(self._snapshots.Create, request)
-        uploaded_files = uploaded_bytes = 0
-        if reply.missing:
+        if reply.missing:  # the server lost blobs the hash cache knew, or a file changed meanwhile
             missing = set(reply.missing)
-            todo = []
+            retry = _sync.UploadQueue()
             for f in files:
                 if f.blob in missing:
-                    todo.append(f)
-                    missing.discard(f.blob)
-            uploaded_files, uploaded_bytes = len(todo), sum(f.size for f in todo)
-            self._call(self._snapshots.Upload, _sync.upload_batches(todo, progress), timeout=None)
+                    retry.add(f)
+            retry.close()
+            self._call(self._snapshots.Upload, _sync.upload_batches(retry, progress, lambda: retry.bytes), timeout=None)
+            uploads.files, uploads.bytes = uploads.files + retry.files, uploads.bytes + retry.bytes
             reply = self._call(self._snapshots.Create, request)
             if reply.missing:
                 raise ServerError(f"the server still lacks {len(reply.missing)} file(s) after the upload — sync again")
-        elif progress:
+        elif progress and not uploads.files:
             progress(0, 0)
-        return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploaded_files, uploaded_bytes)
+        return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploads.files, uploads.bytes)
+
+    def _hash_and_upload(
+        self,
+        cache: _sync.HashCache,
+        known: list[_sync.LocalFile],
+        unknown: list[_sync.LocalFile],
+        uploads: _sync.UploadQueue,
+        progress: Progress | None,
+    ) -> list[_sync.LocalFile]:
+        """Hash ``unknown`` in rounds; upload what the server lacks in a background stream meanwhile."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        failure: list[BaseException] = []
+
+        def upload() -> None:
+            try:
+                batches = _sync.upload_batches(uploads, progress, lambda: uploads.bytes)
+                self._call(self._snapshots.Upload, batches, timeout=None)
+            except BaseException as e:  # raised in the caller's thread below
+                failure.append(e)
+                for _ in uploads:  # drain, so that the producer never waits on a dead stream
+                    pass
+
+        sender = threading.Thread(target=upload, name="gpuport upload", daemon=True)
+        started = False
+
+        def offer(batch: list[_sync.LocalFile]) -> None:
+            nonlocal started
+            blobs = [f.blob for f in batch if f.blob]
+            if not blobs:
+                return
+            missing = set(self._call(self._snapshots.Missing, pb.BlobList(blobs=blobs)).blobs)
+            for f in batch:
+                if f.blob in missing:
+                    if not started:
+                        sender.start()
+                        started = True
+                    uploads.add(f)
+
+        hashed: list[_sync.LocalFile] = []
+        try:
+            offer(known)
+            with ThreadPoolExecutor(max_workers=_sync._HASH_THREADS) as pool:
+                for group in _sync.rounds(unknown):
+                    done = cache.hash_files(group, pool)
+                    hashed += done
+                    offer(done)
+        finally:
+            uploads.close()
+            if started:
+                sender.join()
+        cache.save()
+        if failure:
+            raise failure[0]
+        return known + hashed
 
     def push(self, folder: str | os.PathLike[str], name: str, *, progress: Progress | None = None) -> Snapshot:
         """Upload ``folder`` as a snapshot named ``name`` (a project or dataset for later jobs).

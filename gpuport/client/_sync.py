@@ -15,11 +15,10 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pathspec
 import platformdirs
 
 from gpuport._files import atomic_write
@@ -27,6 +26,11 @@ from gpuport.defaults import BLOB_BATCH_BYTES, DEFAULT_OUTPUT_DIR, ENV_CACHE_DIR
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.paths import check_entries, check_link, check_path
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
+    import pathspec
 
 # progress(done_bytes, total_bytes)
 Progress = Callable[[int, int], None]
@@ -37,6 +41,10 @@ _IGNORE_FILES = (".gitignore", ".gpuportignore")
 # as the hashing would otherwise go unseen.
 _SETTLED_NS = 2_000_000_000
 _READ_BYTES = 1024 * 1024
+_HASH_THREADS = 2
+# Files are hashed in rounds this large; each round's missing blobs start uploading at once.
+_ROUND_BYTES = 32 * 1024 * 1024
+_ROUND_FILES = 512
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class _Ignore:
                 continue
         if not lines:
             return self
+        import pathspec  # here: most folders have no ignore file, and every command would pay for it
+
         return _Ignore((*self.specs, (folder, pathspec.GitIgnoreSpec.from_lines(lines))))
 
     def ignored(self, path: str, is_dir: bool) -> bool:
@@ -169,26 +179,38 @@ class HashCache:
             self.entries = {}
         self.changed = False
 
-    def hash_all(self, files: list[LocalFile]) -> list[LocalFile]:
-        now = time.time_ns()
-        hashed: dict[str, str] = {}
-        todo: list[LocalFile] = []
+    def split(self, files: list[LocalFile]) -> tuple[list[LocalFile], list[LocalFile]]:
+        """(files whose hash is known, with it; files to hash). Symlinks count as known."""
+        known, unknown = [], []
         for f in files:
+            cached = None if f.link else self.entries.get(f.path)
             if f.link:
-                continue
-            cached = self.entries.get(f.path)
-            if cached and cached[0] == f.size and cached[1] == f.mtime_ns and cached[2] == f.ino:
-                hashed[f.path] = str(cached[3])
+                known.append(f)
+            elif cached and cached[0] == f.size and cached[1] == f.mtime_ns and cached[2] == f.ino:
+                known.append(_with(f, blob=str(cached[3])))
             else:
-                todo.append(f)
-        if todo:
-            with ThreadPoolExecutor(max_workers=min(4, len(todo))) as pool:  # hashlib releases the GIL
-                for f, blob in zip(todo, pool.map(lambda f: _hash(f.full), todo), strict=True):
-                    hashed[f.path] = blob
-                    if now - f.mtime_ns > _SETTLED_NS:
-                        self.entries[f.path] = [f.size, f.mtime_ns, f.ino, blob]
-                        self.changed = True
-        return [f if f.link else _with(f, blob=hashed[f.path]) for f in files]
+                unknown.append(f)
+        return known, unknown
+
+    def hash_files(self, files: list[LocalFile], pool: Executor) -> list[LocalFile]:
+        """Hash ``files`` on ``pool`` (hashlib releases the GIL) and remember the settled ones."""
+        now = time.time_ns()
+        done = []
+        for f, blob in zip(files, pool.map(lambda f: _hash(f.full), files), strict=True):
+            done.append(_with(f, blob=blob))
+            if now - f.mtime_ns > _SETTLED_NS:
+                self.entries[f.path] = [f.size, f.mtime_ns, f.ino, blob]
+                self.changed = True
+        return done
+
+    def hash_all(self, files: list[LocalFile]) -> list[LocalFile]:
+        known, unknown = self.split(files)
+        if not unknown:
+            return known
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
+            return known + self.hash_files(unknown, pool)
 
     def save(self) -> None:
         if self.changed:
@@ -205,9 +227,59 @@ def manifest(files: Iterable[LocalFile]) -> list[pb.ManifestEntry]:
     return [pb.ManifestEntry(path=f.path, blob=f.blob, size=f.size, mode=f.mode, link=f.link) for f in files]
 
 
-def upload_batches(files: list[LocalFile], progress: Progress | None) -> Iterator[pb.BlobBatch]:
-    """The upload stream: each file's bytes as parts, packed into messages of about BLOB_BATCH_BYTES."""
-    total = sum(f.size for f in files)
+def rounds(files: list[LocalFile]) -> Iterator[list[LocalFile]]:
+    """``files`` in groups of about _ROUND_BYTES or _ROUND_FILES, whichever comes first."""
+    group: list[LocalFile] = []
+    size = 0
+    for f in files:
+        group.append(f)
+        size += f.size
+        if size >= _ROUND_BYTES or len(group) >= _ROUND_FILES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+class UploadQueue:
+    """Files to upload, added while earlier ones are already on their way; ``close()`` ends the stream."""
+
+    _END = None
+
+    def __init__(self) -> None:
+        import queue
+
+        self._queue: queue.SimpleQueue[LocalFile | None] = queue.SimpleQueue()
+        self._queued: set[str] = set()
+        self.files = 0
+        self.bytes = 0
+
+    def add(self, f: LocalFile) -> None:
+        if f.blob not in self._queued:
+            self._queued.add(f.blob)
+            self.files += 1
+            self.bytes += f.size
+            self._queue.put(f)
+
+    def close(self) -> None:
+        self._queue.put(self._END)
+
+    def __iter__(self) -> Iterator[LocalFile]:
+        while (f := self._queue.get()) is not self._END:
+            yield f
+
+
+def upload_batches(
+    files: Iterable[LocalFile], progress: Progress | None, total: Callable[[], int] | None = None
+) -> Iterator[pb.BlobBatch]:
+    """The upload stream: each file's bytes as parts, packed into messages of about BLOB_BATCH_BYTES.
+
+    ``total`` tells the bytes to upload so far, for progress, when ``files`` is still growing.
+    """
+    files = list(files) if total is None else files
+    if total is None:
+        size_of_all = sum(f.size for f in files)
+        total = lambda: size_of_all  # noqa: E731
     done = 0
     batch = pb.BlobBatch()
     size = 0
@@ -224,14 +296,14 @@ def upload_batches(files: list[LocalFile], progress: Progress | None) -> Iterato
                 if size >= BLOB_BATCH_BYTES:
                     yield batch
                     if progress:
-                        progress(done, total)
+                        progress(done, total())
                     batch, size = pb.BlobBatch(), 0
                 if last:
                     break
     if batch.parts:
         yield batch
     if progress:
-        progress(done, total)
+        progress(done, total())
 
 
 def check_download(entries: list[pb.ManifestEntry]) -> None:

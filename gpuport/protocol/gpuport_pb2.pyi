@@ -240,6 +240,12 @@ class DownloadRequest(_message.Message):
     blobs: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, snapshot_id: _Optional[str] = ..., blobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class BlobList(_message.Message):
+    __slots__ = ("blobs",)
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    blobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, blobs: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class JobSpec(_message.Message):
     __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json")
     class EnvEntry(_message.Message):

@@ -399,6 +399,11 @@ class SnapshotsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
                 _registered_method=True)
+        self.Missing = channel.unary_unary(
+                '/gpuport.v1.Snapshots/Missing',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobList.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobList.FromString,
+                _registered_method=True)
         self.Get = channel.unary_unary(
                 '/gpuport.v1.Snapshots/Get',
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.SerializeToString,
@@ -426,6 +431,13 @@ class SnapshotsServicer:
 
     def Create(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Missing(self, request, context):
+        """which of these blobs the server lacks
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -462,6 +474,11 @@ def add_SnapshotsServicer_to_server(servicer, server):
                     servicer.Create,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.SerializeToString,
+            ),
+            'Missing': grpc.unary_unary_rpc_method_handler(
+                    servicer.Missing,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobList.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobList.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
@@ -511,6 +528,33 @@ class Snapshots:
             '/gpuport.v1.Snapshots/Create',
             gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Missing(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/Missing',
+            gpuport_dot_protocol_dot_gpuport__pb2.BlobList.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.BlobList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,8 +27,15 @@ demo: $(VENV)/.demo
 test: $(VENV)/.dev
 	$(PY) -m pytest
 
-bench: $(VENV)/.dev
+# The peers: Ray from the bench extra; rsync from Debian (sync figures are skipped without it).
+$(VENV)/.bench: pyproject.toml | $(PY)
+	$(PIP) -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.dev $(VENV)/.bench
+	@command -v rsync >/dev/null || echo "rsync not found: the sync figures are skipped (apt-get install rsync)"
 	$(PY) bench/bench_connect.py
+	$(PY) bench/bench_jobs.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

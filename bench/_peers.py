@@ -229,6 +229,7 @@ class RayHead:
 
     def stop(self) -> None:
         stop_session(self.process.pid, self.process)
+        self.process.wait(timeout=10)
 
 
 def start_ray(work: Path) -> RayHead:
@@ -237,6 +238,8 @@ def start_ray(work: Path) -> RayHead:
     assert cli is not None
     temp_dir = work / "ray"  # kept short: Ray puts unix sockets under it (108-byte limit)
     temp_dir.mkdir()
+    scratch = work / "t"  # TMPDIR of every Ray process: what they leave behind (pymp-* dirs) goes with the bench's
+    scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
@@ -244,6 +247,7 @@ def start_ray(work: Path) -> RayHead:
         RAY_AUTH_MODE="token",  # as gpuport: a token on every call (Ray 2.60's job API takes it)
         RAY_AUTH_TOKEN=secrets.token_hex(32),  # given here, so nothing lands in ~/.ray
         PYTHONUNBUFFERED="1",
+        TMPDIR=str(scratch),
         # Jobs find this environment's Python first, as gpuport's jobs find the server's.
         PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "/usr/bin:/bin")]),
     )

@@ -26,7 +26,10 @@
     job.log_chunks(follow=True) from submit to the last byte, against the same program run here with
     stdout redirected to a file. Goal: at least 0.5x the local speed.
 
-Every server and daemon runs in a temp dir removed at the end, and is stopped in `finally`.
+Needs `rsync` (Debian package) for (b) and `ray[default]` for (a3); without them those figures are
+skipped with a line saying so. Sections run in the order (b), (a), (c), (a3): sync first, on a
+filesystem this run has not churned yet; Ray last, so that its idle daemons load no CPU during the
+others. Every server and daemon runs in a temp dir removed at the end, and is stopped in `finally`.
 """
 
 from __future__ import annotations

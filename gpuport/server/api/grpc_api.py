@@ -244,7 +244,7 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
         receiver = asyncio.create_task(receive())
         try:
             while (batch := await queue.get()) is not None:
-                await asyncio.to_thread(_write_batch, writer, batch)
+                await asyncio.to_thread(writer.write, batch.parts)
             await receiver
             writer.finish()
         except GpuportError as e:
@@ -272,11 +272,6 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             if not batch.parts:
                 return
             yield batch
-
-
-def _write_batch(writer: Any, batch: pb.BlobBatch) -> None:
-    for part in batch.parts:
-        writer.write(part.blob, part.offset, part.data, part.last)
 
 
 def _read_batch(parts: Any) -> pb.BlobBatch:

@@ -33,7 +33,8 @@ class LocalExecutor(Executor):
 
     def start(self, launch: Launch, on_exit: OnExit) -> None:
         spec = {"argv": launch.argv, "cwd": str(launch.cwd), "env": launch.env, "grace": launch.grace}
-        atomic_write(launch.job_dir / "spec.json", json.dumps(spec).encode(), 0o600)
+        # Not fsynced: a machine that crashes takes the job's processes with it anyway.
+        atomic_write(launch.job_dir / "spec.json", json.dumps(spec).encode(), 0o600, durable=False)
         with open(launch.job_dir / "supervisor.log", "ab") as out:
             process = subprocess.Popen(
                 [*_SUPERVISOR, str(launch.job_dir)],

@@ -1,20 +1,24 @@
 """The blob store: file contents kept once, under their SHA-256, shared by every snapshot and output.
 
-Layout: ``STATE_DIR/blobs/ab/cdef...`` (read-only files) and ``STATE_DIR/blobs/tmp/`` for uploads in
-flight. A blob appears under its name only after its bytes were checked against it, so a reader
-never sees a partial or wrong blob.
+Layout: ``STATE_DIR/blobs/ab/cdef...`` (read-only files); an upload in flight is a hidden
+``.cdef....part`` file beside where its blob will be (one staging folder for everything made ext4's
+inode allocator the bottleneck of a first sync). A blob appears under its name only after its bytes
+were checked against it, so a reader never sees a partial or wrong blob.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from gpuport.defaults import MAX_BLOB_BYTES
 from gpuport.protocol.errors import InvalidRequest
@@ -43,10 +47,29 @@ def hash_file(path: Path | str) -> tuple[str, int]:
 class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.tmp = root / "tmp"
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        for stale in self.tmp.iterdir():  # uploads cut off by a restart: their senders upload again
-            stale.unlink(missing_ok=True)
+        self._folders: set[str] = set()  # blobs/ab/ folders known to exist
+        root.mkdir(parents=True, exist_ok=True)
+        # Uploads cut off by a restart (their senders upload again): removed in the background,
+        # as a large store takes a while to list.
+        threading.Thread(target=self._remove_stale_parts, name="blob store cleanup", daemon=True).start()
+
+    def _remove_stale_parts(self) -> None:
+        started = time.time()
+        for folder in self.root.iterdir():
+            if folder.is_dir():
+                for entry in os.scandir(folder):
+                    if entry.name.startswith(".") and entry.name.endswith(".part"):
+                        with contextlib.suppress(OSError):
+                            if entry.stat().st_mtime < started:
+                                os.unlink(entry.path)
+
+    def temp_file(self, blob: str) -> tuple[int, str]:
+        """A new hidden file (fd, path) beside where ``blob`` goes, to receive its bytes."""
+        folder = f"{self.root}/{blob[:2]}"
+        if folder not in self._folders:
+            os.makedirs(folder, exist_ok=True)
+            self._folders.add(folder)
+        return tempfile.mkstemp(dir=folder, prefix=f".{blob[2:10]}.", suffix=".part")
 
     def path(self, blob: str) -> Path:
         return self.root / blob[:2] / blob[2:]
@@ -67,10 +90,8 @@ class BlobStore:
         return sizes
 
     def _place(self, temp: str, blob: str) -> None:
-        target = self.path(blob)
-        target.parent.mkdir(exist_ok=True)
         os.chmod(temp, 0o444)
-        os.replace(temp, target)
+        os.replace(temp, f"{self.root}/{blob[:2]}/{blob[2:]}")
 
     def writer(self) -> BlobWriter:
         return BlobWriter(self)
@@ -79,7 +100,7 @@ class BlobStore:
         """Add the file at ``path`` to the store (a hard link when it is new); return its hash and size."""
         blob, size = hash_file(path)
         if not self.has(blob):
-            fd, temp = tempfile.mkstemp(dir=self.tmp)
+            fd, temp = self.temp_file(blob)
             os.close(fd)
             try:
                 os.unlink(temp)
@@ -110,50 +131,60 @@ class BlobStore:
 
 
 class BlobWriter:
-    """Receives the parts of an upload stream, in order, and places each blob once its hash checks out."""
+    """Receives an upload stream's parts, in order, and places each blob once its hash checks out.
+
+    ``write`` takes one message's parts (in a thread: writing and hashing release the GIL).
+    """
 
     def __init__(self, store: BlobStore) -> None:
         self.store = store
         self.blobs = 0
         self.bytes = 0
-        self._blob: str | None = None
+        self._blob: str | None = None  # the blob being received
+        self._offset = 0
         self._file: BinaryIO | None = None
         self._temp = ""
         self._digest = hashlib.sha256()
-        self._offset = 0
 
-    def write(self, blob: str, offset: int, data: bytes, last: bool) -> None:
-        if blob != self._blob:
-            if self._blob is not None:
+    def write(self, parts: Sequence[Part]) -> None:
+        for part in parts:
+            blob = part.blob
+            data = part.data  # a copy out of the message: taken once
+            if self._blob is None:
+                check_hash(blob)
+                if part.offset != 0:
+                    raise InvalidRequest(f"blob {blob} starts at offset {part.offset}, not 0 — upload it again")
+                fd, self._temp = self.store.temp_file(blob)
+                self._file = os.fdopen(fd, "wb")
+                self._blob, self._offset, self._digest = blob, 0, hashlib.sha256()
+            elif blob != self._blob:
                 raise InvalidRequest(f"blob {self._blob} ended without its last part — upload it again")
-            check_hash(blob)
-            if offset != 0:
-                raise InvalidRequest(f"blob {blob} starts at offset {offset}, not 0 — upload it again from the start")
-            fd, self._temp = tempfile.mkstemp(dir=self.store.tmp)
-            self._file = os.fdopen(fd, "wb")
-            self._blob, self._digest, self._offset = blob, hashlib.sha256(), 0
+            elif part.offset != self._offset:
+                raise InvalidRequest(f"blob {blob}: part at offset {part.offset}, expected {self._offset}")
+            if self._offset + len(data) > MAX_BLOB_BYTES:
+                raise InvalidRequest(f"blob {blob} is larger than the limit of {MAX_BLOB_BYTES} bytes")
+            assert self._file is not None
+            self._file.write(data)
+            self._digest.update(data)
+            self._offset += len(data)
+            if part.last:
+                self._close(blob)
+
+    def _close(self, blob: str) -> None:
         assert self._file is not None
-        if offset != self._offset:
-            raise InvalidRequest(f"blob {blob}: part at offset {offset}, expected {self._offset}")
-        if self._offset + len(data) > MAX_BLOB_BYTES:
-            raise InvalidRequest(f"blob {blob} is larger than the limit of {MAX_BLOB_BYTES} bytes")
-        self._file.write(data)
-        self._digest.update(data)
-        self._offset += len(data)
-        if last:
-            self._file.close()
-            self._file = None
-            actual = self._digest.hexdigest()
-            if actual != blob:
-                self.abort()
-                raise InvalidRequest(
-                    f"the bytes uploaded as blob {blob} hash to {actual} — the file changed while it was "
-                    "uploaded, or the upload was corrupted; nothing was stored, sync again"
-                )
-            self.store._place(self._temp, blob)
-            self.blobs += 1
-            self.bytes += self._offset
-            self._blob = None
+        self._file.close()
+        self._file = None
+        actual = self._digest.hexdigest()
+        if actual != blob:
+            raise InvalidRequest(
+                f"the bytes uploaded as blob {blob} hash to {actual} — the file changed while it was "
+                "uploaded, or the upload was corrupted; nothing was stored, sync again"
+            )
+        self.store._place(self._temp, blob)
+        self._temp = ""
+        self._blob = None
+        self.blobs += 1
+        self.bytes += self._offset
 
     def abort(self) -> None:
         if self._file is not None:
@@ -161,6 +192,7 @@ class BlobWriter:
             self._file = None
         if self._temp:
             Path(self._temp).unlink(missing_ok=True)
+            self._temp = ""
         self._blob = None
 
     def finish(self) -> None:
@@ -168,6 +200,17 @@ class BlobWriter:
             blob = self._blob
             self.abort()
             raise InvalidRequest(f"the upload stream ended inside blob {blob} — upload it again")
+
+
+class Part(Protocol):
+    @property
+    def blob(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def data(self) -> bytes: ...
+    @property
+    def last(self) -> bool: ...
 
 
 def read_parts(store: BlobStore, blobs: Iterable[str], part_bytes: int) -> Iterator[tuple[str, int, bytes, bool]]:

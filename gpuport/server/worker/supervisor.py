@@ -19,12 +19,13 @@ import sys
 import time
 
 
-def _write_json(path, data):
+def _write_json(path, data, durable=True):
     temp = f"{path}.tmp"
     with open(temp, "w") as f:
         json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(temp, path)
 
 
@@ -80,9 +81,8 @@ def main(job_dir):
     running.append(child)
     if status.get("cancelled"):  # cancelled while it was being started
         terminate(signal.SIGTERM, None)
-    _write_json(
-        os.path.join(job_dir, "supervisor.json"), {"pid": os.getpid(), "child": child.pid, "started_at": started_at}
-    )
+    info = {"pid": os.getpid(), "child": child.pid, "started_at": started_at}
+    _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read only while it runs
     code = child.wait()
     signal.setitimer(signal.ITIMER_REAL, 0)
     try:  # what the job left behind in its group would hold the GPU and the log open

@@ -47,7 +47,7 @@ _ROUND_BYTES = 32 * 1024 * 1024
 _ROUND_FILES = 512
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LocalFile:
     path: str  # snapshot path
     full: str  # where it is on disk
@@ -187,7 +187,8 @@ class HashCache:
             if f.link:
                 known.append(f)
             elif cached and cached[0] == f.size and cached[1] == f.mtime_ns and cached[2] == f.ino:
-                known.append(_with(f, blob=str(cached[3])))
+                f.blob = str(cached[3])
+                known.append(f)
             else:
                 unknown.append(f)
         return known, unknown
@@ -197,7 +198,8 @@ class HashCache:
         now = time.time_ns()
         done = []
         for f, blob in zip(files, pool.map(lambda f: _hash(f.full), files), strict=True):
-            done.append(_with(f, blob=blob))
+            f.blob = blob
+            done.append(f)
             if now - f.mtime_ns > _SETTLED_NS:
                 self.entries[f.path] = [f.size, f.mtime_ns, f.ino, blob]
                 self.changed = True
@@ -217,10 +219,6 @@ class HashCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Renamed into place but not fsynced: a cache lost in a crash only costs a re-hash.
             atomic_write(self.path, json.dumps(self.entries, separators=(",", ":")).encode(), durable=False)
-
-
-def _with(f: LocalFile, **changes: object) -> LocalFile:
-    return LocalFile(**{**f.__dict__, **changes})  # type: ignore[arg-type]
 
 
 def manifest(files: Iterable[LocalFile]) -> list[pb.ManifestEntry]:

@@ -25,6 +25,7 @@ from gpuport.protocol.errors import InvalidRequest
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _READ_BYTES = 1024 * 1024
+_KNOWN_SIZES = 1_000_000
 
 
 def check_hash(blob: str) -> str:
@@ -48,6 +49,9 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._folders: set[str] = set()  # blobs/ab/ folders known to exist
+        # Sizes of blobs known to be present: blobs are never changed, so a re-sync of a large
+        # project needs no stat per file. Bounded; past the bound, it is simply refilled.
+        self._known: dict[str, int] = {}
         root.mkdir(parents=True, exist_ok=True)
         # Uploads cut off by a restart (their senders upload again): removed in the background,
         # as a large store takes a while to list.
@@ -80,13 +84,22 @@ class BlobStore:
     def sizes(self, blobs: Iterable[str]) -> dict[str, int | None]:
         """Each blob's size, or None for a blob the store lacks (one stat each)."""
         root = str(self.root)
+        known = self._known
         sizes: dict[str, int | None] = {}
         for blob in blobs:
-            if blob not in sizes:
+            if blob in sizes:
+                continue
+            size = known.get(blob)
+            if size is None:
                 try:
-                    sizes[blob] = os.stat(f"{root}/{blob[:2]}/{blob[2:]}").st_size
+                    size = os.stat(f"{root}/{blob[:2]}/{blob[2:]}").st_size
                 except FileNotFoundError:
-                    sizes[blob] = None
+                    pass
+                else:
+                    if len(known) >= _KNOWN_SIZES:
+                        known.clear()
+                    known[blob] = size
+            sizes[blob] = size
         return sizes
 
     def _place(self, temp: str, blob: str) -> None:

@@ -439,7 +439,10 @@ class JobService:
         assert loop is not None
 
         def on_exit() -> None:
-            loop.call_soon_threadsafe(self._spawn, self._finish(job_id))
+            try:
+                loop.call_soon_threadsafe(self._spawn, self._finish(job_id))
+            except RuntimeError:  # the server is stopping: its next start records how the job ended
+                pass
 
         return on_exit
 

@@ -397,7 +397,8 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
         assert isinstance(snap, gpuport.Snapshot)
         copied = sum(1 for p in (rsync.dest / dest).rglob("*") if p.is_file())
         say(
-            f"  first sync: API pushed {snap.files} files / uploaded {snap.uploaded_files} ({snap.uploaded_bytes / 1e6:.0f} MB); "
+            f"  first sync: API pushed {snap.files} files / uploaded {snap.uploaded_files} "
+            f"({snap.uploaded_bytes / 1e6:.0f} MB); "
             f"CLI said: {last.get('cli', '-')}; rsync destination holds {copied} files"
         )
         if snap.uploaded_files != count or copied != count:

@@ -240,22 +240,34 @@ def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
     server: RunningServer, admin: gpuport.Client, project: Path, client_config: Path
 ) -> None:
     run = _start_cli_run(server, project, client_config)
-    assert run.stdout is not None and run.stdout.readline() == "started\n"
-    run.send_signal(signal.SIGINT)
-    _, stderr = run.communicate(timeout=30)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "started\n"
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=30)
+    finally:
+        _reap(run)
     assert run.returncode == 0, stderr
     job_id = stderr.split("gpuport logs -f ")[1].split("`")[0]
     assert "re-attach" in stderr and admin.job(job_id).status == "running"
     admin.job(job_id).cancel()
 
     run = _start_cli_run(server, project, client_config)
-    assert run.stdout is not None and run.stdout.readline() == "started\n"
-    run.send_signal(signal.SIGINT)
-    assert run.stderr is not None
-    wait_for(lambda: "press Ctrl-C again" in run.stderr.readline(), what="the detach prompt")  # type: ignore[union-attr]
-    run.send_signal(signal.SIGINT)
-    _, stderr = run.communicate(timeout=30)
+    try:
+        assert run.stdout is not None and run.stdout.readline() == "started\n"
+        run.send_signal(signal.SIGINT)
+        assert run.stderr is not None
+        wait_for(lambda: "press Ctrl-C again" in run.stderr.readline(), what="the detach prompt")  # type: ignore[union-attr]
+        run.send_signal(signal.SIGINT)
+        _, stderr = run.communicate(timeout=30)
+    finally:
+        _reap(run)
     assert "cancelled" in stderr and run.returncode == 128 + signal.SIGTERM
+
+
+def _reap(process: subprocess.Popen[str]) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
 
 
 def test_python_output_is_live_and_in_order_without_flushes(admin: gpuport.Client, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,14 +75,49 @@ def _env(pairs: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-def _stream_log(job: Job, offset: int = 0) -> int:
-    """Copy the job's log to stdout as it grows, until the job ends; return the offset reached."""
-    sink = sys.stdout.buffer
-    for chunk_offset, data in job.log_chunks(offset, follow=True):
-        sink.write(data)
-        sink.flush()
-        offset = chunk_offset + len(data)
-    return offset
+class _LogFollower(threading.Thread):
+    """Copies a job's log to stdout as it grows, until the job ends, in a thread of its own.
+
+    The main thread only sleeps meanwhile, so that Ctrl-C raises KeyboardInterrupt there, in
+    ``time.sleep``, and never inside gRPC's own code (where it could leave a lock held and hang the
+    command). Closing the client's channel cancels the stream.
+    """
+
+    def __init__(self, job: Job, follow: bool = True) -> None:
+        super().__init__(name=f"log of {job.id}", daemon=True)
+        self.job = job
+        self.follow = follow
+        self.error: BaseException | None = None
+        self.finished = False
+        self._muted = False
+        self._writing = threading.Lock()
+
+    def run(self) -> None:
+        sink = sys.stdout.buffer
+        try:
+            for _, data in self.job.log_chunks(0, follow=self.follow):
+                with self._writing:
+                    if self._muted:
+                        return
+                    sink.write(data)
+                    sink.flush()
+        except BaseException as e:  # handed to the main thread by wait()
+            self.error = e
+        finally:
+            self.finished = True
+
+    def mute(self) -> None:
+        """Write nothing more: the command is about to exit, and a thread writing to stdout at exit
+        would abort the interpreter."""
+        with self._writing:
+            self._muted = True
+
+    def wait(self) -> None:
+        """Sleep until the log has ended; re-raise what stopped it. KeyboardInterrupt comes through."""
+        while not self.finished:
+            time.sleep(0.01)
+        if self.error is not None:
+            raise self.error
 
 
 def _summary(info: JobInfo) -> str:
@@ -169,9 +205,10 @@ def run_command(
         return
     if job.info.state == "queued" and job.info.message:
         err.print(f"[dim]job {job.id} queued: {escape(job.info.message)}[/]")
-    offset = 0
+    follower = _LogFollower(job)
+    follower.start()
     try:
-        offset = _stream_log(job)
+        follower.wait()
     except KeyboardInterrupt:
         err.print(
             f"\ndetached from job {job.id}, which keeps running — "
@@ -182,10 +219,11 @@ def run_command(
         except KeyboardInterrupt:
             job.cancel()
             err.print(f"cancelling job {job.id}...")
-            _stream_log(job, offset)
+            follower.wait()  # the log goes on to the job's last line
             info = job.wait().info
             err.print(_summary(info))
             ctx.exit(_exit_status(info))
+        follower.mute()
         err.print(f"re-attach with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
         ctx.exit(0)
     info = job.wait().info
@@ -242,13 +280,12 @@ def jobs_command(ctx: click.Context, all_: bool, as_json: bool) -> None:
 @click.pass_context
 def logs_command(ctx: click.Context, job_id: str, follow: bool) -> None:
     """Print a job's log (stdout and stderr, in order)."""
-    job = client(ctx).job(job_id)
-    sink = sys.stdout.buffer
+    follower = _LogFollower(client(ctx).job(job_id), follow)
+    follower.start()
     try:
-        for _, data in job.log_chunks(0, follow=follow):
-            sink.write(data)
-            sink.flush()
+        follower.wait()
     except KeyboardInterrupt:
+        follower.mute()
         ctx.exit(130)
 
 

@@ -178,7 +178,7 @@ class Client:
 
     # ---- sync ---------------------------------------------------------------------------------------
 
-    def _sync(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
+    def _sync_folder(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
         """Sync ``folder``: only blobs the server lacks travel, and they start while the rest is hashed."""
         files = _sync.scan(folder)
         cache = _sync.HashCache(folder)
@@ -266,7 +266,7 @@ class Client:
         """
         if not name:
             raise InvalidRequest("a pushed snapshot needs a name")
-        return self._sync(Path(folder), name, progress)
+        return self._sync_folder(Path(folder), name, progress)
 
     def snapshots(self) -> list[Snapshot]:
         """Your named snapshots (made with ``push``)."""
@@ -320,7 +320,7 @@ class Client:
         if project:
             spec.project = project
         elif workdir is not None:
-            spec.snapshot_id = self._sync(Path(workdir), "", progress).id
+            spec.snapshot_id = self._sync_folder(Path(workdir), "", progress).id
         return Job(self, JobInfo._from_message(self._call(self._jobs.Submit, spec)))
 
     def job(self, job_id: str) -> Job:

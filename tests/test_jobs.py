@@ -226,8 +226,14 @@ def _start_cli_run(server: RunningServer, project: Path, client_config: Path) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
     env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config))
     script = "import time\nprint('started', flush=True)\ntime.sleep(60)"
+    # Ctrl-C handling switched on explicitly: a test run started in the background inherits SIGINT
+    # ignored (the shell's rule for background jobs), and Python would keep ignoring it.
+    cli = (
+        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "sys.argv[0] = 'gpuport'; runpy.run_module('gpuport', run_name='__main__')"
+    )
     return subprocess.Popen(
-        [sys.executable, "-m", "gpuport", "run", "--", "python", "-c", script],
+        [sys.executable, "-c", cli, "run", "--", "python", "-c", script],
         cwd=project,
         env=env,
         stdout=subprocess.PIPE,

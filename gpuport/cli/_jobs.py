@@ -35,7 +35,7 @@ def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
     def update(done: int, total: int) -> None:
         nonlocal bar, task
         if bar is None:
-            if total < _PROGRESS_FROM_BYTES or not err.is_terminal and "GPUPORT_PROGRESS" not in os.environ:
+            if total < _PROGRESS_FROM_BYTES or not err.is_terminal:
                 return
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 

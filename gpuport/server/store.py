@@ -8,6 +8,7 @@ dir made by an older server is upgraded in place on start.
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,10 +73,15 @@ MIGRATIONS: list[str] = [
 
 
 class Store:
-    """One SQLite connection in WAL mode, opened on ``path`` and migrated to the newest schema."""
+    """One SQLite connection in WAL mode, opened on ``path`` and migrated to the newest schema.
+
+    The event loop and worker threads (a job's outputs are recorded from one) share it: a lock keeps
+    a transaction from interleaving with another thread's statements.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
@@ -105,19 +111,22 @@ class Store:
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """A write transaction (``BEGIN IMMEDIATE``): committed on success, rolled back on error."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
-        return self._db.execute(sql, params).fetchall()
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
 
     def query_one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
-        return self._db.execute(sql, params).fetchone()
+        with self._lock:
+            return self._db.execute(sql, params).fetchone()
 
     def close(self) -> None:
         self._db.close()

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -82,6 +83,7 @@ class SnapshotService:
         self.store = store
         self.blobs = blobs
         self._manifests: OrderedDict[str, list[Entry]] = OrderedDict()
+        self._cache_lock = threading.Lock()
 
     def create(self, caller: Identity, entries: list[Entry], name: str = "") -> tuple[SnapshotRecord | None, list[str]]:
         """Record the snapshot if every blob is present; else return the missing blobs and record nothing."""
@@ -163,18 +165,20 @@ class SnapshotService:
         return self._record(snapshot_id, owner, name)
 
     def manifest(self, record: SnapshotRecord) -> list[Entry]:
-        cached = self._manifests.get(record.id)
-        if cached is not None:
-            self._manifests.move_to_end(record.id)
-            return cached
+        with self._cache_lock:  # also called from worker threads (a job's directory is made in one)
+            cached = self._manifests.get(record.id)
+            if cached is not None:
+                self._manifests.move_to_end(record.id)
+                return cached
         row = self.store.query_one(
             "SELECT manifest FROM snapshots WHERE id = ? AND owner = ?", (record.id, record.owner)
         )
         assert row is not None
         entries = [Entry(*item) for item in json.loads(row["manifest"])]
-        self._manifests[record.id] = entries
-        if len(self._manifests) > _CACHED_MANIFESTS:
-            self._manifests.popitem(last=False)
+        with self._cache_lock:
+            self._manifests[record.id] = entries
+            if len(self._manifests) > _CACHED_MANIFESTS:
+                self._manifests.popitem(last=False)
         return entries
 
     def named(self, caller: Identity) -> list[SnapshotRecord]:

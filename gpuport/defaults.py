@@ -26,6 +26,9 @@ TOKEN_BYTES = 32
 MAX_NAME_LENGTH = 64
 # Largest gRPC message either side accepts; bulk data travels as streams of chunks below this.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Bytes either side lets a stream send ahead of what it has read (HTTP/2 flow control): with gRPC's
+# 64 KiB default, an upload waited on window updates and ran ~20% slower.
+STREAM_WINDOW_BYTES = 16 * 1024 * 1024
 
 # Environment variables read by the client (they override the saved profile).
 ENV_URL = "GPUPORT_URL"

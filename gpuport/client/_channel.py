@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, MAX_MESSAGE_BYTES
+from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES
 from gpuport.protocol.errors import (
     ERROR_METADATA_KEY,
     AuthenticationError,
@@ -165,6 +165,7 @@ def open_channel(target: Target, certificate: str | None) -> grpc.Channel:
         ("grpc.use_local_subchannel_pool", 1),  # each client its own connection
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
     if not target.tls:
         return grpc.insecure_channel(target.address, options=options)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import grpc
 
 from gpuport._version import __version__
-from gpuport.defaults import BLOB_BATCH_BYTES, MAX_MESSAGE_BYTES, MAX_SNAPSHOT_FILES
+from gpuport.defaults import BLOB_BATCH_BYTES, MAX_MESSAGE_BYTES, MAX_SNAPSHOT_FILES, STREAM_WINDOW_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import (
@@ -373,6 +373,7 @@ def build_grpc_server(
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
         ]
     )
     pb_grpc.add_ControlServicer_to_server(ControlServicer(app), server)

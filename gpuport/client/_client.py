@@ -76,6 +76,10 @@ class Client:
         self._tokens = pb_grpc.TokensStub(self._channel)
         self._snapshots = pb_grpc.SnapshotsStub(self._channel)
         self._jobs = pb_grpc.JobsStub(self._channel)
+        # Uploads send messages encoded ahead of time (_sync.prefetched), so they go out as bytes.
+        self._upload = self._channel.stream_unary(
+            "/gpuport.v1.Snapshots/Upload", request_serializer=None, response_deserializer=pb.UploadReply.FromString
+        )
         try:
             hello = self._call(
                 self._control.Hello,
@@ -194,7 +198,8 @@ class Client:
                 if f.blob in missing:
                     retry.add(f)
             retry.close()
-            self._call(self._snapshots.Upload, _sync.upload_batches(retry, progress, lambda: retry.bytes), timeout=None)
+            batches = _sync.upload_batches(retry, progress, lambda: retry.bytes)
+            self._call(self._upload, _sync.prefetched(batches), timeout=None)
             uploads.files, uploads.bytes = uploads.files + retry.files, uploads.bytes + retry.bytes
             reply = self._call(self._snapshots.Create, request)
             if reply.missing:
@@ -219,7 +224,7 @@ class Client:
         def upload() -> None:
             try:
                 batches = _sync.upload_batches(uploads, progress, lambda: uploads.bytes)
-                self._call(self._snapshots.Upload, batches, timeout=None)
+                self._call(self._upload, _sync.prefetched(batches), timeout=None)
             except BaseException as e:  # raised in the caller's thread below
                 failure.append(e)
                 for _ in uploads:  # drain, so that the producer never waits on a dead stream

@@ -304,6 +304,44 @@ def upload_batches(
         progress(done, total())
 
 
+def prefetched(batches: Iterator[pb.BlobBatch], depth: int = 2) -> Iterator[bytes]:
+    """``batches``, encoded, made up to ``depth`` ahead in a thread of their own.
+
+    gRPC sends one message at a time and waits for it to leave; meanwhile the next files are read
+    and encoded here, instead of after.
+    """
+    import queue
+    import threading
+
+    ready: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                data = batch.SerializeToString()
+                while not stop.is_set():
+                    try:
+                        ready.put(data, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(None)
+        except BaseException as e:  # handed to the consumer
+            ready.put(e)
+
+    threading.Thread(target=produce, name="gpuport upload reader", daemon=True).start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
 def check_download(entries: list[pb.ManifestEntry]) -> None:
     """A manifest from the server gets the same checks as one sent to it, before anything is written."""
     check_entries(entries)

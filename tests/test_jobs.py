@@ -293,3 +293,14 @@ def test_python_output_is_live_and_in_order_without_flushes(admin: gpuport.Clien
     assert job.status == "running"
     flag.touch()
     assert list(lines) == ["out 1", "err", "out 2"]
+
+
+def test_outputs_with_identical_content_both_arrive(admin: gpuport.Client, tmp_path: Path) -> None:
+    script = (
+        "import os; d = os.environ['GPUPORT_OUTPUT_DIR']; os.makedirs(d + '/a'); "
+        "[open(p, 'w').write('same bytes') for p in (d + '/a/one.txt', d + '/two.txt')]"
+    )
+    job = admin.submit(["python", "-c", script], workdir=None).wait(30)
+    files = job.download(tmp_path, ".")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in files) == ["a/one.txt", "two.txt"]
+    assert (tmp_path / "a" / "one.txt").read_text() == (tmp_path / "two.txt").read_text() == "same bytes"

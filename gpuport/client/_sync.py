@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -316,21 +317,24 @@ def prefetched(batches: Iterator[pb.BlobBatch], depth: int = 2) -> Iterator[byte
     ready: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def offer(item: bytes | BaseException | None) -> bool:
+        """Queue ``item`` unless the consumer has gone; say whether it was queued."""
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                data = batch.SerializeToString()
-                while not stop.is_set():
-                    try:
-                        ready.put(data, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(batch.SerializeToString()):
                     return
-            ready.put(None)
+            offer(None)
         except BaseException as e:  # handed to the consumer
-            ready.put(e)
+            offer(e)
 
     threading.Thread(target=produce, name="gpuport upload reader", daemon=True).start()
     try:
@@ -349,11 +353,9 @@ def check_download(entries: list[pb.ManifestEntry]) -> None:
 
 def select(entries: Iterable[pb.ManifestEntry], path: str | None) -> list[pb.ManifestEntry]:
     """The entries at ``path`` or below it (all of them for None)."""
-    if path is None:
+    if path is None or path.strip("/") in ("", "."):
         return list(entries)
-    path = check_path(path.rstrip("/") or ".", what="path") if path.strip("/") else ""
-    if not path:
-        return list(entries)
+    path = check_path(path, what="path")
     chosen = [e for e in entries if e.path == path or e.path.startswith(path + "/")]
     if not chosen:
         raise InvalidRequest(f"the outputs hold nothing at {path!r}")
@@ -401,9 +403,10 @@ def place(
                     target.parent.mkdir(parents=True, exist_ok=True)
                     temp = target.with_name(f".{target.name}.gpuport-tmp")
                     current, digest = open(temp, "wb"), hashlib.sha256()
-                current.write(part.data)
-                digest.update(part.data)
-                done += len(part.data)
+                data = part.data  # a copy out of the message: taken once
+                current.write(data)
+                digest.update(data)
+                done += len(data)
                 if part.last:
                     current.close()
                     current = None
@@ -414,8 +417,7 @@ def place(
                         )
                     group = by_blob.pop(part.blob)
                     for e in group[1:]:
-                        with open(temp, "rb") as src, open(dest / e.path, "wb") as out:
-                            out.write(src.read())
+                        shutil.copyfile(temp, dest / e.path)
                         os.chmod(dest / e.path, e.mode & 0o777)
                     os.chmod(temp, group[0].mode & 0o777)
                     os.replace(temp, dest / group[0].path)

@@ -47,6 +47,8 @@ ENV_FAKE_GPUS = "GPUPORT_FAKE_GPUS"
 DEFAULT_OUTPUT_DIR = "gpuport-outputs"
 # Seconds a cancelled job gets between SIGTERM and SIGKILL.
 DEFAULT_CANCEL_GRACE = 5.0
+# Longest time limit a job may ask for (30 days).
+MAX_TIME_LIMIT = 30 * 24 * 3600.0
 # Seconds `gpuport run` waits after a first Ctrl-C for a second one that cancels the job.
 DEFAULT_DETACH_WINDOW = 2.0
 # Most files in one snapshot (a project, a dataset, a job's outputs).

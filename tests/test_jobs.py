@@ -304,3 +304,24 @@ def test_outputs_with_identical_content_both_arrive(admin: gpuport.Client, tmp_p
     files = job.download(tmp_path, ".")
     assert sorted(p.relative_to(tmp_path).as_posix() for p in files) == ["a/one.txt", "two.txt"]
     assert (tmp_path / "a" / "one.txt").read_text() == (tmp_path / "two.txt").read_text() == "same bytes"
+
+
+def test_a_job_past_its_time_limit_is_stopped_as_timeout(admin: gpuport.Client) -> None:
+    script = "import time\nprint('working', flush=True)\ntime.sleep(60)"
+    job = admin.submit(["python", "-c", script], workdir=None, time_limit="1s").wait(30)
+    assert job.info.state == "timeout" and job.info.time_limit == 1.0
+    assert job.info.message.startswith("stopped at its time limit of 1s (killed by SIGTERM)")
+    assert list(job.logs()) == ["working"]
+
+
+def test_time_limits_through_the_cli_and_rest(cli: object, server: RunningServer, tmp_path: Path) -> None:
+    result = cli("run", "--time", "1s", "--", "sleep", "30", cwd=tmp_path, **client_env(server))  # type: ignore[operator]
+    assert result.code == 124 and "timeout" in result.stderr
+    bad = cli("run", "--time", "soon", "--", "true", cwd=tmp_path, **client_env(server))  # type: ignore[operator]
+    assert bad.code == 1 and "cannot read 'soon' as a duration" in bad.stderr
+    created = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": ["sleep", "30"], "time_limit": "1s"})
+    assert created.status_code == 201 and created.json()["time_limit"] == 1.0
+    job_id = created.json()["job_id"]
+    wait_for(lambda: server.rest("GET", f"/v1/jobs/{job_id}", server.admin_token).json()["state"] == "timeout")
+    huge = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": ["true"], "time_limit": "400d"})
+    assert huge.status_code == 400 and "time limit" in huge.json()["error"]["message"]

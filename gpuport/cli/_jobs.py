@@ -56,6 +56,8 @@ def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
 
 def _exit_status(info: JobInfo) -> int:
     """The shell's convention: the exit code, or 128 + the signal that killed it."""
+    if info.state == "timeout":
+        return 124  # as timeout(1) says it
     if info.exit_code is None:
         return 130 if info.state == "cancelled" else 1
     if info.exit_code < 0:
@@ -124,7 +126,9 @@ def _summary(info: JobInfo) -> str:
     took = ""
     if info.started_at and info.ended_at:
         took = f" in {format_duration(info.ended_at - info.started_at)}"
-    style = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "lost": "red"}.get(info.state, "")
+    style = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "timeout": "red", "lost": "red"}.get(
+        info.state, ""
+    )
     return f"[{style}]job {info.id} {info.state}[/]{took}: {escape(info.message)}"
 
 
@@ -160,6 +164,7 @@ def _download(job: Job, dest: Path, path: str | None = None) -> None:
 @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Where outputs go.")
 @click.option("--project", help="Run in a snapshot pushed under this name instead of syncing --workdir.")
 @click.option("--dataset", "datasets", multiple=True, metavar="NAME", help="Mount a pushed snapshot read-only.")
+@click.option("--time", "time_limit", metavar="DURATION", help="Stop the job after this long (90s, 2h); exit 124.")
 @click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
@@ -173,6 +178,7 @@ def run_command(
     output_dir: Path | None,
     project: str | None,
     datasets: tuple[str, ...],
+    time_limit: str | None,
     detach: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -197,6 +203,7 @@ def run_command(
             name=name,
             project=project,
             datasets=datasets,
+            time_limit=time_limit,
             progress=progress,
         )
     if detach:

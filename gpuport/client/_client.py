@@ -32,6 +32,7 @@ from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import InvalidRequest, ServerError, ServerUnreachable, TLSError
+from gpuport.protocol.units import parse_duration
 
 Reply = TypeVar("Reply")
 # progress(done_bytes, total_bytes), called as an upload or download goes.
@@ -303,6 +304,7 @@ class Client:
         *,
         project: str | None = None,
         datasets: Sequence[str] = (),
+        time_limit: float | str | None = None,
         progress: Progress | None = None,
     ) -> Job:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -311,12 +313,18 @@ class Client:
         workdir brought back after the job (everything written to ``$GPUPORT_OUTPUT_DIR`` is too).
         ``project`` runs in a snapshot pushed under that name instead of syncing ``workdir``;
         ``datasets`` are pushed snapshots mounted read-only under ``$GPUPORT_DATASETS_DIR/<name>``.
+        ``time_limit`` (seconds, or "90s", "2h") stops the job when it runs longer; it ends as ``timeout``.
 
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
         ``ResourceUnavailable`` (more GPUs than the server has), ``NotFound`` (unknown project).
         """
         spec = pb.JobSpec(
-            gpus=gpus, env=env or {}, outputs=list(outputs or ()), name=name or "", datasets=list(datasets)
+            gpus=gpus,
+            env=env or {},
+            outputs=list(outputs or ()),
+            name=name or "",
+            datasets=list(datasets),
+            time_limit=0.0 if time_limit is None else parse_duration(time_limit),
         )
         if isinstance(cmd, str):
             spec.shell = cmd

@@ -15,7 +15,7 @@ from gpuport.protocol.errors import ConnectionFailed, InvalidRequest, ServerErro
 if TYPE_CHECKING:
     from gpuport.client._client import Client, Progress
 
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "lost"})
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timeout", "lost"})
 # Longest single Wait call; longer waits make several.
 _WAIT_SLICE = 60.0
 
@@ -24,7 +24,7 @@ _WAIT_SLICE = 60.0
 class JobInfo:
     """A job as the server described it at one moment.
 
-    ``state`` is one of queued, running, succeeded, failed, cancelled, lost. ``exit_code`` is None
+    ``state`` is one of queued, running, succeeded, failed, cancelled, timeout, lost. ``exit_code`` is None
     until the job has ended (negative: killed by that signal). ``message`` says why it waits or how
     it ended.
     """
@@ -44,6 +44,7 @@ class JobInfo:
     outputs: tuple[str, ...]
     output_snapshot_id: str
     log_bytes: int
+    time_limit: float | None = None  # seconds
 
     @property
     def ended(self) -> bool:
@@ -67,6 +68,7 @@ class JobInfo:
             outputs=tuple(m.outputs),
             output_snapshot_id=m.output_snapshot_id,
             log_bytes=m.log_bytes,
+            time_limit=m.time_limit or None,
         )
 
 
@@ -100,7 +102,7 @@ class Job:
 
     @property
     def status(self) -> str:
-        """The job's state now: queued, running, succeeded, failed, cancelled or lost."""
+        """The job's state now: queued, running, succeeded, failed, cancelled, timeout or lost."""
         return self.info.state if self.info.ended else self.refresh().state
 
     @property

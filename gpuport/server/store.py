@@ -69,6 +69,9 @@ MIGRATIONS: list[str] = [
     CREATE INDEX jobs_owner ON jobs(owner, seq);
     CREATE INDEX jobs_state ON jobs(state);
     """,
+    """
+    ALTER TABLE jobs ADD COLUMN time_limit REAL NOT NULL DEFAULT 0;   -- seconds; 0: none
+    """,
 ]
 
 

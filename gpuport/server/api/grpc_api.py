@@ -305,6 +305,7 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         output_snapshot_id=job.output_snapshot_id,
         outputs=job.outputs,
         log_bytes=job.log_bytes,
+        time_limit=job.time_limit,
     )
 
 
@@ -334,6 +335,7 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
                 outputs=list(request.outputs),
                 name=request.name,
                 hyperparameters=hyperparameters,
+                time_limit=request.time_limit,
             ),
         )
         return job_message(job)

@@ -21,6 +21,7 @@ from gpuport._version import __version__
 from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.paths import check_path
+from gpuport.protocol.units import parse_duration
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest
@@ -49,6 +50,7 @@ class JobCreate(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     outputs: list[str] = Field(default_factory=list, description="Workdir paths brought back as outputs")
     name: str = ""
+    time_limit: float | str | None = Field(None, description='Seconds, or a duration such as "90s" or "2h"')
 
 
 def _flag_value(value: Any) -> str:
@@ -79,6 +81,7 @@ def job_request(body: JobCreate) -> JobRequest:
         outputs=body.outputs,
         name=body.name,
         hyperparameters=body.hyperparameters,
+        time_limit=0.0 if body.time_limit is None else parse_duration(body.time_limit),
     )
 
 

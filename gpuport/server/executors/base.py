@@ -25,6 +25,7 @@ class Launch:
     cwd: Path
     env: dict[str, str] = field(default_factory=dict)
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL on cancel
+    time_limit: float = 0.0  # seconds from the start; past it, stopped as on cancel. 0: none
 
 
 class Executor(ABC):

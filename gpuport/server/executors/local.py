@@ -32,7 +32,13 @@ class LocalExecutor(Executor):
         self._lock = threading.Lock()
 
     def start(self, launch: Launch, on_exit: OnExit) -> None:
-        spec = {"argv": launch.argv, "cwd": str(launch.cwd), "env": launch.env, "grace": launch.grace}
+        spec = {
+            "argv": launch.argv,
+            "cwd": str(launch.cwd),
+            "env": launch.env,
+            "grace": launch.grace,
+            "time_limit": launch.time_limit,
+        }
         # Not fsynced: a machine that crashes takes the job's processes with it anyway.
         atomic_write(launch.job_dir / "spec.json", json.dumps(spec).encode(), 0o600, durable=False)
         with open(launch.job_dir / "supervisor.log", "ab") as out:

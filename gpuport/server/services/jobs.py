@@ -41,10 +41,11 @@ from gpuport.defaults import (
     LOG_POLL_INTERVAL,
     MAX_NAME_LENGTH,
     MAX_SPEC_BYTES,
+    MAX_TIME_LIMIT,
 )
 from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, ResourceUnavailable
 from gpuport.protocol.paths import check_path
-from gpuport.protocol.units import format_size
+from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors import Executor, Launch
 from gpuport.server.inventory import Inventory
 from gpuport.server.scheduler import Pending, first_come
@@ -70,6 +71,7 @@ class JobState(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    TIMEOUT = "timeout"  # stopped at its time limit
     LOST = "lost"  # its supervisor vanished without recording an exit code
 
     def is_terminal(self) -> bool:
@@ -79,7 +81,14 @@ class JobState(str, Enum):
 # A running job goes back to the queue only when a crash came between its start and its launch.
 _MOVES = {
     JobState.QUEUED: {JobState.RUNNING, JobState.CANCELLED},
-    JobState.RUNNING: {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST, JobState.QUEUED},
+    JobState.RUNNING: {
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+        JobState.TIMEOUT,
+        JobState.LOST,
+        JobState.QUEUED,
+    },
 }
 
 
@@ -102,6 +111,7 @@ class JobRequest:
     outputs: list[str] = field(default_factory=list)
     name: str = ""
     hyperparameters: dict[str, Any] | None = None
+    time_limit: float = 0.0  # seconds; 0: none
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,7 @@ class JobRecord:
     output_snapshot_id: str
     outputs: list[str]
     log_bytes: int = 0
+    time_limit: float = 0.0
 
 
 def exit_message(code: int) -> str:
@@ -180,6 +191,10 @@ class JobService:
         if len(request.outputs) > _MAX_OUTPUTS:
             raise InvalidRequest(f"{len(request.outputs)} outputs declared; the limit is {_MAX_OUTPUTS}")
         outputs = [check_path(p, what="output path") for p in request.outputs]
+        if not 0 <= request.time_limit <= MAX_TIME_LIMIT:
+            raise InvalidRequest(
+                f"time limit {request.time_limit:g}s is outside 0 (none) .. {format_duration(MAX_TIME_LIMIT)}"
+            )
         if request.gpus < 0:
             raise InvalidRequest(f"gpus must be 0 or more, not {request.gpus}")
         if request.gpus > self._gpu_count:
@@ -219,7 +234,7 @@ class JobService:
                     break
             db.execute(
                 "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
-                "outputs, spec) VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?)",
+                "outputs, spec, time_limit) VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     caller.name,
@@ -230,6 +245,7 @@ class JobService:
                     snapshot,
                     json.dumps(spec.pop("outputs")),
                     json.dumps(spec),
+                    request.time_limit,
                 ),
             )
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
@@ -264,6 +280,7 @@ class JobService:
             output_snapshot_id=row["output_snapshot_id"],
             outputs=json.loads(row["outputs"]),
             log_bytes=log_bytes,
+            time_limit=row["time_limit"],
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -493,7 +510,7 @@ class JobService:
         env[ENV_OUTPUT_DIR] = str(out)
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = NVML's = ours
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, json.loads(row["gpu_indices"])))
-        return Launch(job_dir, json.loads(row["command"]), work, env, DEFAULT_CANCEL_GRACE)
+        return Launch(job_dir, json.loads(row["command"]), work, env, DEFAULT_CANCEL_GRACE, row["time_limit"])
 
     async def _finish(self, job_id: str) -> None:
         """The job's processes are gone: record how it ended, collect its outputs, free its GPUs."""
@@ -516,7 +533,10 @@ class JobService:
         else:
             code = status["exit_code"]
             message = status.get("error") or exit_message(code)
-            if row["cancel_requested"] or status.get("cancelled"):
+            if status.get("timed_out"):
+                limit = format_duration(row["time_limit"])
+                state, message = JobState.TIMEOUT, f"stopped at its time limit of {limit} ({message})"
+            elif row["cancel_requested"] or status.get("cancelled"):
                 state, message = JobState.CANCELLED, f"cancelled ({message})"
             else:
                 state = JobState.SUCCEEDED if code == 0 else JobState.FAILED

@@ -8,6 +8,8 @@ going to ``JOB_DIR/log``, and writes ``JOB_DIR/exit.json`` (atomically) when the
 While it runs it holds an exclusive ``flock`` on ``JOB_DIR/supervisor.lock``: a restarted server
 knows the job is still running when it cannot take that lock, with no pid-reuse guesswork.
 SIGTERM (cancel) is passed to the job's process group; after the grace period, SIGKILL follows.
+A job past its time limit is stopped the same way, by the supervisor itself (so the limit holds
+while no server runs), and exit.json says ``timed_out``.
 """
 
 import fcntl
@@ -83,6 +85,14 @@ def main(job_dir):
         terminate(signal.SIGTERM, None)
     info = {"pid": os.getpid(), "child": child.pid, "started_at": started_at}
     _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read only while it runs
+    time_limit = float(spec.get("time_limit") or 0)
+    if time_limit > 0:
+        try:
+            child.wait(timeout=max(0.0, started_at + time_limit - time.time()))
+        except subprocess.TimeoutExpired:
+            status["timed_out"] = True
+            terminate(signal.SIGTERM, None)
+            status.pop("cancelled", None)
     code = child.wait()
     signal.setitimer(signal.ITIMER_REAL, 0)
     try:  # what the job left behind in its group would hold the GPU and the log open

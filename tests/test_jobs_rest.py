@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -216,3 +218,26 @@ def test_upload_without_a_valid_token_is_refused(server: RunningServer) -> None:
         gpu._metadata = (("authorization", "Bearer gp_wrong"),)
         with pytest.raises(gpuport.AuthenticationError):
             gpu._call(gpu._snapshots.Upload, iter([pb.BlobBatch()]))
+
+
+def test_a_client_that_vanishes_mid_upload_leaves_nothing_behind(admin: gpuport.Client, server: RunningServer) -> None:
+    blob = hashlib.sha256(b"x" * 2_000_000).hexdigest()
+    sent, released = threading.Event(), threading.Event()
+
+    def parts() -> Iterator[pb.BlobBatch]:
+        yield pb.BlobBatch(parts=[pb.BlobPart(blob=blob, offset=0, data=b"x" * 1_000_000, last=False)])
+        sent.set()
+        released.wait(30)  # the client goes silent, then away
+
+    call = admin._snapshots.Upload.future(parts(), metadata=admin._metadata)
+    try:
+        assert sent.wait(10)
+        folder = server.state_dir / "blobs" / blob[:2]
+        wait_for(lambda: folder.exists() and any(p.name.endswith(".part") for p in folder.iterdir()), what="a part")
+        call.cancel()
+        wait_for(lambda: not any(p.name.endswith(".part") for p in folder.iterdir()), what="the part removed")
+    finally:
+        released.set()
+    assert not (folder / blob[2:]).exists()
+    with server.connect() as gpu:  # the server is fine
+        assert gpu.ping() > 0

@@ -1,7 +1,8 @@
-"""File writes that a crash cannot leave half done (used by both the client and the server)."""
+"""File helpers used by both the client and the server: writes a crash cannot leave half done, file hashes."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -24,3 +25,14 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = 
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def sha256_file(path: Path | str) -> tuple[str, int]:
+    """SHA-256 hex and size of the file at ``path`` (a file's blob id, on either side)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(1024 * 1024):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size

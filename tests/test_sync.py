@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpuport.client._sync import HashCache, scan
+from gpuport.client._sync import HashCache, LocalFile, scan
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.paths import check_entries, check_link, check_path
 from gpuport.server.scheduler import Pending, first_come
@@ -110,17 +111,23 @@ def test_scan_keeps_inner_symlinks_and_refuses_one_leaving_the_workdir(tmp_path:
         scan(project)
 
 
+def _hash_all(cache: HashCache, files: list[LocalFile]) -> list[LocalFile]:
+    known, unknown = cache.split(files)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return known + cache.hash_files(unknown, pool)
+
+
 def test_hash_cache_reuses_hashes_of_settled_files_only(tmp_path: Path) -> None:
     _tree(tmp_path / "p", {"old.txt": "old", "new.txt": "new"})
     old = tmp_path / "p" / "old.txt"
     os.utime(old, (1_000_000_000, 1_000_000_000))
     cache = HashCache(tmp_path / "p")
-    first = {f.path: f.blob for f in cache.hash_all(scan(tmp_path / "p"))}
+    first = {f.path: f.blob for f in _hash_all(cache, scan(tmp_path / "p"))}
     cache.save()
     assert set(HashCache(tmp_path / "p").entries) == {"old.txt"}  # new.txt was written just now
     old.write_text("changed")
     os.utime(old, (1_000_000_100, 1_000_000_100))
-    second = {f.path: f.blob for f in HashCache(tmp_path / "p").hash_all(scan(tmp_path / "p"))}
+    second = {f.path: f.blob for f in _hash_all(HashCache(tmp_path / "p"), scan(tmp_path / "p"))}
     assert second["old.txt"] != first["old.txt"]
     assert second["new.txt"] == first["new.txt"]
 

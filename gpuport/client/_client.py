@@ -32,6 +32,7 @@ from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import InvalidRequest, ServerError, ServerUnreachable, TLSError
+from gpuport.protocol.paths import check_entries
 from gpuport.protocol.units import parse_duration
 
 Reply = TypeVar("Reply")
@@ -199,8 +200,7 @@ class Client:
                 if f.blob in missing:
                     retry.add(f)
             retry.close()
-            batches = _sync.upload_batches(retry, progress, lambda: retry.bytes)
-            self._call(self._upload, _sync.prefetched(batches), timeout=None)
+            self._send(retry, progress)
             uploads.files, uploads.bytes = uploads.files + retry.files, uploads.bytes + retry.bytes
             reply = self._call(self._snapshots.Create, request)
             if reply.missing:
@@ -208,6 +208,10 @@ class Client:
         elif progress and not uploads.files:
             progress(0, 0)
         return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploads.files, uploads.bytes)
+
+    def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
+        """Upload the queue's files in one stream, until the queue is closed."""
+        self._call(self._upload, _sync.prefetched(_sync.upload_batches(uploads, progress)), timeout=None)
 
     def _hash_and_upload(
         self,
@@ -224,8 +228,7 @@ class Client:
 
         def upload() -> None:
             try:
-                batches = _sync.upload_batches(uploads, progress, lambda: uploads.bytes)
-                self._call(self._upload, _sync.prefetched(batches), timeout=None)
+                self._send(uploads, progress)
             except BaseException as e:  # raised in the caller's thread below
                 failure.append(e)
                 for _ in uploads:  # drain, so that the producer never waits on a dead stream
@@ -282,7 +285,7 @@ class Client:
     def _download(self, snapshot_id: str, dest: Path, path: str | None, progress: Progress | None) -> list[Path]:
         snapshot = self._call(self._snapshots.Get, pb.SnapshotRef(snapshot_id=snapshot_id))
         entries = list(snapshot.entries)
-        _sync.check_download(entries)
+        check_entries(entries)  # a manifest from the server gets the checks one sent to it gets
         chosen = _sync.select(entries, path)
         dest.mkdir(parents=True, exist_ok=True)
         needed = [e for e in chosen if not _sync.already_there(dest, e)]

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timeout", "lost"})
 # Longest single Wait call; longer waits make several.
 _WAIT_SLICE = 60.0
+# Seconds between attempts to reach a server that dropped the connection (restarting, say).
+_RECONNECT_PAUSE = 0.5
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,16 @@ class JobInfo:
             log_bytes=m.log_bytes,
             time_limit=m.time_limit or None,
         )
+
+
+def _keep_trying(since: float | None) -> float | None:
+    """After a dropped connection: pause and return when the retries began (``since``, or now);
+    None once they have gone on for DEFAULT_RECONNECT_WINDOW, and the caller should give up."""
+    since = since or time.monotonic()
+    if time.monotonic() - since > DEFAULT_RECONNECT_WINDOW:
+        return None
+    time.sleep(_RECONNECT_PAUSE)
+    return since
 
 
 class Job:
@@ -125,10 +137,9 @@ class Job:
             try:
                 reply = self._client._call(self._client._jobs.Wait, request, timeout=min(remaining, _WAIT_SLICE) + 30)
             except ConnectionFailed:
-                reconnecting_since = reconnecting_since or time.monotonic()
-                if time.monotonic() - reconnecting_since > DEFAULT_RECONNECT_WINDOW:
+                reconnecting_since = _keep_trying(reconnecting_since)
+                if reconnecting_since is None:
                     raise
-                time.sleep(0.5)
                 continue
             reconnecting_since = None
             self.info = JobInfo._from_message(reply)
@@ -160,12 +171,9 @@ class Job:
                     yield chunk.offset, chunk.data
                 return
             except ConnectionFailed:
-                if not follow:
+                reconnecting_since = _keep_trying(reconnecting_since) if follow else None
+                if reconnecting_since is None:
                     raise
-                reconnecting_since = reconnecting_since or time.monotonic()
-                if time.monotonic() - reconnecting_since > DEFAULT_RECONNECT_WINDOW:
-                    raise
-                time.sleep(0.5)
 
     def logs(self, follow: bool = False, *, offset: int = 0) -> Iterator[str]:
         """The job's log (stdout and stderr, in order) as lines without their newline.

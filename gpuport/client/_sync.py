@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -22,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import platformdirs
 
-from gpuport._files import atomic_write
+from gpuport._files import atomic_write, sha256_file
 from gpuport.defaults import BLOB_BATCH_BYTES, DEFAULT_OUTPUT_DIR, ENV_CACHE_DIR, MAX_SNAPSHOT_FILES
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import InvalidRequest
-from gpuport.protocol.paths import check_entries, check_link, check_path
+from gpuport.protocol.paths import check_link, check_path
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -41,7 +43,6 @@ _IGNORE_FILES = (".gitignore", ".gpuportignore")
 # A hash is cached only for a file unchanged for this long: a write within the same mtime tick
 # as the hashing would otherwise go unseen.
 _SETTLED_NS = 2_000_000_000
-_READ_BYTES = 1024 * 1024
 _HASH_THREADS = 2
 # Files are hashed in rounds this large; each round's missing blobs start uploading at once.
 _ROUND_BYTES = 32 * 1024 * 1024
@@ -62,14 +63,6 @@ class LocalFile:
 
 def cache_dir() -> Path:
     return Path(os.environ.get(ENV_CACHE_DIR) or platformdirs.user_cache_dir("gpuport", appauthor=False))
-
-
-def _hash(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_READ_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class _Ignore:
@@ -198,22 +191,13 @@ class HashCache:
         """Hash ``files`` on ``pool`` (hashlib releases the GIL) and remember the settled ones."""
         now = time.time_ns()
         done = []
-        for f, blob in zip(files, pool.map(lambda f: _hash(f.full), files), strict=True):
+        for f, blob in zip(files, pool.map(lambda f: sha256_file(f.full)[0], files), strict=True):
             f.blob = blob
             done.append(f)
             if now - f.mtime_ns > _SETTLED_NS:
                 self.entries[f.path] = [f.size, f.mtime_ns, f.ino, blob]
                 self.changed = True
         return done
-
-    def hash_all(self, files: list[LocalFile]) -> list[LocalFile]:
-        known, unknown = self.split(files)
-        if not unknown:
-            return known
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-            return known + self.hash_files(unknown, pool)
 
     def save(self) -> None:
         if self.changed:
@@ -246,8 +230,6 @@ class UploadQueue:
     _END = None
 
     def __init__(self) -> None:
-        import queue
-
         self._queue: queue.SimpleQueue[LocalFile | None] = queue.SimpleQueue()
         self._queued: set[str] = set()
         self.files = 0
@@ -268,17 +250,11 @@ class UploadQueue:
             yield f
 
 
-def upload_batches(
-    files: Iterable[LocalFile], progress: Progress | None, total: Callable[[], int] | None = None
-) -> Iterator[pb.BlobBatch]:
+def upload_batches(files: UploadQueue, progress: Progress | None) -> Iterator[pb.BlobBatch]:
     """The upload stream: each file's bytes as parts, packed into messages of about BLOB_BATCH_BYTES.
 
-    ``total`` tells the bytes to upload so far, for progress, when ``files`` is still growing.
+    Progress counts against the bytes queued so far (the queue grows while files are hashed).
     """
-    files = list(files) if total is None else files
-    if total is None:
-        size_of_all = sum(f.size for f in files)
-        total = lambda: size_of_all  # noqa: E731
     done = 0
     batch = pb.BlobBatch()
     size = 0
@@ -295,14 +271,14 @@ def upload_batches(
                 if size >= BLOB_BATCH_BYTES:
                     yield batch
                     if progress:
-                        progress(done, total())
+                        progress(done, files.bytes)
                     batch, size = pb.BlobBatch(), 0
                 if last:
                     break
     if batch.parts:
         yield batch
     if progress:
-        progress(done, total())
+        progress(done, files.bytes)
 
 
 def prefetched(batches: Iterator[pb.BlobBatch], depth: int = 2) -> Iterator[bytes]:
@@ -311,9 +287,6 @@ def prefetched(batches: Iterator[pb.BlobBatch], depth: int = 2) -> Iterator[byte
     gRPC sends one message at a time and waits for it to leave; meanwhile the next files are read
     and encoded here, instead of after.
     """
-    import queue
-    import threading
-
     ready: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
@@ -346,11 +319,6 @@ def prefetched(batches: Iterator[pb.BlobBatch], depth: int = 2) -> Iterator[byte
         stop.set()
 
 
-def check_download(entries: list[pb.ManifestEntry]) -> None:
-    """A manifest from the server gets the same checks as one sent to it, before anything is written."""
-    check_entries(entries)
-
-
 def select(entries: Iterable[pb.ManifestEntry], path: str | None) -> list[pb.ManifestEntry]:
     """The entries at ``path`` or below it (all of them for None)."""
     if path is None or path.strip("/") in ("", "."):
@@ -370,7 +338,7 @@ def already_there(dest: Path, entry: pb.ManifestEntry) -> bool:
         info = target.lstat()
     except OSError:
         return False
-    return stat.S_ISREG(info.st_mode) and info.st_size == entry.size and _hash(str(target)) == entry.blob
+    return stat.S_ISREG(info.st_mode) and info.st_size == entry.size and sha256_file(target)[0] == entry.blob
 
 
 def place(

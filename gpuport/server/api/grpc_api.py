@@ -45,11 +45,23 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
+async def _fail(context: grpc.aio.ServicerContext, method: Callable[..., Any], error: Exception) -> None:
+    """End the call with ``error``'s status from ``ERROR_TABLE``; anything not a ``GpuportError`` is
+    logged here with its traceback and reaches the caller only as "internal error"."""
+    if isinstance(error, AuthenticationError):
+        log.warning("rejected a call to %s from %s: %s", method.__name__, context.peer(), error)
+    elif not isinstance(error, GpuportError):
+        log.error("%s failed", method.__qualname__, exc_info=error)
+        error = ServerError("internal server error — the server's log has the details")
+    code, _ = status_for(error)  # type: ignore[arg-type]
+    await context.abort(code, str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
+
+
 def rpc(method: Handler) -> Handler:
     """Authenticate the caller, pass its ``Identity`` to ``method``, and turn errors into statuses.
 
-    A ``GpuportError`` becomes its status from ``ERROR_TABLE`` with its message; anything else is
-    logged here with its traceback and reaches the caller only as "internal error".
+    For a client-streaming method the request is the stream: the caller is checked before its first
+    message is read.
     """
 
     @functools.wraps(method)
@@ -57,16 +69,8 @@ def rpc(method: Handler) -> Handler:
         try:
             identity = self.app.auth.authenticate(_authorization(context))
             return await method(self, request, identity)
-        except AuthenticationError as e:
-            log.warning("rejected a call to %s from %s: %s", method.__name__, context.peer(), e)
-            error: GpuportError = e
-        except GpuportError as e:
-            error = e
-        except Exception:
-            log.exception("%s failed", method.__qualname__)
-            error = ServerError("internal server error — the server's log has the details")
-        code, _ = status_for(error)
-        await context.abort(code, str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
+        except Exception as e:
+            await _fail(context, method, e)
 
     return wrapper  # type: ignore[return-value]
 
@@ -80,17 +84,8 @@ def stream_rpc(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
             identity = self.app.auth.authenticate(_authorization(context))
             async for reply in method(self, request, identity):
                 yield reply
-            return
-        except AuthenticationError as e:
-            log.warning("rejected a call to %s from %s: %s", method.__name__, context.peer(), e)
-            error: GpuportError = e
-        except GpuportError as e:
-            error = e
-        except Exception:
-            log.exception("%s failed", method.__qualname__)
-            error = ServerError("internal server error — the server's log has the details")
-        code, _ = status_for(error)
-        await context.abort(code, str(error), trailing_metadata=((ERROR_METADATA_KEY, type(error).__name__),))
+        except Exception as e:
+            await _fail(context, method, e)
 
     return wrapper
 
@@ -218,15 +213,8 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
     async def List(self, request: pb.Empty, caller: Identity) -> pb.SnapshotList:
         return pb.SnapshotList(snapshots=[snapshot_message(r) for r in self.app.snapshots.named(caller)])
 
-    async def Upload(self, requests: AsyncIterator[pb.BlobBatch], context: grpc.aio.ServicerContext) -> pb.UploadReply:
-        # Not under @rpc: the caller is checked before the first message is read.
-        try:
-            self.app.auth.authenticate(_authorization(context))
-        except AuthenticationError as e:
-            log.warning("rejected an upload from %s: %s", context.peer(), e)
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, str(e), trailing_metadata=((ERROR_METADATA_KEY, type(e).__name__),)
-            )
+    @rpc
+    async def Upload(self, requests: AsyncIterator[pb.BlobBatch], caller: Identity) -> pb.UploadReply:
         writer = self.app.blobs.writer()
         # Receiving (on the event loop) and writing + hashing (in a thread) overlap through a small
         # queue; one after the other, an upload ran at half the speed.
@@ -247,11 +235,6 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
                 await asyncio.to_thread(writer.write, batch.parts)
             await receiver
             writer.finish()
-        except GpuportError as e:
-            receiver.cancel()
-            writer.abort()
-            code, _ = status_for(e)
-            await context.abort(code, str(e), trailing_metadata=((ERROR_METADATA_KEY, type(e).__name__),))
         except BaseException:
             receiver.cancel()
             writer.abort()

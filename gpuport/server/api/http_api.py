@@ -6,6 +6,7 @@ Errors come out as ``{"error": {"type": "NotFound", "message": "..."}}`` with th
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import logging
@@ -89,15 +90,11 @@ def job_json(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.id, **dataclasses.asdict(job), "state": job.state.value}
 
 
-def _complete_utf8(data: bytes) -> bytes:
-    """``data`` without a UTF-8 character cut at its end (the next read starts with it instead)."""
-    for cut in range(1, 4):
-        if len(data) >= cut and data[-cut] & 0xC0 == 0xC0:  # a lead byte `cut` bytes from the end
-            needed = 2 if data[-cut] < 0xE0 else 3 if data[-cut] < 0xF0 else 4
-            return data[:-cut] if needed > cut else data
-        if len(data) >= cut and data[-cut] & 0xC0 != 0x80:
-            return data
-    return data
+def _decode_whole(data: bytes, final: bool) -> tuple[str, int]:
+    """Text of ``data`` and the bytes it used: a UTF-8 character cut at the end is left for the next read."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = decoder.decode(data, final=final)
+    return text, len(data) - len(decoder.getstate()[0])
 
 
 _bearer = HTTPBearer(auto_error=False)
@@ -201,15 +198,14 @@ def build_http_app(app: ServerApp) -> FastAPI:
     )
     async def job_logs(job_id: str, identity: Caller, offset: int = 0, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:
         job, data = app.jobs.read_log(identity, job_id, offset, limit)
-        if not job.state.is_terminal() or len(data) == limit:
-            data = _complete_utf8(data)
-        next_offset = offset + len(data)
+        text, used = _decode_whole(data, final=job.state.is_terminal() and len(data) < limit)
+        next_offset = offset + used
         return {
             "job_id": job.id,
             "state": job.state.value,
             "offset": offset,
             "next_offset": next_offset,
-            "data": data.decode("utf-8", "replace"),
+            "data": text,
             "complete": job.state.is_terminal() and next_offset >= job.log_bytes,
         }
 

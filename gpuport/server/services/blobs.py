@@ -20,11 +20,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from gpuport._files import sha256_file
 from gpuport.defaults import MAX_BLOB_BYTES
 from gpuport.protocol.errors import InvalidRequest
 
 _HASH = re.compile(r"[0-9a-f]{64}")
-_READ_BYTES = 1024 * 1024
 _KNOWN_SIZES = 1_000_000
 
 
@@ -32,17 +32,6 @@ def check_hash(blob: str) -> str:
     if not _HASH.fullmatch(blob):
         raise InvalidRequest(f"{blob[:80]!r} is not a blob id (64 lowercase hex digits of SHA-256)")
     return blob
-
-
-def hash_file(path: Path | str) -> tuple[str, int]:
-    """SHA-256 hex and size of the file at ``path``."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_READ_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
 
 
 class BlobStore:
@@ -78,9 +67,6 @@ class BlobStore:
     def path(self, blob: str) -> Path:
         return self.root / blob[:2] / blob[2:]
 
-    def has(self, blob: str) -> bool:
-        return self.path(blob).exists()
-
     def sizes(self, blobs: Iterable[str]) -> dict[str, int | None]:
         """Each blob's size, or None for a blob the store lacks (one stat each)."""
         root = str(self.root)
@@ -111,8 +97,8 @@ class BlobStore:
 
     def ingest(self, path: Path) -> tuple[str, int]:
         """Add the file at ``path`` to the store (a hard link when it is new); return its hash and size."""
-        blob, size = hash_file(path)
-        if not self.has(blob):
+        blob, size = sha256_file(path)
+        if self.sizes([blob])[blob] is None:
             fd, temp = self.temp_file(blob)
             os.close(fd)
             try:

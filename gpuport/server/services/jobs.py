@@ -166,8 +166,8 @@ class JobService:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def _check(self, caller: Identity, request: JobRequest) -> tuple[list[str], str, dict[str, Any]]:
-        """Validate ``request``; return argv, the workdir snapshot id and the spec to store."""
+    def _check(self, caller: Identity, request: JobRequest) -> tuple[list[str], str, list[str], dict[str, Any]]:
+        """Validate ``request``; return argv, the workdir snapshot id, the output paths and the spec to store."""
         if bool(request.command) == bool(request.shell):
             raise InvalidRequest("give a command (argv) or a shell command line, and not both")
         argv = ["/bin/sh", "-c", request.shell] if request.shell else list(request.command)
@@ -217,16 +217,12 @@ class JobService:
         datasets = {}
         for name in request.datasets:
             datasets[check_snapshot_name(name)] = self.snapshots.resolve(caller, name=name).id
-        spec = {
-            "env": request.env,
-            "datasets": datasets,
-            "hyperparameters": request.hyperparameters,
-        }
-        return argv, snapshot, {"outputs": outputs, **spec}
+        spec = {"env": request.env, "datasets": datasets, "hyperparameters": request.hyperparameters}
+        return argv, snapshot, outputs, spec
 
     def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
         """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot) or ``ResourceUnavailable``."""
-        argv, snapshot, spec = self._check(caller, request)
+        argv, snapshot, outputs, spec = self._check(caller, request)
         with self.store.transaction() as db:
             while True:
                 job_id = "j-" + secrets.token_hex(4)
@@ -243,7 +239,7 @@ class JobService:
                     request.gpus,
                     time.time(),
                     snapshot,
-                    json.dumps(spec.pop("outputs")),
+                    json.dumps(outputs),
                     json.dumps(spec),
                     request.time_limit,
                 ),

@@ -75,3 +75,14 @@ ENV_CACHE_DIR = "GPUPORT_CACHE_DIR"
 ENV_JOB_ID = "GPUPORT_JOB_ID"
 ENV_OUTPUT_DIR = "GPUPORT_OUTPUT_DIR"
 ENV_DATASETS_DIR = "GPUPORT_DATASETS_DIR"
+
+# ---- GPU sharing ----
+# What a job holding a slice of a GPU gets: the bytes each of its processes may use on its GPU, and
+# the same as a fraction of the GPU (read by the job's bootstrap to cap TensorFlow and PyTorch).
+ENV_GPU_MEMORY = "GPUPORT_GPU_MEMORY"
+ENV_GPU_MEMORY_FRACTION = "GPUPORT_GPU_MEMORY_FRACTION"
+# With the fake inventory: the folder where a job's process may declare the fake GPU memory it
+# "uses" (a file named by its pid holding "GPU_INDEX BYTES"), so that tests can trip the watchdog.
+ENV_FAKE_GPU_DIR = "GPUPORT_FAKE_GPU_DIR"
+# Seconds between the watchdog's readings of GPU (NVML) and RAM use of jobs with a slice or a memory limit.
+DEFAULT_WATCHDOG_INTERVAL = 0.5

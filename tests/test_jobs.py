@@ -110,7 +110,7 @@ def test_gpu_jobs_queue_first_come_and_show_in_gpus(admin: gpuport.Client, tmp_p
     big = admin.submit(["python", "-c", hold], workdir=None, gpus=2)
     wait_for(lambda: big.status == "running", what="the 2-GPU job running")
     small = admin.submit(["python", "-c", "pass"], workdir=None, gpus=1)
-    assert small.status == "queued" and "waiting for 1 GPU (0 free)" in small.info.message
+    assert small.status == "queued" and "needs 1 GPU, 0 free" in small.info.message
     assert [g.jobs for g in admin.gpus()] == [(big.id,), (big.id,)]
     cpu = admin.submit(["python", "-c", "pass"], workdir=None).wait(30)
     assert cpu.info.state == "succeeded"  # needs no GPU: not held up

@@ -11,7 +11,6 @@ import pytest
 from gpuport.client._sync import HashCache, LocalFile, scan
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.paths import check_entries, check_link, check_path
-from gpuport.server.scheduler import Pending, first_come
 from gpuport.server.services.snapshots import Entry
 
 
@@ -130,15 +129,3 @@ def test_hash_cache_reuses_hashes_of_settled_files_only(tmp_path: Path) -> None:
     second = {f.path: f.blob for f in _hash_all(HashCache(tmp_path / "p"), scan(tmp_path / "p"))}
     assert second["old.txt"] != first["old.txt"]
     assert second["new.txt"] == first["new.txt"]
-
-
-def test_first_come_keeps_order_for_gpu_jobs_and_lets_cpu_jobs_through() -> None:
-    queued = [Pending("a", 2), Pending("b", 1), Pending("c", 0), Pending("d", 1)]
-    decisions = {d.job_id: d for d in first_come(queued, 2, busy=[0])}
-    assert decisions["a"].gpu_indices is None and "1 free" in decisions["a"].reason
-    assert decisions["b"].gpu_indices is None and "1 GPU job ahead" in decisions["b"].reason
-    assert decisions["c"].gpu_indices == ()
-    assert decisions["d"].gpu_indices is None
-    decisions = {d.job_id: d for d in first_come(queued, 2, busy=[])}
-    assert decisions["a"].gpu_indices == (0, 1)
-    assert decisions["b"].gpu_indices is None

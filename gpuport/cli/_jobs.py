@@ -126,9 +126,14 @@ def _summary(info: JobInfo) -> str:
     took = ""
     if info.started_at and info.ended_at:
         took = f" in {format_duration(info.ended_at - info.started_at)}"
-    style = {"succeeded": "green", "failed": "red", "cancelled": "yellow", "timeout": "red", "lost": "red"}.get(
-        info.state, ""
-    )
+    style = {
+        "succeeded": "green",
+        "failed": "red",
+        "cancelled": "yellow",
+        "timeout": "red",
+        "killed": "red",
+        "lost": "red",
+    }.get(info.state, "")
     return f"[{style}]job {info.id} {info.state}[/]{took}: {escape(info.message)}"
 
 
@@ -139,8 +144,29 @@ def _download(job: Job, dest: Path, path: str | None = None) -> None:
         err.print(f"outputs: {escape(str(dest))}/ ({len(files)} file{'s' if len(files) != 1 else ''})")
 
 
+def _roles(text: str | None) -> dict[str, int] | None:
+    """``chief=1,worker=2,ps=1`` → {"chief": 1, "worker": 2, "ps": 1}."""
+    if not text:
+        return None
+    roles = {}
+    for part in text.split(","):
+        role, sep, count = part.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise InvalidRequest(f"--tf-roles {text!r}: write it like chief=1,worker=2,ps=1")
+        roles[role.strip()] = int(count)
+    return roles
+
+
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--gpus", default=0, show_default=True, type=int, help="Whole GPUs to give the job.")
+@click.option("--gpu-memory", metavar="SIZE", help="A slice of one GPU instead (8GiB), enforced.")
+@click.option("--cpus", default=0, type=float, help="CPUs to reserve (default: none reserved).")
+@click.option("--memory", metavar="SIZE", help="RAM to reserve (16GiB); the job is killed past it.")
+@click.option("--priority", default=0, show_default=True, type=int, help="-100 .. 100; above 0: admins only.")
+@click.option(
+    "--nprocs", default=1, show_default=True, type=int, help="Processes to start (TF_CONFIG, RANK, WORLD_SIZE set)."
+)
+@click.option("--tf-roles", metavar="ROLES", help="TF_CONFIG roles of the processes: chief=1,worker=2,ps=1.")
 @click.option("--name", help="A name to find the job by.")
 @click.option(
     "--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable (repeatable)."
@@ -171,6 +197,12 @@ def _download(job: Job, dest: Path, path: str | None = None) -> None:
 def run_command(
     ctx: click.Context,
     gpus: int,
+    gpu_memory: str | None,
+    cpus: float,
+    memory: str | None,
+    priority: int,
+    nprocs: int,
+    tf_roles: str | None,
     name: str | None,
     env: tuple[str, ...],
     workdir: Path,
@@ -191,7 +223,13 @@ def run_command(
     command exits with the job's exit code. Outputs (--output paths, and whatever the job writes to
     $GPUPORT_OUTPUT_DIR) land in ./gpuport-outputs/<job-id>/. Ctrl-C detaches from a running job;
     a second Ctrl-C cancels it.
+
+    With --nprocs N the job runs N processes, with TF_CONFIG (or --tf-roles) and
+    MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and their log lines prefixed with the rank.
     """
+    roles = _roles(tf_roles)
+    if roles and nprocs == 1:
+        nprocs = sum(roles.values())
     gpu = client(ctx)
     with _progress("uploading") as progress:
         job = gpu.submit(
@@ -204,6 +242,12 @@ def run_command(
             project=project,
             datasets=datasets,
             time_limit=time_limit,
+            gpu_memory=gpu_memory,
+            cpus=cpus,
+            memory=memory,
+            priority=priority,
+            nprocs=nprocs,
+            tf_roles=roles,
             progress=progress,
         )
     if detach:
@@ -211,7 +255,7 @@ def run_command(
         err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
         return
     if job.info.state == "queued" and job.info.message:
-        err.print(f"[dim]job {job.id} queued: {escape(job.info.message)}[/]")
+        err.print(f"[dim]job {job.id} queued (#{job.info.position}): {escape(job.info.message)}[/]")
     follower = _LogFollower(job)
     follower.start()
     try:
@@ -240,9 +284,27 @@ def run_command(
     ctx.exit(_exit_status(info))
 
 
+def resources(j: JobInfo) -> str:
+    """What a job holds or asks for, the way the CLI's flags write it."""
+    parts = []
+    if j.gpu_memory:
+        parts.append(f"{format_size(j.gpu_memory)} of GPU {j.gpu_indices[0]}" if j.gpu_indices else format_size(j.gpu_memory))
+    elif j.gpu_indices:
+        parts.append("GPU " + ",".join(map(str, j.gpu_indices)))
+    elif j.gpus:
+        parts.append(f"{j.gpus} GPU{'s' if j.gpus > 1 else ''}")
+    if j.cpus:
+        parts.append(f"{j.cpus:g} CPU")
+    if j.memory:
+        parts.append(f"{format_size(j.memory)} RAM")
+    if j.nprocs > 1:
+        parts.append(f"{j.nprocs} procs")
+    return ", ".join(parts) or "-"
+
+
 def _jobs_table(jobs: list[JobInfo]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("JOB", "NAME", "OWNER", "STATE", "GPUS", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
+    for column in ("JOB", "NAME", "OWNER", "STATE", "RESOURCES", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
         table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
     for j in jobs:
         ran = "-"
@@ -255,7 +317,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
             escape(j.name) or "-",
             escape(j.owner),
             j.state + (f" ({escape(j.message)})" if j.state == "queued" and j.message else ""),
-            ",".join(map(str, j.gpu_indices)) if j.gpu_indices else str(j.gpus),
+            resources(j),
             f"{ago(j.created_at)} ago",
             ran,
             exit_code,
@@ -279,6 +341,34 @@ def jobs_command(ctx: click.Context, all_: bool, as_json: bool) -> None:
         err.print("no jobs" + ("" if all_ else " in the last day (--all shows older ones)"))
     else:
         out.print(_jobs_table(infos))
+
+
+@click.command("queue")
+@json_option
+@click.pass_context
+def queue_command(ctx: click.Context, as_json: bool) -> None:
+    """Every queued job (every user's), in the order they will start, and why each waits."""
+    infos = client(ctx).queue()
+    if as_json:
+        print_json(infos)
+        return
+    if not infos:
+        err.print("the queue is empty")
+        return
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("#", "JOB", "OWNER", "PRIORITY", "ASKS FOR", "WAITING", "WHY"):
+        table.add_column(column, overflow="fold" if column == "WHY" else "ellipsis")
+    for j in infos:
+        table.add_row(
+            str(j.position),
+            j.id,
+            escape(j.owner),
+            str(j.priority),
+            resources(j),
+            ago(j.created_at),
+            escape(j.message),
+        )
+    out.print(table)
 
 
 @click.command("logs")
@@ -380,6 +470,7 @@ def snapshots_command(ctx: click.Context, as_json: bool) -> None:
 JOB_COMMANDS = [
     run_command,
     jobs_command,
+    queue_command,
     logs_command,
     wait_command,
     cancel_command,

@@ -36,16 +36,21 @@ def print_error(message: str) -> None:
 
 def gpu_table(gpus: list[GPU] | tuple[GPU, ...]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("GPU", "NAME", "MEMORY USED / TOTAL", "UTIL", "JOBS"):
+    for column in ("GPU", "NAME", "MEMORY USED / TOTAL", "UTIL", "JOBS (OWNER, SLICE, MEMORY USED)"):
         table.add_column(column)
     for g in gpus:
         util = "?" if g.utilization is None else f"{g.utilization}%"
+        held = [
+            f"{a.job_id} ({escape(a.owner)}, {format_size(a.memory) if a.memory else 'whole GPU'}, "
+            f"uses {format_size(a.memory_used)})"
+            for a in g.allocations
+        ]
         table.add_row(
             str(g.index),
             escape(g.name),
             f"{format_size(g.memory_used)} / {format_size(g.memory_total)}",
             util,
-            escape(", ".join(g.jobs)) or "-",
+            "\n".join(held) or "-",
         )
     return table
 

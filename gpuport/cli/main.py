@@ -15,6 +15,7 @@ import gpuport
 from gpuport.cli._common import client as _client
 from gpuport.cli._common import json_option
 from gpuport.cli._jobs import JOB_COMMANDS
+from gpuport.cli._quotas import quota_group
 from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_json, when
 from gpuport.client import config_path, load_profiles, login, remove_profile
 from gpuport.client._channel import Target
@@ -286,6 +287,7 @@ def token_revoke(ctx: click.Context, name: str) -> None:
 
 for _command in JOB_COMMANDS:
     cli.add_command(_command)
+cli.add_command(quota_group)
 
 
 def main() -> None:

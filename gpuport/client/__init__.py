@@ -4,15 +4,17 @@ from gpuport.client._client import Client, connect
 from gpuport.client._config import config_path, load_profiles, remove_profile
 from gpuport.client._jobs import Job, JobInfo
 from gpuport.client._login import login
-from gpuport.client._types import GPU, GpuProcess, NewToken, ServerStatus, Snapshot, TokenInfo
+from gpuport.client._types import GPU, GpuAllocation, GpuProcess, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
 
 __all__ = [
     "GPU",
     "Client",
+    "GpuAllocation",
     "GpuProcess",
     "Job",
     "JobInfo",
     "NewToken",
+    "QuotaInfo",
     "ServerStatus",
     "Snapshot",
     "TokenInfo",

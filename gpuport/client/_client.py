@@ -27,13 +27,13 @@ from gpuport.client._channel import (
 )
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import Job, JobInfo
-from gpuport.client._types import GPU, NewToken, ServerStatus, Snapshot, TokenInfo
+from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
 from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import InvalidRequest, ServerError, ServerUnreachable, TLSError
 from gpuport.protocol.paths import check_entries
-from gpuport.protocol.units import parse_duration
+from gpuport.protocol.units import parse_duration, parse_size
 
 Reply = TypeVar("Reply")
 # progress(done_bytes, total_bytes), called as an upload or download goes.
@@ -78,6 +78,7 @@ class Client:
         self._tokens = pb_grpc.TokensStub(self._channel)
         self._snapshots = pb_grpc.SnapshotsStub(self._channel)
         self._jobs = pb_grpc.JobsStub(self._channel)
+        self._quotas = pb_grpc.QuotasStub(self._channel)
         # Uploads send messages encoded ahead of time (_sync.prefetched), so they go out as bytes.
         self._upload = self._channel.stream_unary(
             "/gpuport.v1.Snapshots/Upload", request_serializer=None, response_deserializer=pb.UploadReply.FromString
@@ -308,6 +309,12 @@ class Client:
         project: str | None = None,
         datasets: Sequence[str] = (),
         time_limit: float | str | None = None,
+        gpu_memory: int | str | None = None,
+        cpus: float = 0,
+        memory: int | str | None = None,
+        priority: int = 0,
+        nprocs: int = 1,
+        tf_roles: dict[str, int] | None = None,
         progress: Progress | None = None,
     ) -> Job:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -318,8 +325,16 @@ class Client:
         ``datasets`` are pushed snapshots mounted read-only under ``$GPUPORT_DATASETS_DIR/<name>``.
         ``time_limit`` (seconds, or "90s", "2h") stops the job when it runs longer; it ends as ``timeout``.
 
+        Resources: ``gpus`` whole GPUs, or ``gpu_memory`` ("8GiB") a slice of one GPU, enforced (each
+        framework is capped at it; a job that uses more anyway is killed); ``cpus`` and ``memory``
+        ("16GiB", enforced too) reserved for it; ``priority`` -100 .. 100 (above 0: admins only).
+        ``nprocs`` starts that many processes with TF_CONFIG and RANK/WORLD_SIZE/MASTER_ADDR/
+        MASTER_PORT set (the GPUs spread over them); ``tf_roles`` ({"chief": 1, "worker": 2}) names
+        their TF_CONFIG roles instead of all workers.
+
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
-        ``ResourceUnavailable`` (more GPUs than the server has), ``NotFound`` (unknown project).
+        ``ResourceUnavailable`` (more than the server has, or than your quota allows), ``NotFound``
+        (unknown project), ``PermissionDenied`` (a priority above 0 without an admin token).
         """
         spec = pb.JobSpec(
             gpus=gpus,
@@ -328,6 +343,12 @@ class Client:
             name=name or "",
             datasets=list(datasets),
             time_limit=0.0 if time_limit is None else parse_duration(time_limit),
+            gpu_memory=0 if gpu_memory is None else parse_size(gpu_memory),
+            cpus=cpus,
+            memory=0 if memory is None else parse_size(memory),
+            priority=priority,
+            nprocs=nprocs,
+            tf_roles=tf_roles or {},
         )
         if isinstance(cmd, str):
             spec.shell = cmd
@@ -348,6 +369,30 @@ class Client:
         (every user's, for an admin)."""
         reply = self._call(self._jobs.List, pb.ListJobsRequest(all=all))
         return [Job(self, JobInfo._from_message(j)) for j in reply.jobs]
+
+    def queue(self) -> list[JobInfo]:
+        """Every user's queued jobs in the order they will start, each with its ``position`` and the
+        reason it waits (``message``). Other users' jobs come without their command and name."""
+        return [JobInfo._from_message(j) for j in self._call(self._jobs.Queue, _EMPTY).jobs]
+
+    # ---- quotas -------------------------------------------------------------------------------------
+
+    def set_quota(self, user: str, *, gpus: float | None = None, jobs: int | None = None) -> QuotaInfo:
+        """Limit what ``user`` (``"*"``: everyone without a quota of their own) holds at once: GPUs
+        (slices count as their part) and running jobs; None leaves that limit off. Admin only.
+
+        Jobs over the quota wait, saying so. Raises ``PermissionDenied``, ``InvalidRequest``.
+        """
+        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs)
+        return QuotaInfo._from_message(self._call(self._quotas.Set, request))
+
+    def quotas(self) -> list[QuotaInfo]:
+        """Every quota (admins), or your own and the default one."""
+        return [QuotaInfo._from_message(q) for q in self._call(self._quotas.List, _EMPTY).quotas]
+
+    def unset_quota(self, user: str) -> None:
+        """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
+        self._call(self._quotas.Unset, pb.QuotaRef(user=user))
 
     def close(self) -> None:
         """Close the connection. The client cannot be used afterwards."""

@@ -15,7 +15,7 @@ from gpuport.protocol.errors import ConnectionFailed, InvalidRequest, ServerErro
 if TYPE_CHECKING:
     from gpuport.client._client import Client, Progress
 
-TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timeout", "lost"})
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timeout", "killed", "lost"})
 # Longest single Wait call; longer waits make several.
 _WAIT_SLICE = 60.0
 # Seconds between attempts to reach a server that dropped the connection (restarting, say).
@@ -26,9 +26,10 @@ _RECONNECT_PAUSE = 0.5
 class JobInfo:
     """A job as the server described it at one moment.
 
-    ``state`` is one of queued, running, succeeded, failed, cancelled, timeout, lost. ``exit_code`` is None
-    until the job has ended (negative: killed by that signal). ``message`` says why it waits or how
-    it ended.
+    ``state`` is one of queued, running, succeeded, failed, cancelled, timeout, killed (over its GPU
+    memory slice or memory limit), lost. ``exit_code`` is None until the job has ended (negative:
+    killed by that signal). ``message`` says why it waits or how it ended; ``position`` is its place
+    in the queue while it waits (1: next). ``gpu_memory`` and ``memory`` are bytes.
     """
 
     id: str
@@ -47,6 +48,12 @@ class JobInfo:
     output_snapshot_id: str
     log_bytes: int
     time_limit: float | None = None  # seconds
+    gpu_memory: int = 0
+    cpus: float = 0.0
+    memory: int = 0
+    priority: int = 0
+    nprocs: int = 1
+    position: int = 0
 
     @property
     def ended(self) -> bool:
@@ -71,6 +78,12 @@ class JobInfo:
             output_snapshot_id=m.output_snapshot_id,
             log_bytes=m.log_bytes,
             time_limit=m.time_limit or None,
+            gpu_memory=m.gpu_memory,
+            cpus=m.cpus,
+            memory=m.memory,
+            priority=m.priority,
+            nprocs=m.nprocs or 1,
+            position=m.position,
         )
 
 
@@ -114,7 +127,7 @@ class Job:
 
     @property
     def status(self) -> str:
-        """The job's state now: queued, running, succeeded, failed, cancelled, timeout or lost."""
+        """The job's state now: queued, running, succeeded, failed, cancelled, timeout, killed or lost."""
         return self.info.state if self.info.ended else self.refresh().state
 
     @property

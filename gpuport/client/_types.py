@@ -17,6 +17,17 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
+class GpuAllocation:
+    """Part of a GPU held by a running job: the whole GPU (``memory`` 0) or a slice of ``memory``
+    bytes, and what the job's processes use on it now (``memory_used``)."""
+
+    job_id: str
+    owner: str
+    memory: int
+    memory_used: int
+
+
+@dataclass(frozen=True)
 class GPU:
     """One GPU of the server, as read live when the call was answered."""
 
@@ -28,6 +39,7 @@ class GPU:
     utilization: int | None  # percent; None when the inventory cannot tell
     processes: tuple[GpuProcess, ...] = ()
     jobs: tuple[str, ...] = ()  # gpuport jobs holding (part of) this GPU
+    allocations: tuple[GpuAllocation, ...] = ()
 
     @classmethod
     def _from_message(cls, m: pb.Gpu) -> GPU:
@@ -40,6 +52,7 @@ class GPU:
             utilization=None if m.utilization < 0 else m.utilization,
             processes=tuple(GpuProcess(p.pid, p.memory_used, p.job_id) for p in m.processes),
             jobs=tuple(m.jobs),
+            allocations=tuple(GpuAllocation(a.job_id, a.owner, a.memory, a.memory_used) for a in m.allocations),
         )
 
 
@@ -83,6 +96,23 @@ class NewToken:
     name: str
     admin: bool
     token: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class QuotaInfo:
+    """A user's quota: the most GPUs (slices count as their part) and jobs held at once; None: no
+    limit. The user ``*`` stands for everyone without a quota of their own."""
+
+    user: str
+    gpus: float | None
+    jobs: int | None
+    updated_at: float
+
+    @classmethod
+    def _from_message(cls, m: pb.QuotaInfo) -> QuotaInfo:
+        return cls(
+            m.user, m.gpus if m.HasField("gpus") else None, m.jobs if m.HasField("jobs") else None, m.updated_at
+        )
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,20 @@ class GpuProcess(_message.Message):
     job_id: str
     def __init__(self, pid: _Optional[int] = ..., memory_used: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
 
+class GpuAllocation(_message.Message):
+    __slots__ = ("job_id", "owner", "memory", "memory_used")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    owner: str
+    memory: int
+    memory_used: int
+    def __init__(self, job_id: _Optional[str] = ..., owner: _Optional[str] = ..., memory: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+
 class Gpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "memory_total", "memory_used", "utilization", "processes", "jobs")
+    __slots__ = ("index", "uuid", "name", "memory_total", "memory_used", "utilization", "processes", "jobs", "allocations")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +64,7 @@ class Gpu(_message.Message):
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     name: str
@@ -60,7 +73,8 @@ class Gpu(_message.Message):
     utilization: int
     processes: _containers.RepeatedCompositeFieldContainer[GpuProcess]
     jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ..., utilization: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ..., jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    allocations: _containers.RepeatedCompositeFieldContainer[GpuAllocation]
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ..., utilization: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ..., jobs: _Optional[_Iterable[str]] = ..., allocations: _Optional[_Iterable[_Union[GpuAllocation, _Mapping]]] = ...) -> None: ...
 
 class GpuList(_message.Message):
     __slots__ = ("inventory", "note", "gpus")
@@ -247,7 +261,7 @@ class BlobList(_message.Message):
     def __init__(self, blobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit")
+    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +269,13 @@ class JobSpec(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TfRolesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     SHELL_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +287,12 @@ class JobSpec(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     HYPERPARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NPROCS_FIELD_NUMBER: _ClassVar[int]
+    TF_ROLES_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     shell: str
     snapshot_id: str
@@ -277,10 +304,16 @@ class JobSpec(_message.Message):
     name: str
     hyperparameters_json: str
     time_limit: float
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ...) -> None: ...
+    gpu_memory: int
+    cpus: float
+    memory: int
+    priority: int
+    nprocs: int
+    tf_roles: _containers.ScalarMap[str, int]
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit")
+    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +332,12 @@ class JobInfo(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIME_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NPROCS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     owner: str
@@ -317,7 +356,13 @@ class JobInfo(_message.Message):
     outputs: _containers.RepeatedScalarFieldContainer[str]
     log_bytes: int
     time_limit: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ...) -> None: ...
+    gpu_memory: int
+    cpus: float
+    memory: int
+    priority: int
+    nprocs: int
+    position: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)
@@ -362,3 +407,27 @@ class WaitRequest(_message.Message):
     job_id: str
     timeout: float
     def __init__(self, job_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class QuotaInfo(_message.Message):
+    __slots__ = ("user", "gpus", "jobs", "updated_at")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    gpus: float
+    jobs: int
+    updated_at: float
+    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
+
+class QuotaList(_message.Message):
+    __slots__ = ("quotas",)
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    quotas: _containers.RepeatedCompositeFieldContainer[QuotaInfo]
+    def __init__(self, quotas: _Optional[_Iterable[_Union[QuotaInfo, _Mapping]]] = ...) -> None: ...
+
+class QuotaRef(_message.Message):
+    __slots__ = ("user",)
+    USER_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    def __init__(self, user: _Optional[str] = ...) -> None: ...

@@ -713,6 +713,11 @@ class JobsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.Queue = channel.unary_unary(
+                '/gpuport.v1.Jobs/Queue',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobList.FromString,
+                _registered_method=True)
 
 
 class JobsServicer:
@@ -754,6 +759,13 @@ class JobsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Queue(self, request, context):
+        """every user's queued jobs, in the order they start
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -786,6 +798,11 @@ def add_JobsServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.SerializeToString,
+            ),
+            'Queue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Queue,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -950,6 +967,194 @@ class Jobs:
             '/gpuport.v1.Jobs/Cancel',
             gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Queue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Queue',
+            gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class QuotasStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Set = channel.unary_unary(
+                '/gpuport.v1.Quotas/Set',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaInfo.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaInfo.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/gpuport.v1.Quotas/List',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaList.FromString,
+                _registered_method=True)
+        self.Unset = channel.unary_unary(
+                '/gpuport.v1.Quotas/Unset',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
+                _registered_method=True)
+
+
+class QuotasServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Set(self, request, context):
+        """admin only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """admins: all; a user: their own and "*"
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unset(self, request, context):
+        """admin only
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_QuotasServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Set': grpc.unary_unary_rpc_method_handler(
+                    servicer.Set,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaInfo.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaInfo.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaList.SerializeToString,
+            ),
+            'Unset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unset,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.QuotaRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpuport.v1.Quotas', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpuport.v1.Quotas', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Quotas:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Set(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Quotas/Set',
+            gpuport_dot_protocol_dot_gpuport__pb2.QuotaInfo.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.QuotaInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Quotas/List',
+            gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.QuotaList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Quotas/Unset',
+            gpuport_dot_protocol_dot_gpuport__pb2.QuotaRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,22 +5,35 @@ Both doors (``api/grpc_api.py`` and ``api/http_api.py``) call into this object a
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
 from gpuport._version import __version__
 from gpuport.server.executors import Executor, LocalExecutor
-from gpuport.server.inventory import GpuInfo, Inventory
+from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.services.auth import AuthService, Identity
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
+from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
+from gpuport.server.watchdog import Watchdog, gpu_use
+
+
+@dataclass(frozen=True)
+class GpuAllocation:
+    """Part of a GPU held by a running job: all of it (``memory`` 0) or a slice of ``memory`` bytes."""
+
+    job_id: str
+    owner: str
+    memory: int
+    memory_used: int  # what the job's processes use on this GPU now (NVML)
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,7 @@ class GpuListing:
     inventory: str  # "nvml", "fake" or "cpu"
     note: str
     gpus: list[GpuInfo]
+    allocations: dict[int, list[GpuAllocation]] = field(default_factory=dict)  # GPU index → its holders
 
 
 @dataclass(frozen=True)
@@ -52,21 +66,40 @@ class ServerApp:
         self.inventory = inventory
         self.blobs = BlobStore(state.blobs_dir)
         self.snapshots = SnapshotService(self.store, self.blobs)
-        self.jobs = JobService(self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor())
+        self.quotas = QuotaService(self.store)
+        if isinstance(inventory, FakeInventory):
+            inventory.usage_dir = state.root / "fake-gpus"
+            inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
+        self.jobs = JobService(
+            self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor(), self.quotas
+        )
+        self.watchdog = Watchdog(self.jobs, inventory)
+        self._watching: asyncio.Task[None] | None = None
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.python_version = platform.python_version()
 
     async def start(self) -> None:
-        """Start the services that run in the background (the job queue), picking up a previous run's jobs."""
+        """Start the services that run in the background (the job queue, the watchdog), picking up a
+        previous run's jobs."""
         await self.jobs.start()
+        self._watching = asyncio.create_task(self.watchdog.run())
 
     def gpus(self, caller: Identity) -> GpuListing:
+        """Every GPU read live, with the jobs holding it: whole or by slices, and what each uses."""
         gpus = self.inventory.gpus()
-        holders = self.jobs.running_on_gpus()
+        holdings = self.jobs.running()
+        gpu_use(gpus, self.jobs, holdings)  # labels each GPU process with its job
+        allocations: dict[int, list[GpuAllocation]] = {}
         for gpu in gpus:
-            gpu.jobs = holders.get(gpu.index, [])
-        return GpuListing(self.inventory.kind, self.inventory.note, gpus)
+            for holding in holdings:
+                if gpu.index in holding.gpu_indices:
+                    used = sum(p.memory_used for p in gpu.processes if p.job_id == holding.job_id)
+                    allocations.setdefault(gpu.index, []).append(
+                        GpuAllocation(holding.job_id, holding.owner, holding.request.gpu_memory, used)
+                    )
+            gpu.jobs = [a.job_id for a in allocations.get(gpu.index, [])]
+        return GpuListing(self.inventory.kind, self.inventory.note, gpus, allocations)
 
     def status(self, caller: Identity) -> ServerStatus:
         memory = psutil.virtual_memory()
@@ -84,5 +117,7 @@ class ServerApp:
         )
 
     def close(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
         self.inventory.close()
         self.store.close()

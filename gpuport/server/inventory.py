@@ -12,6 +12,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpuport.defaults import ENV_FAKE_GPUS
 from gpuport.protocol.errors import ConfigError, InvalidRequest
@@ -64,12 +65,18 @@ class CpuInventory(Inventory):
 
 
 class FakeInventory(Inventory):
-    """GPUs that exist only on paper, with the sizes given; memory use comes from what is allocated."""
+    """GPUs that exist only on paper, with the sizes given.
+
+    A process "uses" fake GPU memory by writing ``GPU_INDEX BYTES`` to a file named by its pid in
+    ``usage_dir`` (jobs find it in ``$GPUPORT_FAKE_GPU_DIR``): the inventory reports it as NVML
+    would report a real process, so the watchdog and ``gpuport gpus`` can be tested without a GPU.
+    """
 
     kind = "fake"
 
     def __init__(self, sizes: list[int]) -> None:
         self._sizes = sizes
+        self.usage_dir: Path | None = None  # set by the server: a folder of its state dir
 
     @classmethod
     def parse(cls, spec: str) -> FakeInventory:
@@ -90,10 +97,33 @@ class FakeInventory(Inventory):
         return cls(sizes)
 
     def gpus(self) -> list[GpuInfo]:
-        return [
+        gpus = [
             GpuInfo(index=i, uuid=f"GPU-fake-{i}", name="Fake GPU", memory_total=size, memory_used=0, utilization=0)
             for i, size in enumerate(self._sizes)
         ]
+        for pid, index, used in self._declared():
+            if 0 <= index < len(gpus):
+                gpus[index].processes.append(GpuProcess(pid, used))
+                gpus[index].memory_used += used
+        return gpus
+
+    def _declared(self) -> list[tuple[int, int, int]]:
+        """(pid, GPU index, bytes) declared by live processes; files of ended ones are removed."""
+        if self.usage_dir is None or not self.usage_dir.is_dir():
+            return []
+        declared = []
+        for file in self.usage_dir.iterdir():
+            try:
+                pid = int(file.name)
+                os.kill(pid, 0)
+                index, used = map(int, file.read_text().split())
+            except ProcessLookupError:
+                file.unlink(missing_ok=True)
+                continue
+            except (ValueError, OSError):
+                continue  # not one of ours, or half written
+            declared.append((pid, index, used))
+        return declared
 
 
 class NvmlInventory(Inventory):

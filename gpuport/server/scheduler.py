@@ -1,43 +1,287 @@
-"""Which queued jobs start now, and on which GPUs.
+"""Which queued jobs start now, on which GPUs, and why the others wait.
 
-For now a simple first-come allocator: jobs start in submission order; a job that needs GPUs
-waits while an earlier GPU job waits (so a large request is never overtaken forever), while jobs
-that need no GPU start at once. The fair-share scheduler of a later issue replaces this function.
+``plan`` is a pure function of the queue, the running allocations, the machine and the quotas; the
+job service calls it after every submit and every end, and keeps nothing else: the order is derived
+from what the store holds, so it is the same after a server restart.
+
+The rules, in this order:
+
+1. **Priority first.** A higher ``priority`` always goes ahead of a lower one.
+2. **A reservation.** The first job in queue order that cannot start for lack of resources
+   *reserves* what is free for it: jobs behind it may not use those resources, so a large request is
+   never starved by a stream of small ones (no backfill: we do not trust run times to be known). The
+   reservation sticks (``reserved_at`` in the store): within its priority, a job that once held it
+   stays ahead of everything the fair-share order would otherwise put first.
+3. **Fair share** within a priority: users take turns, the one using least of the machine first.
+   Use is the dominant share (as in DRF): for each running job, the largest of its fractions of the
+   GPUs, CPUs and memory; a user's queued jobs count as they are placed in the order, so one user's
+   50 queued jobs interleave with another user's single job instead of going ahead of it.
+4. **Quotas** (per user, set by an admin): concurrent GPUs and concurrent jobs. A job over its
+   owner's quota waits, saying so, and reserves nothing.
+
+Resources: whole GPUs (``gpus``), or a memory slice of one GPU (``gpu_memory``); CPUs and RAM are
+counted when asked for (0: the job reserves none and shares what is left). A whole GPU is taken only
+when nothing holds any of it; a slice goes to the GPU with the least free memory that fits it (so
+that whole GPUs stay free for whole requests).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuport.protocol.units import format_size
+
+# A job that asks for nothing still counts a little in its owner's fair share, so that the owner
+# of many such jobs takes turns with others.
+_MIN_SHARE = 1e-6
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a job (or a session, or a deployment) asks for."""
+
+    gpus: int = 0  # whole GPUs
+    gpu_memory: int = 0  # bytes: a slice of one GPU; 0: no slice
+    cpus: float = 0.0  # 0: none reserved
+    memory: int = 0  # bytes of RAM; 0: none reserved
+
+    def describe(self) -> str:
+        parts = []
+        if self.gpus:
+            parts.append(f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}")
+        if self.gpu_memory:
+            parts.append(f"a {format_size(self.gpu_memory)} slice of a GPU")
+        if self.cpus:
+            parts.append(f"{self.cpus:g} CPU{'s' if self.cpus != 1 else ''}")
+        if self.memory:
+            parts.append(f"{format_size(self.memory)} of memory")
+        return ", ".join(parts) or "nothing"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What there is to share: each GPU's memory (by index), CPUs and RAM."""
+
+    gpu_memory: tuple[int, ...]
+    cpus: float
+    memory: int
+
+    def describe_gpus(self) -> str:
+        sizes = self.gpu_memory
+        if not sizes:
+            return "no GPU"
+        if len(set(sizes)) == 1:
+            return f"{len(sizes)} x {format_size(sizes[0])}"
+        return ", ".join(format_size(s) for s in sizes)
+
+    def gpu_share(self, request: Request) -> float:
+        """The request in GPUs: whole ones, plus a slice as its part of the largest GPU."""
+        largest = max(self.gpu_memory, default=0)
+        return request.gpus + (request.gpu_memory / largest if largest and request.gpu_memory else 0.0)
+
+    def dominant_share(self, request: Request) -> float:
+        shares = [_MIN_SHARE]
+        if self.gpu_memory:
+            shares.append(self.gpu_share(request) / len(self.gpu_memory))
+        if self.cpus:
+            shares.append(request.cpus / self.cpus)
+        if self.memory:
+            shares.append(request.memory / self.memory)
+        return max(shares)
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Most a user may hold at once; None: no limit."""
+
+    gpus: float | None = None
+    jobs: int | None = None
 
 
 @dataclass(frozen=True)
 class Pending:
     job_id: str
-    gpus: int
+    owner: str
+    request: Request
+    priority: int = 0
+    seq: int = 0  # submission order
+    reserved_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A running allocation."""
+
+    job_id: str
+    owner: str
+    request: Request
+    gpu_indices: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class Decision:
     job_id: str
+    position: int  # 1-based place in the queue's order
     gpu_indices: tuple[int, ...] | None  # None: it waits
     reason: str = ""  # why it waits
+    reserves: bool = False  # it holds the reservation
 
 
-def first_come(queued: Sequence[Pending], gpu_count: int, busy: Iterable[int]) -> list[Decision]:
-    """Decide for each queued job, in order: start it on the lowest free GPUs, or say why it waits."""
-    free = sorted(set(range(gpu_count)) - set(busy))
+@dataclass
+class _Pool:
+    """What is free (and not reserved) while a plan is made."""
+
+    whole: set[int]  # GPUs nothing holds any of
+    slice_free: dict[int, int]  # GPU → bytes free for slices (GPUs held whole are absent)
+    cpus: float
+    memory: int
+    held_gpus: dict[str, float] = field(default_factory=dict)  # user → GPUs held (slices as fractions)
+    held_jobs: dict[str, int] = field(default_factory=dict)  # user → jobs running
+
+    def fit(self, request: Request) -> tuple[int, ...] | None:
+        """The GPUs the request would get now, or None when it does not fit."""
+        if request.cpus > self.cpus + 1e-9 or request.memory > self.memory:
+            return None
+        if request.gpus:
+            if len(self.whole) < request.gpus:
+                return None
+            return tuple(sorted(self.whole)[: request.gpus])
+        if request.gpu_memory:
+            fits = [(free, i) for i, free in self.slice_free.items() if free >= request.gpu_memory]
+            return (min(fits)[1],) if fits else None
+        return ()
+
+    def take(self, request: Request, gpus: tuple[int, ...]) -> None:
+        self.cpus -= request.cpus
+        self.memory -= request.memory
+        for index in gpus:
+            self.whole.discard(index)
+            if request.gpus:
+                self.slice_free.pop(index, None)
+            elif index in self.slice_free:
+                self.slice_free[index] -= request.gpu_memory
+
+    def reserve(self, request: Request) -> None:
+        """Set aside, for a job that does not fit yet, what it would take of what is free now."""
+        self.cpus -= min(self.cpus, request.cpus)
+        self.memory -= min(self.memory, request.memory)
+        if request.gpus:
+            for index in sorted(self.whole)[: request.gpus]:
+                self.whole.discard(index)
+                self.slice_free.pop(index, None)
+        elif request.gpu_memory and self.slice_free:
+            index = max(self.slice_free, key=lambda i: (self.slice_free[i], -i))
+            self.whole.discard(index)
+            del self.slice_free[index]
+
+    def shortfall(self, request: Request) -> list[str]:
+        """What is missing for ``request``, in words."""
+        missing = []
+        if request.gpus and len(self.whole) < request.gpus:
+            missing.append(f"needs {request.gpus} GPU{'s' if request.gpus > 1 else ''}, {len(self.whole)} free")
+        if request.gpu_memory and not any(f >= request.gpu_memory for f in self.slice_free.values()):
+            most = max(self.slice_free.values(), default=0)
+            missing.append(f"needs a {format_size(request.gpu_memory)} GPU slice, at most {format_size(most)} free on one")
+        if request.cpus > self.cpus + 1e-9:
+            missing.append(f"needs {request.cpus:g} CPUs, {max(self.cpus, 0):g} free")
+        if request.memory > self.memory:
+            missing.append(f"needs {format_size(request.memory)} of memory, {format_size(max(self.memory, 0))} free")
+        return missing
+
+
+def _initial_free(machine: Machine, running: Iterable[Holding]) -> _Pool:
+    free = _Pool(
+        whole=set(range(len(machine.gpu_memory))),
+        slice_free=dict(enumerate(machine.gpu_memory)),
+        cpus=machine.cpus,
+        memory=machine.memory,
+    )
+    for holding in running:
+        free.take(holding.request, holding.gpu_indices)
+        free.held_gpus[holding.owner] = free.held_gpus.get(holding.owner, 0.0) + machine.gpu_share(holding.request)
+        free.held_jobs[holding.owner] = free.held_jobs.get(holding.owner, 0) + 1
+    return free
+
+
+def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine) -> list[Pending]:
+    """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
+    usage: dict[str, float] = {}
+    for holding in running:
+        usage[holding.owner] = usage.get(holding.owner, 0.0) + machine.dominant_share(holding.request)
+    ordered: list[Pending] = []
+    for priority in sorted({p.priority for p in queued}, reverse=True):
+        level = [p for p in queued if p.priority == priority]
+        reserved = sorted((p for p in level if p.reserved_at is not None), key=lambda p: (p.reserved_at, p.seq))
+        ordered += reserved
+        for p in reserved:
+            usage[p.owner] = usage.get(p.owner, 0.0) + machine.dominant_share(p.request)
+        # Each user's jobs oldest first; the user using least goes next, and their use grows by the
+        # job's share as it is placed.
+        per_user: dict[str, list[Pending]] = {}
+        for p in sorted((p for p in level if p.reserved_at is None), key=lambda p: p.seq, reverse=True):
+            per_user.setdefault(p.owner, []).append(p)
+        share = {user: usage.get(user, 0.0) for user in per_user}
+        while per_user:
+            user = min(per_user, key=lambda u: (share[u], per_user[u][-1].seq))
+            job = per_user[user].pop()
+            ordered.append(job)
+            share[user] += machine.dominant_share(job.request)
+            if not per_user[user]:
+                del per_user[user]
+    return ordered
+
+
+def _over_quota(job: Pending, free: _Pool, quota: Quota | None, machine: Machine) -> str:
+    if quota is None:
+        return ""
+    jobs = free.held_jobs.get(job.owner, 0)
+    if quota.jobs is not None and jobs + 1 > quota.jobs:
+        return f"over quota: {job.owner} runs {jobs} job{'s' if jobs != 1 else ''}, the most allowed at once"
+    gpus = free.held_gpus.get(job.owner, 0.0)
+    wanted = machine.gpu_share(job.request)
+    if quota.gpus is not None and wanted and gpus + wanted > quota.gpus + 1e-9:
+        return f"over quota: {job.owner} holds {gpus:g} of {quota.gpus:g} GPUs allowed at once"
+    return ""
+
+
+def plan(
+    queued: Sequence[Pending],
+    running: Sequence[Holding],
+    machine: Machine,
+    quotas: Mapping[str, Quota] | None = None,
+) -> list[Decision]:
+    """Decide for every queued job, in queue order: start it now on these GPUs, or say why it waits.
+
+    ``quotas`` maps a user to its quota; the entry ``"*"`` applies to users without one of their own.
+    """
+    quotas = quotas or {}
+    free = _initial_free(machine, running)  # less the reservation, once there is one
+    unreserved = _initial_free(machine, running)
     decisions = []
-    ahead = 0  # GPU jobs waiting before this one
-    for job in queued:
-        if job.gpus == 0:
-            decisions.append(Decision(job.job_id, ()))
-        elif ahead == 0 and job.gpus <= len(free):
-            decisions.append(Decision(job.job_id, tuple(free[: job.gpus])))
-            free = free[job.gpus :]
-        else:
-            reason = f"waiting for {job.gpus} GPU{'s' if job.gpus > 1 else ''} ({len(free)} free"
-            reason += f", {ahead} GPU job{'s' if ahead > 1 else ''} ahead)" if ahead else ")"
-            decisions.append(Decision(job.job_id, None, reason))
-            ahead += 1
+    waiting = 0  # jobs ahead that wait
+    reservation: Pending | None = None
+    for position, job in enumerate(queue_order(queued, running, machine), start=1):
+        quota = quotas.get(job.owner, quotas.get("*"))
+        reason = _over_quota(job, free, quota, machine)
+        gpus = None if reason else free.fit(job.request)
+        if gpus is not None:
+            for pool in (free, unreserved):
+                pool.take(job.request, gpus)
+            free.held_gpus[job.owner] = free.held_gpus.get(job.owner, 0.0) + machine.gpu_share(job.request)
+            free.held_jobs[job.owner] = free.held_jobs.get(job.owner, 0) + 1
+            decisions.append(Decision(job.job_id, position, gpus))
+            continue
+        if not reason:
+            if reservation is not None and unreserved.fit(job.request) is not None:
+                reason = f"what it needs is reserved for {reservation.job_id} (needs {reservation.request.describe()})"
+            else:
+                reason = "; ".join(unreserved.shortfall(job.request))
+            if reservation is None:
+                reservation = job
+                free.reserve(job.request)
+        if waiting:
+            reason += f", {waiting} job{'s' if waiting > 1 else ''} ahead"
+        decisions.append(Decision(job.job_id, position, None, reason, reserves=job is reservation))
+        waiting += 1
     return decisions

@@ -72,6 +72,20 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN time_limit REAL NOT NULL DEFAULT 0;   -- seconds; 0: none
     """,
+    """
+    ALTER TABLE jobs ADD COLUMN gpu_memory INTEGER NOT NULL DEFAULT 0;  -- bytes: a slice of one GPU; 0: none
+    ALTER TABLE jobs ADD COLUMN cpus REAL NOT NULL DEFAULT 0;           -- CPUs reserved; 0: none
+    ALTER TABLE jobs ADD COLUMN memory INTEGER NOT NULL DEFAULT 0;      -- bytes of RAM reserved; 0: none
+    ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE jobs ADD COLUMN nprocs INTEGER NOT NULL DEFAULT 1;      -- processes of one job (distributed)
+    ALTER TABLE jobs ADD COLUMN reserved_at REAL;                       -- when it first held the reservation
+    CREATE TABLE quotas (
+        user        TEXT PRIMARY KEY,         -- a token name, or '*' for every user without a quota of their own
+        gpus        REAL,                     -- GPUs held at once (slices count as their part); NULL: no limit
+        jobs        INTEGER,                  -- jobs running at once; NULL: no limit
+        updated_at  REAL NOT NULL
+    );
+    """,
 ]
 
 

@@ -27,7 +27,8 @@ from gpuport.protocol.errors import (
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
-from gpuport.server.services.jobs import JobRecord, JobRequest
+from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
+from gpuport.server.services.quotas import QuotaRecord
 from gpuport.server.services.snapshots import Entry, SnapshotRecord
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,10 @@ def gpu_list_message(listing: GpuListing) -> pb.GpuList:
                 utilization=-1 if g.utilization is None else g.utilization,
                 processes=[pb.GpuProcess(pid=p.pid, memory_used=p.memory_used, job_id=p.job_id) for p in g.processes],
                 jobs=g.jobs,
+                allocations=[
+                    pb.GpuAllocation(job_id=a.job_id, owner=a.owner, memory=a.memory, memory_used=a.memory_used)
+                    for a in listing.allocations.get(g.index, ())
+                ],
             )
             for g in listing.gpus
         ],
@@ -289,6 +294,12 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         outputs=job.outputs,
         log_bytes=job.log_bytes,
         time_limit=job.time_limit,
+        gpu_memory=job.gpu_memory,
+        cpus=job.cpus,
+        memory=job.memory,
+        priority=job.priority,
+        nprocs=job.nprocs,
+        position=job.position,
     )
 
 
@@ -319,6 +330,12 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
                 name=request.name,
                 hyperparameters=hyperparameters,
                 time_limit=request.time_limit,
+                gpu_memory=request.gpu_memory,
+                cpus=request.cpus,
+                memory=request.memory,
+                priority=request.priority,
+                nprocs=request.nprocs or 1,
+                tf_roles=tf_roles(dict(request.tf_roles)),
             ),
         )
         return job_message(job)
@@ -345,6 +362,31 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
     async def Cancel(self, request: pb.JobRef, caller: Identity) -> pb.JobInfo:
         return job_message(self.app.jobs.cancel(caller, request.job_id))
 
+    @rpc
+    async def Queue(self, request: pb.Empty, caller: Identity) -> pb.JobList:
+        return pb.JobList(jobs=[job_message(j) for j in self.app.jobs.queue(caller)])
+
+
+def quota_message(record: QuotaRecord) -> pb.QuotaInfo:
+    return pb.QuotaInfo(user=record.user, gpus=record.gpus, jobs=record.jobs, updated_at=record.updated_at)
+
+
+class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
+    @rpc
+    async def Set(self, request: pb.QuotaInfo, caller: Identity) -> pb.QuotaInfo:
+        gpus = request.gpus if request.HasField("gpus") else None
+        jobs = request.jobs if request.HasField("jobs") else None
+        return quota_message(self.app.quotas.set(caller, request.user, gpus, jobs))
+
+    @rpc
+    async def List(self, request: pb.Empty, caller: Identity) -> pb.QuotaList:
+        return pb.QuotaList(quotas=[quota_message(q) for q in self.app.quotas.list(caller)])
+
+    @rpc
+    async def Unset(self, request: pb.QuotaRef, caller: Identity) -> pb.Empty:
+        self.app.quotas.unset(caller, request.user)
+        return _EMPTY
+
 
 def build_grpc_server(
     app: ServerApp, host: str, port: int, credentials: grpc.ServerCredentials | None
@@ -365,6 +407,7 @@ def build_grpc_server(
     pb_grpc.add_TokensServicer_to_server(TokensServicer(app), server)
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsServicer(app), server)
     pb_grpc.add_JobsServicer_to_server(JobsServicer(app), server)
+    pb_grpc.add_QuotasServicer_to_server(QuotasServicer(app), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)

@@ -22,10 +22,10 @@ from gpuport._version import __version__
 from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.paths import check_path
-from gpuport.protocol.units import parse_duration
+from gpuport.protocol.units import parse_duration, parse_size
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.jobs import JobRecord, JobRequest
+from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,17 @@ class JobCreate(BaseModel):
     outputs: list[str] = Field(default_factory=list, description="Workdir paths brought back as outputs")
     name: str = ""
     time_limit: float | str | None = Field(None, description='Seconds, or a duration such as "90s" or "2h"')
+    gpu_memory: int | str | None = Field(None, description='A slice of one GPU: bytes, or a size such as "8GiB"')
+    cpus: float = Field(0, description="CPUs reserved (0: none)")
+    memory: int | str | None = Field(None, description='RAM reserved and enforced: bytes, or a size such as "4GiB"')
+    priority: int = Field(0, description="-100 .. 100; above 0: admins only")
+    nprocs: int = Field(1, description="Processes of the job (distributed training), with TF_CONFIG and RANK set")
+    tf_roles: dict[str, int] = Field(default_factory=dict, description='TF_CONFIG roles, e.g. {"chief": 1, "worker": 2}')
+
+
+class QuotaSet(BaseModel):
+    gpus: float | None = Field(None, description="GPUs held at once (slices count as their part); null: no limit")
+    jobs: int | None = Field(None, description="Jobs running at once; null: no limit")
 
 
 def _flag_value(value: Any) -> str:
@@ -83,6 +94,12 @@ def job_request(body: JobCreate) -> JobRequest:
         name=body.name,
         hyperparameters=body.hyperparameters,
         time_limit=0.0 if body.time_limit is None else parse_duration(body.time_limit),
+        gpu_memory=0 if body.gpu_memory is None else parse_size(body.gpu_memory),
+        cpus=body.cpus,
+        memory=0 if body.memory is None else parse_size(body.memory),
+        priority=body.priority,
+        nprocs=body.nprocs,
+        tf_roles=tf_roles(body.tf_roles),
     )
 
 
@@ -212,6 +229,23 @@ def build_http_app(app: ServerApp) -> FastAPI:
     @api.post("/v1/jobs/{job_id}/cancel", summary="Cancel a job (SIGTERM, then SIGKILL after a grace period)")
     async def cancel_job(job_id: str, identity: Caller) -> dict[str, Any]:
         return job_json(app.jobs.cancel(identity, job_id))
+
+    @api.get("/v1/queue", summary="Every queued job in the order they start, with its position and why it waits")
+    async def queue(identity: Caller) -> list[dict[str, Any]]:
+        return [job_json(j) for j in app.jobs.queue(identity)]
+
+    @api.get("/v1/quotas", summary="Quotas (admins: all; a user: their own and the default '*')")
+    async def list_quotas(identity: Caller) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(q) for q in app.quotas.list(identity)]
+
+    @api.put("/v1/quotas/{user}", summary="Set a user's quota (admin); user '*' is everyone without their own")
+    async def set_quota(user: str, body: QuotaSet, identity: Caller) -> dict[str, Any]:
+        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs))
+
+    @api.delete("/v1/quotas/{user}", status_code=204, summary="Remove a user's quota (admin)")
+    async def unset_quota(user: str, identity: Caller) -> Response:
+        app.quotas.unset(identity, user)
+        return Response(status_code=204)
 
     @api.get("/v1/snapshots", summary="Your named snapshots (gpuport push)")
     async def list_snapshots(identity: Caller) -> list[dict[str, Any]]:

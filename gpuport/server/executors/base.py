@@ -26,6 +26,9 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL on cancel
     time_limit: float = 0.0  # seconds from the start; past it, stopped as on cancel. 0: none
+    nprocs: int = 1  # processes of the job, each with its rank's environment when more than one
+    tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles in rank order; None: all workers
+    rank_gpus: list[list[int]] | None = None  # each rank's CUDA_VISIBLE_DEVICES; None: the env's for all
 
 
 class Executor(ABC):
@@ -44,3 +47,11 @@ class Executor(ABC):
     @abstractmethod
     def cancel(self, job_dir: Path) -> None:
         """Ask the job to stop: SIGTERM to its processes, SIGKILL after the launch's grace period."""
+
+    @abstractmethod
+    def kill(self, job_dir: Path, reason: str) -> None:
+        """Stop the job at once (SIGKILL); its exit status records ``reason`` as why it was killed."""
+
+    @abstractmethod
+    def pids(self, job_dir: Path) -> list[int]:
+        """The pids of the job's processes on this machine (each rank's, and their descendants)."""

@@ -17,6 +17,8 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
+
 from gpuport._files import atomic_write
 from gpuport.server.executors.base import Executor, Launch, OnExit
 from gpuport.server.worker import supervisor
@@ -38,6 +40,9 @@ class LocalExecutor(Executor):
             "env": launch.env,
             "grace": launch.grace,
             "time_limit": launch.time_limit,
+            "nprocs": launch.nprocs,
+            "tf_roles": launch.tf_roles,
+            "rank_gpus": launch.rank_gpus,
         }
         # Not fsynced: a machine that crashes takes the job's processes with it anyway.
         atomic_write(launch.job_dir / "spec.json", json.dumps(spec).encode(), 0o600, durable=False)
@@ -85,7 +90,8 @@ class LocalExecutor(Executor):
 
         threading.Thread(target=wait, name=f"job {job_dir.name}", daemon=True).start()
 
-    def cancel(self, job_dir: Path) -> None:
+    def _supervisor_pid(self, job_dir: Path) -> int | None:
+        """The running supervisor's pid, or None when it has ended."""
         with self._lock:
             process = self._processes.get(job_dir)
         pid = process.pid if process else None
@@ -93,6 +99,32 @@ class LocalExecutor(Executor):
             with contextlib.suppress(OSError, ValueError, KeyError):
                 pid = int(json.loads((job_dir / "supervisor.json").read_text())["pid"])
         if pid is None or not self.is_running(job_dir) and process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)  # the supervisor passes it to the job's group, then SIGKILLs
+            return None
+        return pid
+
+    def cancel(self, job_dir: Path) -> None:
+        pid = self._supervisor_pid(job_dir)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)  # the supervisor passes it to the job's groups, then SIGKILLs
+
+    def kill(self, job_dir: Path, reason: str) -> None:
+        pid = self._supervisor_pid(job_dir)
+        if pid is not None:
+            atomic_write(job_dir / "kill.json", json.dumps({"reason": reason}).encode(), 0o600, durable=False)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)  # the supervisor reads kill.json and SIGKILLs the job's groups
+
+    def pids(self, job_dir: Path) -> list[int]:
+        try:
+            info = json.loads((job_dir / "supervisor.json").read_text())
+        except (OSError, ValueError):
+            return []  # not started yet, or ended
+        pids = []
+        for child in info.get("children") or [info["child"]]:
+            try:
+                process = psutil.Process(child)
+                pids += [child, *(p.pid for p in process.children(recursive=True))]
+            except psutil.Error:
+                continue  # that rank has ended
+        return pids

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -32,9 +34,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
     ENV_DATASETS_DIR,
+    ENV_FAKE_GPU_DIR,
+    ENV_GPU_MEMORY,
+    ENV_GPU_MEMORY_FRACTION,
     ENV_JOB_ID,
     ENV_OUTPUT_DIR,
     LOG_CHUNK_BYTES,
@@ -43,13 +50,14 @@ from gpuport.defaults import (
     MAX_SPEC_BYTES,
     MAX_TIME_LIMIT,
 )
-from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, ResourceUnavailable
+from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, PermissionDenied, ResourceUnavailable
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors import Executor, Launch
 from gpuport.server.inventory import Inventory
-from gpuport.server.scheduler import Pending, first_come
+from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Request, plan
 from gpuport.server.services.auth import Identity
+from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.snapshots import SnapshotService, check_snapshot_name
 from gpuport.server.store import Store
 from gpuport.server.worker import bootstrap
@@ -60,6 +68,9 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _RESERVED_ENV = ("GPUPORT_", "CUDA_VISIBLE_DEVICES")
 _MAX_OUTPUTS = 100
 _MAX_DATASETS = 16
+_MAX_NPROCS = 64
+_TF_ROLES = ("chief", "worker", "ps")  # in rank order
+_PRIORITIES = range(-100, 101)
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
 _LIST_LIMIT = 500
 _BOOTSTRAP = Path(bootstrap.__file__).parent
@@ -72,6 +83,7 @@ class JobState(str, Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"  # stopped at its time limit
+    KILLED = "killed"  # stopped by the server: over its GPU memory slice or its memory limit
     LOST = "lost"  # its supervisor vanished without recording an exit code
 
     def is_terminal(self) -> bool:
@@ -86,6 +98,7 @@ _MOVES = {
         JobState.FAILED,
         JobState.CANCELLED,
         JobState.TIMEOUT,
+        JobState.KILLED,
         JobState.LOST,
         JobState.QUEUED,
     },
@@ -112,6 +125,12 @@ class JobRequest:
     name: str = ""
     hyperparameters: dict[str, Any] | None = None
     time_limit: float = 0.0  # seconds; 0: none
+    gpu_memory: int = 0  # bytes: a slice of one GPU
+    cpus: float = 0.0
+    memory: int = 0  # bytes of RAM
+    priority: int = 0
+    nprocs: int = 1
+    tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles of the processes, in rank order
 
 
 @dataclass(frozen=True)
@@ -133,6 +152,12 @@ class JobRecord:
     outputs: list[str]
     log_bytes: int = 0
     time_limit: float = 0.0
+    gpu_memory: int = 0
+    cpus: float = 0.0
+    memory: int = 0
+    priority: int = 0
+    nprocs: int = 1
+    position: int = 0  # place in the queue while queued (1: next); 0 otherwise
 
 
 def exit_message(code: int) -> str:
@@ -149,20 +174,57 @@ def _spec_size(value: Any) -> int:
     return len(json.dumps(value))
 
 
+def tf_roles(counts: dict[str, int]) -> list[tuple[str, int]] | None:
+    """Role → count (from the wire or a request body) as the ordered list a ``JobRequest`` holds;
+    None for none. Raises ``InvalidRequest`` for an unknown role."""
+    if not counts:
+        return None
+    unknown = sorted(set(counts) - set(_TF_ROLES))
+    if unknown:
+        raise InvalidRequest(f"unknown TensorFlow role {unknown[0]!r}: the roles are {', '.join(_TF_ROLES)}")
+    return [(role, counts[role]) for role in _TF_ROLES if counts.get(role)]
+
+
+def machine_of(inventory: Inventory) -> Machine:
+    """What the scheduler shares out: the inventory's GPUs, this machine's CPUs and RAM."""
+    gpus = inventory.gpus()
+    return Machine(tuple(g.memory_total for g in gpus), float(os.cpu_count() or 1), psutil.virtual_memory().total)
+
+
+def rank_gpus(gpu_indices: list[int], nprocs: int) -> list[list[int]]:
+    """The job's GPUs spread over its processes: an even block each, or shared round-robin when
+    there are fewer GPUs than processes."""
+    if not gpu_indices:
+        return [[] for _ in range(nprocs)]
+    if len(gpu_indices) >= nprocs:
+        per = len(gpu_indices) // nprocs
+        return [gpu_indices[r * per : (r + 1) * per] for r in range(nprocs)]
+    return [[gpu_indices[r % len(gpu_indices)]] for r in range(nprocs)]
+
+
 class JobService:
     def __init__(
-        self, store: Store, snapshots: SnapshotService, inventory: Inventory, root: Path, executor: Executor
+        self,
+        store: Store,
+        snapshots: SnapshotService,
+        inventory: Inventory,
+        root: Path,
+        executor: Executor,
+        quotas: QuotaService,
     ) -> None:
         self.store = store
         self.snapshots = snapshots
         self.inventory = inventory
         self.root = root
         self.executor = executor
+        self.quotas = quotas
         self.root.mkdir(exist_ok=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._gpu_count = len(inventory.gpus())
+        self.machine = machine_of(inventory)
+        self._plan: dict[str, Decision] = {}  # the last pass's decision for each queued job
+        self._schedule_pending = False
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -195,18 +257,7 @@ class JobService:
             raise InvalidRequest(
                 f"time limit {request.time_limit:g}s is outside 0 (none) .. {format_duration(MAX_TIME_LIMIT)}"
             )
-        if request.gpus < 0:
-            raise InvalidRequest(f"gpus must be 0 or more, not {request.gpus}")
-        if request.gpus > self._gpu_count:
-            gpus = self.inventory.gpus()
-            have = (
-                f"{len(gpus)} x {format_size(gpus[0].memory_total)}"
-                if gpus and len({g.memory_total for g in gpus}) == 1
-                else ", ".join(format_size(g.memory_total) for g in gpus) or f"none ({self.inventory.note})"
-            )
-            raise ResourceUnavailable(
-                f"asked for {request.gpus} GPU{'s' if request.gpus > 1 else ''}; this server has {have}"
-            )
+        self._check_resources(caller, request)
         if request.snapshot_id and request.project:
             raise InvalidRequest("give a snapshot id or a project name, not both")
         snapshot = ""
@@ -217,8 +268,76 @@ class JobService:
         datasets = {}
         for name in request.datasets:
             datasets[check_snapshot_name(name)] = self.snapshots.resolve(caller, name=name).id
-        spec = {"env": request.env, "datasets": datasets, "hyperparameters": request.hyperparameters}
+        spec = {
+            "env": request.env,
+            "datasets": datasets,
+            "hyperparameters": request.hyperparameters,
+            "tf_roles": request.tf_roles,
+        }
         return argv, snapshot, outputs, spec
+
+    def _check_resources(self, caller: Identity, request: JobRequest) -> None:
+        """Refuse what no machine state could ever grant: more than this server has, or than the quota allows."""
+        machine = self.machine
+        for name, value in (("gpus", request.gpus), ("gpu_memory", request.gpu_memory), ("cpus", request.cpus)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise InvalidRequest(f"{name} must be 0 or more, not {value}")
+        if request.memory < 0:
+            raise InvalidRequest(f"memory must be 0 or more, not {request.memory}")
+        if request.gpus and request.gpu_memory:
+            raise InvalidRequest(
+                "ask for whole GPUs (gpus=N) or for a slice of one GPU (gpu_memory=...), not both"
+            )
+        have = f"this server has {machine.describe_gpus()}"
+        if not machine.gpu_memory and (request.gpus or request.gpu_memory):
+            have += f" ({self.inventory.note})" if self.inventory.note else ""
+        if request.gpus > len(machine.gpu_memory):
+            raise ResourceUnavailable(f"asked for {request.gpus} GPU{'s' if request.gpus > 1 else ''}; {have}")
+        if request.gpu_memory > max(machine.gpu_memory, default=0):
+            raise ResourceUnavailable(f"asked for a {format_size(request.gpu_memory)} slice of a GPU; {have}")
+        if request.cpus > machine.cpus:
+            raise ResourceUnavailable(f"asked for {request.cpus:g} CPUs; this server has {machine.cpus:g}")
+        if request.memory > machine.memory:
+            raise ResourceUnavailable(
+                f"asked for {format_size(request.memory)} of memory; this server has {format_size(machine.memory)}"
+            )
+        if request.priority not in _PRIORITIES:
+            raise InvalidRequest(f"priority {request.priority} is outside -100 .. 100")
+        if request.priority > 0 and not caller.admin:
+            raise PermissionDenied(
+                f"priority {request.priority}: only an admin can put a job ahead of others; "
+                "a negative priority lets yours yield to them"
+            )
+        self._check_processes(request)
+        quota = self.quotas.of(caller.name)
+        wanted = machine.gpu_share(Request(request.gpus, request.gpu_memory))
+        if quota is not None and quota.gpus is not None and wanted > quota.gpus + 1e-9:
+            raise ResourceUnavailable(
+                f"asked for {wanted:g} GPUs; the quota of {caller.name} is {quota.gpus:g} at once — "
+                "an admin can raise it with `gpuport quota set`"
+            )
+        if quota is not None and quota.jobs == 0:
+            raise ResourceUnavailable(f"the quota of {caller.name} allows no jobs — ask an admin to raise it")
+
+    def _check_processes(self, request: JobRequest) -> None:
+        if not 1 <= request.nprocs <= _MAX_NPROCS:
+            raise InvalidRequest(f"nprocs must be 1 .. {_MAX_NPROCS}, not {request.nprocs}")
+        if request.tf_roles is not None:
+            for role, count in request.tf_roles:
+                if role not in _TF_ROLES or count < 0:
+                    raise InvalidRequest(
+                        f"TensorFlow role {role}={count}: roles are {', '.join(_TF_ROLES)}, each with a count >= 0"
+                    )
+            total = sum(count for _, count in request.tf_roles)
+            if total != request.nprocs:
+                raise InvalidRequest(
+                    f"the TensorFlow roles add up to {total} processes, but nprocs is {request.nprocs}"
+                )
+        if request.gpus > request.nprocs and request.gpus % request.nprocs:
+            raise InvalidRequest(
+                f"{request.gpus} GPUs do not spread evenly over {request.nprocs} processes: give a multiple "
+                f"of {request.nprocs}, or fewer GPUs than processes (they then share)"
+            )
 
     def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
         """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot) or ``ResourceUnavailable``."""
@@ -230,7 +349,8 @@ class JobService:
                     break
             db.execute(
                 "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
-                "outputs, spec, time_limit) VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?)",
+                "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs) "
+                "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     caller.name,
@@ -242,10 +362,15 @@ class JobService:
                     json.dumps(outputs),
                     json.dumps(spec),
                     request.time_limit,
+                    request.gpu_memory,
+                    request.cpus,
+                    request.memory,
+                    request.priority,
+                    request.nprocs,
                 ),
             )
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
-        self._schedule()
+        self._schedule()  # at once, so that the reply says whether it started or why it waits
         return self._load(job_id)
 
     def _load(self, job_id: str) -> JobRecord:
@@ -259,6 +384,9 @@ class JobService:
             log_bytes = (self.root / row["id"] / "log").stat().st_size
         except OSError:
             log_bytes = 0
+        message, position = row["message"], 0
+        if row["state"] == JobState.QUEUED.value and (decision := self._plan.get(row["id"])) is not None:
+            message, position = decision.reason, decision.position
         return JobRecord(
             id=row["id"],
             owner=row["owner"],
@@ -271,12 +399,18 @@ class JobService:
             started_at=row["started_at"],
             ended_at=row["ended_at"],
             exit_code=row["exit_code"],
-            message=row["message"],
+            message=message,
             snapshot_id=row["snapshot_id"],
             output_snapshot_id=row["output_snapshot_id"],
             outputs=json.loads(row["outputs"]),
             log_bytes=log_bytes,
             time_limit=row["time_limit"],
+            gpu_memory=row["gpu_memory"],
+            cpus=row["cpus"],
+            memory=row["memory"],
+            priority=row["priority"],
+            nprocs=row["nprocs"],
+            position=position,
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -302,13 +436,34 @@ class JobService:
         )
         return [self._record(r) for r in rows]
 
-    def running_on_gpus(self) -> dict[int, list[str]]:
-        """GPU index → ids of the running jobs holding it."""
-        holders: dict[int, list[str]] = {}
-        for row in self.store.query("SELECT id, gpu_indices FROM jobs WHERE state = 'running'"):
-            for index in json.loads(row["gpu_indices"]):
-                holders.setdefault(index, []).append(row["id"])
-        return holders
+    def running(self) -> list[Holding]:
+        """The allocations of the running jobs, oldest first."""
+        rows = self.store.query(
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices FROM jobs WHERE state = 'running' "
+            "ORDER BY seq"
+        )
+        return [
+            Holding(
+                r["id"],
+                r["owner"],
+                Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"]),
+                tuple(json.loads(r["gpu_indices"])),
+            )
+            for r in rows
+        ]
+
+    def queue(self, caller: Identity) -> list[JobRecord]:
+        """Every queued job (every user's: the queue is shared), in the order they get their turn.
+
+        Other users' jobs show who submitted them and what they ask for, but not their command or name.
+        """
+        self._schedule()
+        rows = self.store.query("SELECT * FROM jobs WHERE state = 'queued'")
+        records = sorted((self._record(r) for r in rows), key=lambda j: j.position or 1 << 30)
+        return [
+            j if j.owner == caller.name or caller.admin else dataclasses.replace(j, command=[], name="")
+            for j in records
+        ]
 
     def cancel(self, caller: Identity, job_id: str) -> JobRecord:
         """Cancel a queued job at once; ask a running one to stop (SIGTERM, then SIGKILL after the grace)."""
@@ -318,6 +473,7 @@ class JobService:
         if job.state is JobState.QUEUED:
             self._move(job.id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message="cancelled")
             self._announce_end(job.id)
+            self._schedule_soon()  # it may have held the reservation, or been ahead of others
         else:
             with self.store.transaction() as db:
                 db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job.id,))
@@ -423,19 +579,41 @@ class JobService:
                 self._move(row["id"], JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", started_at=None)
         self._schedule()
 
+    def _schedule_soon(self) -> None:
+        """One scheduling pass on the next turn of the loop, however many jobs end meanwhile."""
+        if self._loop is None or self._schedule_pending:
+            return
+        self._schedule_pending = True
+        self._loop.call_soon(self._schedule)
+
     def _schedule(self) -> None:
+        """Start what can start now; remember why the rest waits (see scheduler.py for the rules)."""
+        self._schedule_pending = False
         if self._loop is None:
             return  # not started yet: start() schedules
-        queued = self.store.query("SELECT id, gpus, message FROM jobs WHERE state = 'queued' ORDER BY seq")
-        if not queued:
-            return
-        busy = self.running_on_gpus()
-        messages = {r["id"]: r["message"] for r in queued}
-        for decision in first_come([Pending(r["id"], r["gpus"]) for r in queued], self._gpu_count, busy):
+        rows = self.store.query(
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at FROM jobs "
+            "WHERE state = 'queued'"
+        )
+        queued = [
+            Pending(
+                r["id"],
+                r["owner"],
+                Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"]),
+                r["priority"],
+                r["seq"],
+                r["reserved_at"],
+            )
+            for r in rows
+        ]
+        decisions = plan(queued, self.running(), self.machine, self.quotas.all()) if queued else []
+        self._plan = {d.job_id: d for d in decisions}
+        reserved = {p.job_id for p in queued if p.reserved_at is not None}
+        for decision in decisions:
+            if decision.reserves and decision.job_id not in reserved:
+                with self.store.transaction() as db:  # the reservation sticks, across restarts too
+                    db.execute("UPDATE jobs SET reserved_at = ? WHERE id = ?", (time.time(), decision.job_id))
             if decision.gpu_indices is None:
-                if messages[decision.job_id] != decision.reason:
-                    with self.store.transaction() as db:
-                        db.execute("UPDATE jobs SET message = ? WHERE id = ?", (decision.reason, decision.job_id))
                 continue
             self._move(
                 decision.job_id,
@@ -445,6 +623,7 @@ class JobService:
                 started_at=time.time(),
                 message="",
             )
+            self._plan.pop(decision.job_id)
             self._spawn(self._launch(decision.job_id))
 
     def _exit_callback(self, job_id: str) -> Any:
@@ -504,9 +683,45 @@ class JobService:
             (work / "hyperparameters.json").write_text(json.dumps(spec["hyperparameters"], indent=2))
         env[ENV_JOB_ID] = row["id"]
         env[ENV_OUTPUT_DIR] = str(out)
+        gpu_indices = json.loads(row["gpu_indices"])
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = NVML's = ours
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, json.loads(row["gpu_indices"])))
-        return Launch(job_dir, json.loads(row["command"]), work, env, DEFAULT_CANCEL_GRACE, row["time_limit"])
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_indices))
+        env.update(self._caps_env(row, gpu_indices))
+        if row["cpus"] and "OMP_NUM_THREADS" not in spec["env"]:
+            # As Ray does for its tasks: thread pools sized to the CPUs reserved, not to the machine.
+            env["OMP_NUM_THREADS"] = str(max(1, int(row["cpus"] // row["nprocs"])))
+        if self.inventory.kind == "fake":
+            env[ENV_FAKE_GPU_DIR] = str(self.inventory.usage_dir)
+        tf_roles = spec.get("tf_roles")
+        return Launch(
+            job_dir,
+            json.loads(row["command"]),
+            work,
+            env,
+            DEFAULT_CANCEL_GRACE,
+            row["time_limit"],
+            nprocs=row["nprocs"],
+            tf_roles=[(role, count) for role, count in tf_roles] if tf_roles else None,
+            rank_gpus=rank_gpus(gpu_indices, row["nprocs"]) if row["nprocs"] > 1 else None,
+        )
+
+    def _caps_env(self, row: Any, gpu_indices: list[int]) -> dict[str, str]:
+        """A slice's limit for each framework, read by the job's bootstrap or by the framework itself.
+
+        The processes of a job share its slice evenly.
+        """
+        if not row["gpu_memory"] or not gpu_indices:
+            return {}
+        per_process = row["gpu_memory"] // row["nprocs"]
+        fraction = per_process / self.machine.gpu_memory[gpu_indices[0]]
+        return {
+            ENV_GPU_MEMORY: str(per_process),
+            ENV_GPU_MEMORY_FRACTION: f"{fraction:.6f}",
+            "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{fraction:.6f}",
+            "CUPY_GPU_MEMORY_LIMIT": str(per_process),
+        }
 
     async def _finish(self, job_id: str) -> None:
         """The job's processes are gone: record how it ended, collect its outputs, free its GPUs."""
@@ -529,7 +744,11 @@ class JobService:
         else:
             code = status["exit_code"]
             message = status.get("error") or exit_message(code)
-            if status.get("timed_out"):
+            if status.get("failed_rank") is not None:
+                message = f"rank {status['failed_rank']} {message}"
+            if status.get("killed"):
+                state, message = JobState.KILLED, status["killed"]
+            elif status.get("timed_out"):
                 limit = format_duration(row["time_limit"])
                 state, message = JobState.TIMEOUT, f"stopped at its time limit of {limit} ({message})"
             elif row["cancel_requested"] or status.get("cancelled"):
@@ -559,7 +778,7 @@ class JobService:
         )
         log.info("job %s %s: %s", job_id, state.value, message)
         self._announce_end(job_id)
-        self._schedule()
+        self._schedule_soon()
 
     def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:
         """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found."""
@@ -585,6 +804,15 @@ class JobService:
             return "", missing
         record = self.snapshots.ingest_folder(row["owner"], sorted(files.items()))
         return record.id, missing
+
+    def pids(self, job_id: str) -> list[int]:
+        """The pids of a running job's processes (every rank's, and their descendants)."""
+        return self.executor.pids(self.root / job_id)
+
+    def kill(self, job_id: str, reason: str) -> None:
+        """Stop a running job at once (SIGKILL) for ``reason``; it ends as ``killed`` with that message."""
+        log.warning("job %s: killing it: %s", job_id, reason)
+        self.executor.kill(self.root / job_id, reason)
 
     def _tidy(self, job_dir: Path) -> None:
         """Drop the job's working copies; its log, exit status and outputs (in the blob store) stay."""

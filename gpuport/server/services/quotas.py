@@ -1,0 +1,89 @@
+"""Quotas: the most GPUs and jobs a user may hold at once, set by an admin.
+
+A quota for the user ``*`` applies to every user without one of their own. The scheduler reads them
+on every pass (``all``); a job over its owner's quota waits, saying so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from gpuport.defaults import MAX_NAME_LENGTH
+from gpuport.protocol.errors import InvalidRequest, NotFound, PermissionDenied
+from gpuport.server.scheduler import Quota
+from gpuport.server.services.auth import Identity
+from gpuport.server.store import Store
+
+# The quota that applies to every user without one of their own.
+DEFAULT_USER = "*"
+
+
+@dataclass(frozen=True)
+class QuotaRecord:
+    user: str
+    gpus: float | None  # None: no limit
+    jobs: int | None
+    updated_at: float
+
+
+def _admin_only(caller: Identity) -> None:
+    if not caller.admin:
+        raise PermissionDenied(f"{caller.name} is not an admin: only an admin token can change or list quotas")
+
+
+class QuotaService:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._cache: dict[str, Quota] | None = None  # read on every scheduling pass: kept until changed
+
+    def set(self, caller: Identity, user: str, gpus: float | None, jobs: int | None) -> QuotaRecord:
+        """Set ``user``'s quota (admin only); None leaves that limit off."""
+        _admin_only(caller)
+        if not user or len(user) > MAX_NAME_LENGTH or not user.isprintable():
+            raise InvalidRequest(f"user {user[:80]!r}: give a token name, or '*' for every user")
+        if gpus is not None and not (math.isfinite(gpus) and gpus >= 0):
+            raise InvalidRequest(f"a GPU quota must be 0 or more, not {gpus}")
+        if jobs is not None and jobs < 0:
+            raise InvalidRequest(f"a job quota must be 0 or more, not {jobs}")
+        if gpus is None and jobs is None:
+            raise InvalidRequest("give --gpus, --jobs or both; `gpuport quota unset USER` removes a quota")
+        now = time.time()
+        with self.store.transaction() as db:
+            db.execute(
+                "INSERT INTO quotas (user, gpus, jobs, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(user) DO UPDATE SET gpus = excluded.gpus, jobs = excluded.jobs, "
+                "updated_at = excluded.updated_at",
+                (user, gpus, jobs, now),
+            )
+        self._cache = None
+        return QuotaRecord(user, gpus, jobs, now)
+
+    def unset(self, caller: Identity, user: str) -> None:
+        """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
+        _admin_only(caller)
+        with self.store.transaction() as db:
+            if not db.execute("DELETE FROM quotas WHERE user = ?", (user[:MAX_NAME_LENGTH],)).rowcount:
+                raise NotFound(f"no quota for {user[:80]!r} — `gpuport quota list` shows them")
+        self._cache = None
+
+    def list(self, caller: Identity) -> list[QuotaRecord]:
+        """Every quota (admin only); a user sees their own and the default."""
+        rows = self.store.query("SELECT * FROM quotas ORDER BY user")
+        return [
+            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"])
+            for r in rows
+            if caller.admin or r["user"] in (caller.name, DEFAULT_USER)
+        ]
+
+    def all(self) -> dict[str, Quota]:
+        """user → quota, for the scheduler."""
+        if self._cache is None:
+            rows = self.store.query("SELECT user, gpus, jobs FROM quotas")
+            self._cache = {r["user"]: Quota(r["gpus"], r["jobs"]) for r in rows}
+        return self._cache
+
+    def of(self, user: str) -> Quota | None:
+        quotas = self.all()
+        return quotas.get(user, quotas.get(DEFAULT_USER))

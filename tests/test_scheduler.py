@@ -1,0 +1,144 @@
+"""The scheduler's rules, on the pure planning function: priority, reservation, fair share, quotas, slices."""
+
+from __future__ import annotations
+
+from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Quota, Request, plan, queue_order
+
+GiB = 2**30
+MACHINE = Machine(gpu_memory=(16 * GiB, 16 * GiB), cpus=2.0, memory=24 * GiB)
+
+
+def _by_id(decisions: list[Decision]) -> dict[str, Decision]:
+    return {d.job_id: d for d in decisions}
+
+
+def _jobs(owner: str, count: int, request: Request, start: int = 0, priority: int = 0) -> list[Pending]:
+    return [Pending(f"{owner}{i}", owner, request, priority, start + i) for i in range(count)]
+
+
+def test_whole_gpus_start_on_the_lowest_free_ones_and_cpu_jobs_start_at_once() -> None:
+    queued = [Pending("a", "u", Request(gpus=1), seq=1), Pending("b", "u", Request(), seq=2)]
+    running = [Holding("r", "v", Request(gpus=1), (0,))]
+    decisions = _by_id(plan(queued, running, MACHINE))
+    assert decisions["a"].gpu_indices == (1,)
+    assert decisions["b"].gpu_indices == ()
+
+
+def test_a_waiting_job_says_what_it_needs_what_is_free_and_how_many_are_ahead() -> None:
+    queued = _jobs("alice", 3, Request(gpus=2))
+    running = [Holding("r", "bob", Request(gpus=1), (0,))]
+    decisions = plan(queued, running, MACHINE)
+    assert [d.position for d in decisions] == [1, 2, 3]
+    assert decisions[0].reason == "needs 2 GPUs, 1 free"
+    assert decisions[2].reason.endswith("2 jobs ahead") and all(d.gpu_indices is None for d in decisions)
+
+
+def test_priority_goes_first() -> None:
+    queued = [*_jobs("low", 2, Request(gpus=1)), Pending("high", "v", Request(gpus=1), priority=5, seq=9)]
+    running = [Holding("r", "w", Request(gpus=1), (0,))]
+    decisions = plan(queued, running, MACHINE)
+    assert decisions[0].job_id == "high" and decisions[0].gpu_indices == (1,)
+
+
+def test_fair_share_one_users_many_jobs_do_not_starve_anothers_single_job() -> None:
+    queued = [*_jobs("alice", 50, Request(gpus=1)), Pending("bob0", "bob", Request(gpus=1), seq=100)]
+    order = [p.job_id for p in queue_order(queued, [], MACHINE)]
+    assert order.index("bob0") == 1  # bob's one job comes right after alice's first
+    # With alice already holding a GPU, bob's job is first.
+    running = [Holding("r", "alice", Request(gpus=1), (0,))]
+    decisions = plan(queued, running, MACHINE)
+    assert decisions[0].job_id == "bob0" and decisions[0].gpu_indices == (1,)
+
+
+def test_fair_share_counts_what_users_hold_by_their_dominant_share() -> None:
+    # carol holds one of two GPUs (share 0.5); dave a 4GiB slice of a 16GiB one (share 0.125): dave first.
+    running = [
+        Holding("c", "carol", Request(gpus=1), (0,)),
+        Holding("d", "dave", Request(gpu_memory=4 * GiB), (1,)),
+    ]
+    queued = [Pending("c1", "carol", Request(gpu_memory=GiB), seq=1), Pending("d1", "dave", Request(gpu_memory=GiB), seq=2)]
+    assert [p.job_id for p in queue_order(queued, running, MACHINE)] == ["d1", "c1"]
+
+
+def test_a_large_request_reserves_what_is_free_so_small_ones_cannot_overtake_it_forever() -> None:
+    queued = [Pending("big", "alice", Request(gpus=2), seq=1), *_jobs("bob", 3, Request(gpus=1), start=2)]
+    running = [Holding("r", "carol", Request(gpus=1), (0,))]
+    decisions = plan(queued, running, MACHINE)
+    first, *rest = decisions
+    assert first.job_id == "big" and first.reserves and first.gpu_indices is None
+    assert all(d.gpu_indices is None and "reserved for big" in d.reason for d in rest)
+    # When the running job ends, the big one gets both GPUs.
+    later = plan([Pending("big", "alice", Request(gpus=2), seq=1, reserved_at=1.0), *queued[1:]], [], MACHINE)
+    assert later[0].job_id == "big" and later[0].gpu_indices == (0, 1)
+
+
+def test_the_reservation_sticks_ahead_of_the_fair_share_order() -> None:
+    # alice holds a GPU, so fair share alone would put bob's job first; alice's reserved job stays ahead.
+    queued = [Pending("big", "alice", Request(gpus=2), seq=1, reserved_at=5.0), Pending("b", "bob", Request(gpus=1), seq=2)]
+    running = [Holding("r", "alice", Request(gpus=1), (0,))]
+    decisions = plan(queued, running, MACHINE)
+    assert [d.job_id for d in decisions] == ["big", "b"]
+    assert decisions[1].gpu_indices is None
+
+
+def test_slices_pack_onto_the_fullest_gpu_that_fits_and_leave_whole_gpus_free() -> None:
+    running = [Holding("s", "u", Request(gpu_memory=8 * GiB), (1,))]
+    queued = [Pending("slice", "u", Request(gpu_memory=6 * GiB), seq=1), Pending("whole", "v", Request(gpus=1), seq=2)]
+    decisions = _by_id(plan(queued, running, MACHINE))
+    assert decisions["slice"].gpu_indices == (1,)
+    assert decisions["whole"].gpu_indices == (0,)
+
+
+def test_several_slices_share_one_gpu_and_a_slice_too_big_waits() -> None:
+    queued = [Pending(f"s{i}", "u", Request(gpu_memory=int(6.4 * GiB)), seq=i) for i in range(5)]
+    decisions = _by_id(plan(queued, [Holding("w", "v", Request(gpus=1), (0,))], MACHINE))
+    assert decisions["s0"].gpu_indices == decisions["s1"].gpu_indices == (1,)
+    assert decisions["s2"].gpu_indices is None
+    assert "needs a 6.4GiB GPU slice, at most 3.2GiB free on one" in decisions["s2"].reason
+    assert decisions["s3"].gpu_indices is None
+
+
+def test_a_whole_gpu_is_not_given_while_a_slice_of_it_is_held() -> None:
+    running = [Holding("s0", "u", Request(gpu_memory=GiB), (0,)), Holding("s1", "u", Request(gpu_memory=GiB), (1,))]
+    decisions = plan([Pending("w", "v", Request(gpus=1), seq=1)], running, MACHINE)
+    assert decisions[0].gpu_indices is None and decisions[0].reason == "needs 1 GPU, 0 free"
+
+
+def test_cpus_and_memory_are_counted_when_asked_for() -> None:
+    queued = [
+        Pending("a", "u", Request(cpus=1.5), seq=1),
+        Pending("b", "u", Request(cpus=1), seq=2),
+        Pending("c", "u", Request(memory=30 * GiB), seq=3),
+        Pending("d", "u", Request(), seq=4),
+    ]
+    decisions = _by_id(plan(queued, [], Machine((), 2.0, 24 * GiB)))
+    assert decisions["a"].gpu_indices == ()
+    assert decisions["b"].gpu_indices is None and "needs 1 CPUs, 0.5 free" in decisions["b"].reason
+    assert decisions["c"].gpu_indices is None and "needs 30GiB of memory" in decisions["c"].reason
+    assert decisions["d"].gpu_indices == ()  # asks for nothing: shares what is left
+
+
+def test_quotas_hold_jobs_back_with_their_reason_and_reserve_nothing() -> None:
+    queued = [*_jobs("alice", 3, Request(gpus=1)), Pending("bob0", "bob", Request(gpus=1), seq=10)]
+    quotas = {"alice": Quota(gpus=1)}
+    decisions = _by_id(plan(queued, [], MACHINE, quotas))
+    started = [d for d in decisions.values() if d.gpu_indices]
+    assert sorted(d.job_id for d in started) == ["alice0", "bob0"]
+    assert decisions["alice1"].reason.startswith("over quota: alice holds 1 of 1 GPUs")
+    assert not decisions["alice1"].reserves
+
+
+def test_job_quota_and_the_default_quota_for_everyone() -> None:
+    queued = [*_jobs("alice", 3, Request()), *_jobs("bob", 3, Request(), start=10)]
+    decisions = _by_id(plan(queued, [], MACHINE, {"*": Quota(jobs=1), "bob": Quota(jobs=2)}))
+    assert sum(1 for d in decisions.values() if d.job_id.startswith("alice") and d.gpu_indices == ()) == 1
+    assert sum(1 for d in decisions.values() if d.job_id.startswith("bob") and d.gpu_indices == ()) == 2
+    assert "over quota: alice runs 1 job" in decisions["alice1"].reason
+
+
+def test_the_order_depends_only_on_what_the_store_holds() -> None:
+    queued = [*_jobs("alice", 4, Request(gpus=1)), *_jobs("bob", 2, Request(gpus=2), start=10)]
+    running = [Holding("r", "alice", Request(gpus=1), (0,))]
+    first = plan(queued, running, MACHINE)
+    again = plan(list(reversed(queued)), running, MACHINE)
+    assert first == again

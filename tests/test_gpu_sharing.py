@@ -1,0 +1,109 @@
+"""Slices on a real GPU (marker ``gpu``: skipped without NVML): a server with the NVML inventory,
+real PyTorch/JAX jobs, the framework caps and the watchdog."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import gpuport
+from tests.conftest import RunningServer, server_env, start_server, wait_for
+
+pytestmark = pytest.mark.gpu
+
+# Allocates argv[1] (a fraction of the GPU) with torch, says so, then holds until argv[2] exists.
+# With argv[3] == "uncapped" it first lifts the cap the bootstrap set, as careless code might.
+TORCH_ALLOC = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    if sys.argv[3:] == ["uncapped"]:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        x = torch.empty(int(total * float(sys.argv[1])), dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError as e:
+        print("OutOfMemoryError", str(e).splitlines()[0], flush=True)
+        sys.exit(3)
+    print("allocated", sys.argv[1], flush=True)
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tmp_path_factory.mktemp("gpu") / "state", env=server_env())  # NVML, no fake GPUs
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def gpu(gpu_server: RunningServer) -> Iterator[gpuport.Client]:
+    with gpu_server.connect() as client:
+        yield client
+
+
+def _slice(gpu: gpuport.Client, fraction: float) -> int:
+    return int(gpu.gpus()[0].memory_total * fraction)
+
+
+def test_two_torch_jobs_with_40_percent_slices_run_on_one_gpu_at_once(gpu: gpuport.Client, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "alloc.py").write_text(TORCH_ALLOC)
+    flag = tmp_path / "go"
+    size = _slice(gpu, 0.4)
+    jobs = [gpu.submit(["python", "alloc.py", "0.3", str(flag)], workdir=tmp_path, gpu_memory=size) for _ in range(2)]
+    for job in jobs:
+        wait_for(lambda job=job: "allocated 0.3" in "\n".join(job.logs()), timeout=120, what=f"{job.id} allocating")
+    assert jobs[0].info.gpu_indices == jobs[1].info.gpu_indices
+    held = {a.job_id: a for g in gpu.gpus() for a in g.allocations}
+    assert {held[j.id].memory for j in jobs} == {size}
+    wait_for(lambda: all({a.job_id: a for g in gpu.gpus() for a in g.allocations}[j.id].memory_used for j in jobs))
+    flag.touch()
+    assert [j.wait(60).info.state for j in jobs] == ["succeeded", "succeeded"]
+
+
+def test_the_torch_cap_stops_an_allocation_past_the_slice(gpu: gpuport.Client, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "alloc.py").write_text(TORCH_ALLOC)
+    job = gpu.submit(["python", "alloc.py", "0.2", str(tmp_path / "go")], workdir=tmp_path, gpu_memory=_slice(gpu, 0.1))
+    info = job.wait(120).info
+    assert info.state == "failed" and info.exit_code == 3
+    assert any(line.startswith("OutOfMemoryError") for line in job.logs())
+
+
+def test_a_job_that_lifts_its_cap_and_allocates_past_its_slice_is_killed(gpu: gpuport.Client, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    (tmp_path / "alloc.py").write_text(TORCH_ALLOC)
+    size = _slice(gpu, 0.1)
+    command = ["python", "alloc.py", "0.2", str(tmp_path / "never"), "uncapped"]
+    info = gpu.submit(command, workdir=tmp_path, gpu_memory=size).wait(120).info
+    assert info.state == "killed"
+    assert info.message.startswith(f"exceeded its GPU memory slice of {gpuport.format_size(size)} (used ")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="JAX is not installed")
+def test_the_jax_cap_holds_where_tensorflow_is_not_installed(gpu: gpuport.Client, tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        total = jax.devices()[0].memory_stats()["bytes_limit"]
+        print("limit", total, flush=True)
+        try:
+            x = jnp.zeros(int(total * 1.5) // 4, dtype=jnp.float32).block_until_ready()
+        except Exception as e:
+            print("refused", type(e).__name__, flush=True)
+        """
+    )
+    size = _slice(gpu, 0.1)
+    job = gpu.submit(["python", "-c", script], workdir=None, gpu_memory=size).wait(120)
+    lines = list(job.logs())
+    limit = int(next(line for line in lines if line.startswith("limit")).split()[1])
+    assert limit <= size * 1.05  # XLA's allocator is capped at the slice
+    assert any(line.startswith("refused") for line in lines)

@@ -6,6 +6,11 @@ threefold. So stdout stays block-buffered for speed and is kept live and in orde
 thread flushes it every 50 ms, and whatever is written to stderr flushes stdout first. A job that
 sets PYTHONUNBUFFERED keeps Python's own behaviour.
 
+GPU memory: a job that holds a slice of a GPU (GPUPORT_GPU_MEMORY, GPUPORT_GPU_MEMORY_FRACTION) has
+each deep-learning framework held to it, TensorFlow and PyTorch by a hook that runs when the job
+imports them, JAX and CuPy by their own environment variables (see _gpuport_caps). What was capped
+is in `caps`: `import sitecustomize; sitecustomize.caps`.
+
 Standard library only, and nothing imported that the job does not import itself. Afterwards the
 sitecustomize this module shadows, if any, runs as it would have.
 """
@@ -14,6 +19,12 @@ import atexit
 import os
 import sys
 import threading
+
+# Imported while this folder is still on sys.path (_chain takes it off); the _gpuport_ prefix keeps
+# it from hiding a module of the job's.
+import _gpuport_caps
+
+caps = _gpuport_caps.caps  # what was capped: `import sitecustomize; sitecustomize.caps`
 
 _FLUSH_EVERY = 0.05  # seconds
 
@@ -88,4 +99,5 @@ def _chain():
 
 
 _live_output()
+_gpuport_caps.install()  # before _chain: a framework the shadowed sitecustomize imports is capped too
 _chain()

@@ -36,6 +36,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	@command -v rsync >/dev/null || echo "rsync not found: the sync figures are skipped (apt-get install rsync)"
 	$(PY) bench/bench_connect.py
 	$(PY) bench/bench_jobs.py
+	$(PY) bench/bench_queue.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

@@ -2,26 +2,66 @@
 
 Started as ``python -I -S supervisor.py JOB_DIR`` in its own session: it needs only the standard
 library, so it starts in a few milliseconds, and it outlives a server that is killed or restarted.
-It reads ``JOB_DIR/spec.json``, runs the command in its own process group with stdout and stderr
-going to ``JOB_DIR/log``, and writes ``JOB_DIR/exit.json`` (atomically) when the command ends.
+It reads ``JOB_DIR/spec.json``, runs the job's processes, each in its own process group, appends
+their output to ``JOB_DIR/log``, and writes ``JOB_DIR/exit.json`` (atomically) when they have ended.
+
+spec.json holds ``argv``, ``cwd``, ``env``, ``grace`` (seconds from SIGTERM to SIGKILL) and
+``time_limit`` (seconds; 0 or null: none), and optionally, for distributed training on this machine:
+
+- ``nprocs``: how many processes (ranks) run ``argv``; default 1.
+- ``tf_roles``: ``[[role, count], ...]`` adding up to ``nprocs``, e.g. ``[["chief", 1], ["worker", 2]]``;
+  ranks take the roles in that order. Default: every rank is a ``worker``.
+- ``rank_gpus``: one list of GPU indices per rank, which becomes that rank's CUDA_VISIBLE_DEVICES
+  (an empty list: no GPU). Default: every rank keeps the one in ``env``.
+
+One process (the default) writes its stdout and stderr straight to the log, with nothing added to
+its environment. With ``nprocs`` N > 1, rank r also gets TF_CONFIG (a cluster of one free
+127.0.0.1 port per rank, and its own task), MASTER_ADDR and MASTER_PORT (one more free port, for
+torch.distributed), RANK, LOCAL_RANK, GPUPORT_RANK (all r), WORLD_SIZE, LOCAL_WORLD_SIZE and
+GPUPORT_NPROCS (all N). A thread per rank copies the rank's output into the log, whole lines
+prefixed with ``[r] ``. The first rank that fails (a non-zero exit code or a signal) stops the
+others, since the rest of a collective would wait for it forever: the job's exit code is that
+rank's, and exit.json names it in ``failed_rank``.
 
 While it runs it holds an exclusive ``flock`` on ``JOB_DIR/supervisor.lock``: a restarted server
-knows the job is still running when it cannot take that lock, with no pid-reuse guesswork.
-SIGTERM (cancel) is passed to the job's process group; after the grace period, SIGKILL follows.
-A job past its time limit is stopped the same way, by the supervisor itself (so the limit holds
-while no server runs), and exit.json says ``timed_out``.
+knows the job is still running when it cannot take that lock, with no pid-reuse guesswork, and
+``JOB_DIR/supervisor.json`` gives ``pid`` (its own), ``child`` (rank 0's pid), ``children`` (every
+rank's pid) and ``started_at``.
+
+Signals: SIGTERM or SIGINT (cancel) is passed to every rank's process group; after the grace period,
+SIGKILL follows. A job past its time limit is stopped the same way, by the supervisor itself (so the
+limit holds while no server runs). SIGUSR1 kills the job at once, with SIGKILL and no grace, for the
+reason the server wrote to ``JOB_DIR/kill.json`` (``{"reason": "..."}``, e.g. from its GPU memory
+watchdog); the log ends with ``gpuport: job killed: <reason>``. Send it only once supervisor.json
+exists: until its handler is in place, SIGUSR1 would end the supervisor itself. Once the ranks have
+ended, whatever they left running in their process groups is killed, so that it holds no GPU.
+
+exit.json holds ``started_at``, ``ended_at`` and ``exit_code`` (the first failing rank's return code,
+negative for a signal; 0 when every rank exited 0), and where they apply ``cancelled`` (true),
+``timed_out`` (true), ``killed`` (the reason), ``failed_rank`` (N > 1 only) and ``error`` (the job
+could not start; exit code 127).
 """
+
+from __future__ import annotations
 
 import fcntl
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
+_READ_SIZE = 1 << 16  # bytes read from a rank's pipe at once: what a pipe holds by default
+_LONGEST_LINE = 1 << 20  # bytes of a line without a newline kept back before it is written anyway
+_DRAIN_TIMEOUT = 5.0  # seconds to wait for the ranks' last output once their process groups are gone
+_FAILED_RANK_OUTPUT_WAIT = 0.5  # seconds to wait for a failed rank's last lines (its traceback)
 
-def _write_json(path, data, durable=True):
+
+def _write_json(path: str, data: dict, durable: bool = True) -> None:
     temp = f"{path}.tmp"
     with open(temp, "w") as f:
         json.dump(data, f)
@@ -31,7 +71,148 @@ def _write_json(path, data, durable=True):
     os.replace(temp, path)
 
 
-def main(job_dir):
+def _write_all(log, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[log.write(view) :]
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that are free on 127.0.0.1 now."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket())
+            sockets[-1].bind(("127.0.0.1", 0))
+        # All held at once, so the kernel hands out distinct ports; all closed (by `finally`) just
+        # before the ranks start, so that they can bind them.
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
+    """The environment of each rank: the job's, plus what distributed training needs to find its peers."""
+    rank_gpus = spec.get("rank_gpus")
+    roles = [role for role, count in spec.get("tf_roles") or [["worker", nprocs]] for _ in range(count)]
+    assert len(roles) == nprocs, f"tf_roles {spec.get('tf_roles')} must count {nprocs} processes"
+    assert rank_gpus is None or len(rank_gpus) == nprocs, f"rank_gpus must have {nprocs} lists"
+    if nprocs > 1:
+        *ports, master_port = _free_ports(nprocs + 1)
+        cluster: dict[str, list[str]] = {}
+        tasks = []
+        for role, port in zip(roles, ports):
+            addresses = cluster.setdefault(role, [])
+            tasks.append({"type": role, "index": len(addresses)})
+            addresses.append(f"127.0.0.1:{port}")
+    envs = []
+    for rank in range(nprocs):
+        env = dict(spec["env"])
+        if nprocs > 1:
+            env.update(
+                TF_CONFIG=json.dumps({"cluster": cluster, "task": tasks[rank]}),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nprocs),
+                LOCAL_WORLD_SIZE=str(nprocs),
+                GPUPORT_RANK=str(rank),
+                GPUPORT_NPROCS=str(nprocs),
+            )
+        if rank_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in rank_gpus[rank])
+        envs.append(env)
+    return envs
+
+
+def _copy_lines(pipe, prefix: bytes, log, log_lock: threading.Lock) -> None:
+    """Copy a rank's output into the log, prefixed line by line, until every writer has closed it.
+
+    Only whole lines are written, each batch in one write under ``log_lock``, so that the lines
+    of different ranks never mix. A last line without a newline gets one.
+    """
+    fd = pipe.fileno()
+    separator = b"\n" + prefix
+    pending = bytearray()  # the start of a line whose end has not come yet
+
+    def write(lines: bytes) -> None:
+        try:
+            with log_lock:
+                _write_all(log, prefix + lines.replace(b"\n", separator) + b"\n")
+        except OSError:  # a full disk: the output is lost, but the rank must not block on a full pipe
+            pass
+
+    while chunk := os.read(fd, _READ_SIZE):
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            pending += chunk
+            if len(pending) >= _LONGEST_LINE:  # progress bars redrawn with \r: memory stays bounded
+                write(bytes(pending))
+                pending.clear()
+            continue
+        write(bytes(pending) + chunk[:end])
+        pending = bytearray(chunk[end + 1 :])
+    if pending:
+        write(bytes(pending))
+    pipe.close()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):  # gone already
+        pass
+
+
+def _kill_reason(job_dir: str) -> str:
+    try:
+        with open(os.path.join(job_dir, "kill.json")) as f:
+            return str(json.load(f)["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "by the server (no reason given)"
+
+
+def _describe(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def _start_ranks(spec: dict, nprocs: int, log, log_lock: threading.Lock):
+    """Start every rank (and, for N > 1, its log thread); stop at the first that cannot start.
+
+    Returns the processes started, their log threads, and the error that stopped the start, if any.
+    """
+    ranks: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    for rank, env in enumerate(_rank_envs(spec, nprocs)):
+        try:
+            process = subprocess.Popen(
+                spec["argv"],
+                cwd=spec["cwd"],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log if nprocs == 1 else subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so that a stop reaches every process it starts
+            )
+        except OSError as e:
+            return ranks, readers, f"cannot start {spec['argv'][0]!r}: {e.strerror}"
+        ranks.append(process)
+        if nprocs > 1:
+            prefix = f"[{rank}] ".encode()
+            readers.append(threading.Thread(target=_copy_lines, args=(process.stdout, prefix, log, log_lock)))
+            readers[-1].daemon = True  # never keeps the supervisor: see _DRAIN_TIMEOUT
+            readers[-1].start()
+    return ranks, readers, None
+
+
+def main(job_dir: str) -> int:
     lock = open(os.path.join(job_dir, "supervisor.lock"), "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -40,66 +221,108 @@ def main(job_dir):
         return 1
     with open(os.path.join(job_dir, "spec.json")) as f:
         spec = json.load(f)
+    nprocs = int(spec.get("nprocs") or 1)
     log = open(os.path.join(job_dir, "log"), "ab", buffering=0)
+    log_lock = threading.Lock()  # one writer at a time: the ranks' log threads and this one
+
+    def note(text: str) -> None:
+        with log_lock:
+            _write_all(log, f"gpuport: {text}\n".encode())
+
     started_at = time.time()
+    start = time.monotonic()
     status = {"started_at": started_at}
     grace = float(spec.get("grace", 5.0))
-    running = []
-
-    def kill(signum, frame):
-        for child in running:
-            try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    def terminate(signum, frame):
-        status["cancelled"] = True
-        for child in running:
-            try:
-                os.killpg(child.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        signal.signal(signal.SIGALRM, kill)
-        signal.setitimer(signal.ITIMER_REAL, grace)
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, terminate)
-    try:
-        child = subprocess.Popen(
-            spec["argv"],
-            cwd=spec["cwd"],
-            env=spec["env"],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so that cancel reaches every process it starts
-        )
-    except OSError as e:
-        log.write(f"gpuport: cannot start {spec['argv'][0]!r}: {e.strerror}\n".encode())
-        status.update(exit_code=127, ended_at=time.time(), error=f"cannot start {spec['argv'][0]!r}: {e.strerror}")
-        _write_json(os.path.join(job_dir, "exit.json"), status)
-        return 0
-    running.append(child)
-    if status.get("cancelled"):  # cancelled while it was being started
-        terminate(signal.SIGTERM, None)
-    info = {"pid": os.getpid(), "child": child.pid, "started_at": started_at}
-    _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read only while it runs
     time_limit = float(spec.get("time_limit") or 0)
-    if time_limit > 0:
-        try:
-            child.wait(timeout=max(0.0, started_at + time_limit - time.time()))
-        except subprocess.TimeoutExpired:
+
+    # Signal handlers only take note, and the loop below acts: one place decides what happens, and
+    # no handler can deadlock on the log's lock held by the code it interrupted. The wakeup fd,
+    # written by Python's C-level handler (for SIGCHLD too), wakes that loop from its select().
+    requested = set()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: requested.add("cancel"))
+    signal.signal(signal.SIGINT, lambda signum, frame: requested.add("cancel"))
+    signal.signal(signal.SIGUSR1, lambda signum, frame: requested.add("kill"))
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # with SIG_DFL, a rank's end would not wake the loop
+
+    ranks, readers, error = _start_ranks(spec, nprocs, log, log_lock)
+    stopping = False  # SIGTERM or SIGKILL has been sent: what follows is no rank's own failure
+    kill_at = None  # monotonic time at which SIGKILL follows the SIGTERM of a stop
+
+    def signal_all(sig: int) -> None:
+        for process in ranks:
+            _signal_group(process.pid, sig)
+
+    def stop() -> None:
+        nonlocal stopping, kill_at
+        stopping = True
+        signal_all(signal.SIGTERM)
+        kill_at = time.monotonic() + grace
+
+    if error:
+        note(error)
+        status.update(exit_code=127, error=error)
+        if nprocs > 1:
+            status["failed_rank"] = len(ranks)
+        stopping = True
+        signal_all(signal.SIGKILL)  # the ranks started, if any, have run for a moment: no grace
+    else:
+        info = {"pid": os.getpid(), "child": ranks[0].pid, "children": [p.pid for p in ranks], "started_at": started_at}
+        _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read only while it runs
+
+    codes = [None] * len(ranks)
+    first_failure = None  # (rank, code) of the first rank seen to exit with a non-zero code
+    killed = False
+    while None in codes:
+        if "kill" in requested and not killed:
+            killed = stopping = True
+            signal_all(signal.SIGKILL)
+            kill_at = None
+        if "cancel" in requested and not stopping:
+            status["cancelled"] = True
+            stop()
+        for rank, process in enumerate(ranks):
+            if codes[rank] is not None or (code := process.poll()) is None:
+                continue
+            codes[rank] = code
+            if code != 0 and first_failure is None:
+                first_failure = (rank, code)
+                if nprocs > 1 and not stopping:
+                    status["failed_rank"] = rank
+                    readers[rank].join(_FAILED_RANK_OUTPUT_WAIT)  # its traceback first, then why the others stop
+                    note(f"rank {rank} {_describe(code)}; stopping the other processes")
+                    stop()
+        if None not in codes:
+            break
+        now = time.monotonic()
+        if time_limit > 0 and not stopping and now >= start + time_limit:
             status["timed_out"] = True
-            terminate(signal.SIGTERM, None)
-            status.pop("cancelled", None)
-    code = child.wait()
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    try:  # what the job left behind in its group would hold the GPU and the log open
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    status.update(exit_code=code, ended_at=time.time())
+            stop()
+        if kill_at is not None and now >= kill_at:
+            signal_all(signal.SIGKILL)
+            kill_at = None
+        deadlines = [t for t in (None if stopping or time_limit <= 0 else start + time_limit, kill_at) if t is not None]
+        select.select([wake_r], [], [], max(0.0, min(deadlines) - now) if deadlines else None)
+        try:
+            while os.read(wake_r, 512):
+                pass
+        except BlockingIOError:  # drained
+            pass
+
+    # What a rank left behind in its group would hold the GPU and the log open.
+    signal_all(signal.SIGKILL)
+    drain_until = time.monotonic() + _DRAIN_TIMEOUT
+    for reader in readers:  # bounded: a process that left its group could hold a pipe open forever
+        reader.join(max(0.0, drain_until - time.monotonic()))
+    if killed:
+        status["killed"] = reason = _kill_reason(job_dir)
+        note(f"job killed: {reason}")
+    log.close()
+    status.setdefault("exit_code", first_failure[1] if first_failure else 0)
+    status["ended_at"] = time.time()
     _write_json(os.path.join(job_dir, "exit.json"), status)
     return 0
 

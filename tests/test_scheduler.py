@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Quota, Request, plan, queue_order
+from gpuport.server.scheduler import (
+    Decision,
+    Holding,
+    Machine,
+    Pending,
+    Quota,
+    Request,
+    could_start,
+    plan,
+    queue_order,
+)
 
 GiB = 2**30
 MACHINE = Machine(gpu_memory=(16 * GiB, 16 * GiB), cpus=2.0, memory=24 * GiB)
@@ -134,6 +144,13 @@ def test_job_quota_and_the_default_quota_for_everyone() -> None:
     assert sum(1 for d in decisions.values() if d.job_id.startswith("alice") and d.gpu_indices == ()) == 1
     assert sum(1 for d in decisions.values() if d.job_id.startswith("bob") and d.gpu_indices == ()) == 2
     assert "over quota: alice runs 1 job" in decisions["alice1"].reason
+
+
+def test_could_start_tells_when_a_pass_would_start_nothing() -> None:
+    full = [Holding("a", "u", Request(gpus=1), (0,)), Holding("b", "u", Request(gpu_memory=15 * GiB), (1,))]
+    assert not could_start([Request(gpus=1), Request(gpu_memory=2 * GiB)], full, MACHINE)
+    assert could_start([Request(gpus=1), Request(gpu_memory=GiB)], full, MACHINE)
+    assert could_start([Request()], full, MACHINE)
 
 
 def test_the_order_depends_only_on_what_the_store_holds() -> None:

@@ -205,6 +205,9 @@ def test_quotas_make_jobs_wait_and_only_admins_set_them(
             third = _hold(dave, flag)
             assert third.status == "queued" and f"over quota: {dave.user} runs 2 jobs" in third.info.message
             assert [q.user for q in dave.quotas()] == [dave.user]
+            admin_of.set_quota(dave.user, gpus=2, jobs=3)  # raised: the job waiting on it starts at once
+            wait_for(lambda: over.status == "running", what="the job over the old quota running")
+            assert third.status == "queued" and f"over quota: {dave.user} runs 3 jobs" in third.refresh().message
             env = client_env(sharing)
             listed = cli("quota", "list", **env)  # type: ignore[operator]
             assert listed.code == 0 and dave.user in listed.stdout

@@ -204,6 +204,12 @@ def _initial_free(machine: Machine, running: Iterable[Holding]) -> _Pool:
     return free
 
 
+def could_start(requests: Iterable[Request], running: Iterable[Holding], machine: Machine) -> bool:
+    """Whether any of ``requests`` fits what is free: when none does, a pass would start nothing."""
+    free = _initial_free(machine, running)
+    return any(free.fit(request) is not None for request in set(requests))
+
+
 def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine) -> list[Pending]:
     """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
     usage: dict[str, float] = {}

@@ -55,7 +55,7 @@ from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors import Executor, Launch
 from gpuport.server.inventory import Inventory
-from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Request, plan
+from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Request, could_start, plan
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.snapshots import SnapshotService, check_snapshot_name
@@ -223,8 +223,12 @@ class JobService:
         self._ended: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.machine = machine_of(inventory)
-        self._plan: dict[str, Decision] = {}  # the last pass's decision for each queued job
+        self._queued: dict[str, Pending] = {}  # the queue as the scheduler sees it; the store holds the same
+        # The last pass's decision for each queued job; None when a pass was skipped because nothing
+        # could start: why each job waits is then worked out when someone asks.
+        self._plan: dict[str, Decision] | None = {}
         self._schedule_pending = False
+        self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -347,7 +351,7 @@ class JobService:
                 job_id = "j-" + secrets.token_hex(4)
                 if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
                     break
-            db.execute(
+            seq = db.execute(
                 "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
                 "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs) "
                 "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -368,7 +372,9 @@ class JobService:
                     request.priority,
                     request.nprocs,
                 ),
-            )
+            ).lastrowid
+        resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory)
+        self._queued[job_id] = Pending(job_id, caller.name, resources, request.priority, seq or 0)
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
         self._schedule()  # at once, so that the reply says whether it started or why it waits
         return self._load(job_id)
@@ -385,8 +391,11 @@ class JobService:
         except OSError:
             log_bytes = 0
         message, position = row["message"], 0
-        if row["state"] == JobState.QUEUED.value and (decision := self._plan.get(row["id"])) is not None:
-            message, position = decision.reason, decision.position
+        if row["state"] == JobState.QUEUED.value:
+            if self._plan is None:
+                self._schedule(explain=True)
+            if self._plan is not None and (decision := self._plan.get(row["id"])) is not None:
+                message, position = decision.reason, decision.position
         return JobRecord(
             id=row["id"],
             owner=row["owner"],
@@ -457,7 +466,7 @@ class JobService:
 
         Other users' jobs show who submitted them and what they ask for, but not their command or name.
         """
-        self._schedule()
+        self._schedule(explain=True)
         rows = self.store.query("SELECT * FROM jobs WHERE state = 'queued'")
         records = sorted((self._record(r) for r in rows), key=lambda j: j.position or 1 << 30)
         return [
@@ -472,6 +481,7 @@ class JobService:
             raise Conflict(f"job {job.id} has already ended ({job.state.value}); there is nothing to cancel")
         if job.state is JobState.QUEUED:
             self._move(job.id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message="cancelled")
+            self._queued.pop(job.id, None)
             self._announce_end(job.id)
             self._schedule_soon()  # it may have held the reservation, or been ahead of others
         else:
@@ -577,26 +587,12 @@ class JobService:
                 log.info("job %s never launched: back to the queue", row["id"])
                 shutil.rmtree(job_dir, ignore_errors=True)
                 self._move(row["id"], JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", started_at=None)
-        self._schedule()
-
-    def _schedule_soon(self) -> None:
-        """One scheduling pass on the next turn of the loop, however many jobs end meanwhile."""
-        if self._loop is None or self._schedule_pending:
-            return
-        self._schedule_pending = True
-        self._loop.call_soon(self._schedule)
-
-    def _schedule(self) -> None:
-        """Start what can start now; remember why the rest waits (see scheduler.py for the rules)."""
-        self._schedule_pending = False
-        if self._loop is None:
-            return  # not started yet: start() schedules
         rows = self.store.query(
             "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at FROM jobs "
             "WHERE state = 'queued'"
         )
-        queued = [
-            Pending(
+        self._queued = {
+            r["id"]: Pending(
                 r["id"],
                 r["owner"],
                 Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"]),
@@ -605,14 +601,44 @@ class JobService:
                 r["reserved_at"],
             )
             for r in rows
-        ]
-        decisions = plan(queued, self.running(), self.machine, self.quotas.all()) if queued else []
+        }
+        self._schedule()
+
+    def reschedule(self) -> None:
+        """Look at the queue again soon: something it depends on (a quota) has changed."""
+        self._plan = None
+        self._schedule_soon()
+
+    def _schedule_soon(self) -> None:
+        """One scheduling pass on the next turn of the loop, however many jobs end meanwhile."""
+        if self._loop is None or self._schedule_pending:
+            return
+        self._schedule_pending = True
+        self._loop.call_soon(self._schedule)
+
+    def _schedule(self, explain: bool = False) -> None:
+        """Start what can start now; remember why the rest waits (see scheduler.py for the rules).
+
+        When nothing in the queue fits what is free, the pass is skipped (a deep queue would cost a
+        full plan on every submit and every end) unless ``explain`` asks for the reasons.
+        """
+        self._schedule_pending = False
+        if self._loop is None:
+            return  # not started yet: start() schedules
+        running = self.running()
+        queued = list(self._queued.values())
+        if not explain and not could_start((p.request for p in queued), running, self.machine):
+            self._plan = None if queued else {}
+            return
+        decisions = plan(queued, running, self.machine, self.quotas.all()) if queued else []
         self._plan = {d.job_id: d for d in decisions}
-        reserved = {p.job_id for p in queued if p.reserved_at is not None}
         for decision in decisions:
-            if decision.reserves and decision.job_id not in reserved:
+            pending = self._queued[decision.job_id]
+            if decision.reserves and pending.reserved_at is None:
+                now = time.time()
                 with self.store.transaction() as db:  # the reservation sticks, across restarts too
-                    db.execute("UPDATE jobs SET reserved_at = ? WHERE id = ?", (time.time(), decision.job_id))
+                    db.execute("UPDATE jobs SET reserved_at = ? WHERE id = ?", (now, decision.job_id))
+                self._queued[decision.job_id] = dataclasses.replace(pending, reserved_at=now)
             if decision.gpu_indices is None:
                 continue
             self._move(
@@ -623,7 +649,7 @@ class JobService:
                 started_at=time.time(),
                 message="",
             )
-            self._plan.pop(decision.job_id)
+            del self._plan[decision.job_id], self._queued[decision.job_id]
             self._spawn(self._launch(decision.job_id))
 
     def _exit_callback(self, job_id: str) -> Any:

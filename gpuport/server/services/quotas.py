@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuport.defaults import MAX_NAME_LENGTH
@@ -37,6 +38,7 @@ class QuotaService:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, Quota] | None = None  # read on every scheduling pass: kept until changed
+        self.on_change: Callable[[], None] = lambda: None  # the job service looks at its queue again
 
     def set(self, caller: Identity, user: str, gpus: float | None, jobs: int | None) -> QuotaRecord:
         """Set ``user``'s quota (admin only); None leaves that limit off."""
@@ -58,6 +60,7 @@ class QuotaService:
                 (user, gpus, jobs, now),
             )
         self._cache = None
+        self.on_change()
         return QuotaRecord(user, gpus, jobs, now)
 
     def unset(self, caller: Identity, user: str) -> None:
@@ -67,6 +70,7 @@ class QuotaService:
             if not db.execute("DELETE FROM quotas WHERE user = ?", (user[:MAX_NAME_LENGTH],)).rowcount:
                 raise NotFound(f"no quota for {user[:80]!r} — `gpuport quota list` shows them")
         self._cache = None
+        self.on_change()
 
     def list(self, caller: Identity) -> list[QuotaRecord]:
         """Every quota (admin only); a user sees their own and the default."""

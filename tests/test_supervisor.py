@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import marshal
 import os
 import re
 import signal
@@ -113,7 +114,7 @@ def run(tmp_path: Path) -> Iterator[Start]:
         work.mkdir()
         env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARS}
         spec = {"argv": argv, "cwd": str(work), "env": env, "grace": 2.0, "time_limit": 0, **options}
-        (job_dir / "spec.json").write_text(json.dumps(spec))
+        (job_dir / "spec.marshal").write_bytes(marshal.dumps(spec))
         with open(job_dir / "supervisor.log", "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-I", "-S", supervisor.__file__, str(job_dir)],

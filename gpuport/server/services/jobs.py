@@ -3,7 +3,7 @@
 The database is the truth for every job's state; the job's directory holds what its supervisor
 writes (the log, the exit status). Layout of ``STATE_DIR/jobs/<id>/``::
 
-    spec.json         what the supervisor runs           log          stdout + stderr, in order
+    spec.marshal      what the supervisor runs           log          stdout + stderr, in order
     work/             the workdir, from the snapshot     exit.json    exit code and times (atomic)
     out/              $GPUPORT_OUTPUT_DIR                supervisor.lock  held while the job runs
     datasets/<name>/  read-only named snapshots          supervisor.json  its pid, once started

@@ -2,10 +2,10 @@
 
 Started as ``python -I -S supervisor.py JOB_DIR`` in its own session: it needs only the standard
 library, so it starts in a few milliseconds, and it outlives a server that is killed or restarted.
-It reads ``JOB_DIR/spec.json``, runs the job's processes, each in its own process group, appends
+It reads ``JOB_DIR/spec.marshal``, runs the job's processes, each in its own process group, appends
 their output to ``JOB_DIR/log``, and writes ``JOB_DIR/exit.json`` (atomically) when they have ended.
 
-spec.json holds ``argv``, ``cwd``, ``env``, ``grace`` (seconds from SIGTERM to SIGKILL) and
+The spec holds ``argv``, ``cwd``, ``env``, ``grace`` (seconds from SIGTERM to SIGKILL) and
 ``time_limit`` (seconds; 0 or null: none), and optionally, for distributed training on this machine:
 
 - ``nprocs``: how many processes (ranks) run ``argv``; default 1.
@@ -44,18 +44,21 @@ could not start; exit code 127).
 
 from __future__ import annotations
 
+# Every import here is on the path from a job's start to its first line, so there are few:
+# - not subprocess, whose imports took 25 ms of a 45 ms start: os.posix_spawn does what is needed
+#   (a new session, the log as stdout and stderr, /dev/null as stdin) and raises OSError for a
+#   command that cannot start;
+# - _signal, the module under signal, whose Signals enum costs 8 ms more to import;
+# - the spec in marshal, not JSON (the server's Python writes it, this same Python reads it);
+#   json, for what the server reads back, is imported once the job runs.
+import _signal as signal
 import fcntl
-import json
+import marshal
 import os
 import select
-import signal
 import sys
 import threading
 import time
-
-# Not subprocess: importing it (and what it imports) took 25 ms of a 45 ms start, on the critical
-# path of every job. os.posix_spawn does what the supervisor needs (a new session, the log as
-# stdout and stderr, /dev/null as stdin) and reports a command that cannot start as an OSError.
 
 _READ_SIZE = 1 << 16  # bytes read from a rank's pipe at once: what a pipe holds by default
 _LONGEST_LINE = 1 << 20  # bytes of a line without a newline kept back before it is written anyway
@@ -64,6 +67,8 @@ _FAILED_RANK_OUTPUT_WAIT = 0.5  # seconds to wait for a failed rank's last lines
 
 
 def _write_json(path: str, data: dict, durable: bool = True) -> None:
+    import json
+
     temp = f"{path}.tmp"
     with open(temp, "w") as f:
         json.dump(data, f)
@@ -103,6 +108,8 @@ def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
     assert len(roles) == nprocs, f"tf_roles {spec.get('tf_roles')} must count {nprocs} processes"
     assert rank_gpus is None or len(rank_gpus) == nprocs, f"rank_gpus must have {nprocs} lists"
     if nprocs > 1:
+        import json
+
         *ports, master_port = _free_ports(nprocs + 1)
         cluster: dict[str, list[str]] = {}
         tasks = []
@@ -197,6 +204,8 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def _kill_reason(job_dir: str) -> str:
+    import json
+
     try:
         with open(os.path.join(job_dir, "kill.json")) as f:
             return str(json.load(f)["reason"])
@@ -207,8 +216,10 @@ def _kill_reason(job_dir: str) -> str:
 def _describe(code: int) -> str:
     if code >= 0:
         return f"exited with code {code}"
+    import signal as signals  # the enum of names: only now, when one is needed
+
     try:
-        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        return f"was killed by signal {-code} ({signals.Signals(-code).name})"
     except ValueError:
         return f"was killed by signal {-code}"
 
@@ -246,8 +257,8 @@ def main(job_dir: str) -> int:
     except BlockingIOError:
         print("another supervisor runs this job", file=sys.stderr)
         return 1
-    with open(os.path.join(job_dir, "spec.json")) as f:
-        spec = json.load(f)
+    with open(os.path.join(job_dir, "spec.marshal"), "rb") as f:
+        spec = marshal.load(f)
     nprocs = int(spec.get("nprocs") or 1)
     log = open(os.path.join(job_dir, "log"), "ab", buffering=0)
     log_lock = threading.Lock()  # one writer at a time: the ranks' log threads and this one

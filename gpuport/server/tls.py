@@ -10,22 +10,24 @@ import datetime
 import ipaddress
 import logging
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from gpuport._files import atomic_write
 from gpuport.defaults import DEFAULT_CERT_VALID_YEARS
+from gpuport.protocol.errors import ServerError
 from gpuport.protocol.tls import fingerprint
 from gpuport.server.state import StateDir
 
 log = logging.getLogger(__name__)
 
 _WILDCARDS = {"", "0.0.0.0", "::"}
+# Names every certificate this server makes carries (see _names_for).
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,14 @@ class TLSIdentity:
     cert_pem: bytes
     key_pem: bytes
     fingerprint: str
-    names: frozenset[str]  # DNS names and IP addresses the certificate covers
 
     def covers(self, host: str) -> bool:
-        return host in _WILDCARDS or _canonical(host) in self.names
+        """Whether the certificate names ``host`` (any address does for a wildcard bind)."""
+        # Only another address needs the certificate read: cryptography costs the server 9 MB of
+        # memory for as long as it runs, and binding loopback or every interface needs none of it.
+        if host in _WILDCARDS or _canonical(host) in _LOOPBACK:
+            return True
+        return _canonical(host) in _names_in(self.cert_pem)
 
 
 def _canonical(host: str) -> str:
@@ -59,6 +65,11 @@ def _names_for(host: str) -> set[str]:
 
 
 def _make_certificate(names: set[str]) -> tuple[bytes, bytes]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuport server")])
     alt_names: list[x509.GeneralName] = []
@@ -88,6 +99,9 @@ def _make_certificate(names: set[str]) -> tuple[bytes, bytes]:
 
 
 def _names_in(cert_pem: bytes) -> frozenset[str]:
+    """DNS names and IP addresses the certificate covers."""
+    from cryptography import x509
+
     cert = x509.load_pem_x509_certificate(cert_pem)
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -98,19 +112,31 @@ def _names_in(cert_pem: bytes) -> frozenset[str]:
     return frozenset([d.lower() for d in dns] + [str(ip) for ip in ips])
 
 
+def _write_identity(key_path: Path, cert_path: Path, host: str) -> None:
+    cert_pem, key_pem = _make_certificate(_names_for(host))
+    atomic_write(key_path, key_pem, mode=0o600)
+    atomic_write(cert_path, cert_pem, mode=0o644)
+
+
 def load_or_create_identity(state: StateDir, host: str) -> tuple[TLSIdentity, bool]:
     """Return the server's TLS identity, creating it on first start; the bool says it was created."""
     created = False
     if not (state.cert_path.exists() and state.key_path.exists()):
-        cert_pem, key_pem = _make_certificate(_names_for(host))
-        atomic_write(state.key_path, key_pem, mode=0o600)
-        atomic_write(state.cert_path, cert_pem, mode=0o644)
+        # Made by a child process: a daemon that imported cryptography would hold its 9 MB (a
+        # ninth of its memory) for as long as it runs, for one use on its first start.
+        command = [sys.executable, "-m", __name__, str(state.key_path), str(state.cert_path), host]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise ServerError(f"could not make the server's TLS certificate: {done.stderr.strip()[-2000:]}")
         created = True
     cert_pem = state.cert_path.read_bytes()
     identity = TLSIdentity(
         cert_pem=cert_pem,
         key_pem=state.key_path.read_bytes(),
         fingerprint=fingerprint(cert_pem),
-        names=_names_in(cert_pem),
     )
     return identity, created
+
+
+if __name__ == "__main__":  # python -m gpuport.server.tls KEY_PATH CERT_PATH HOST (see load_or_create_identity)
+    _write_identity(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])

@@ -365,8 +365,8 @@ class Client:
         return Job(self, JobInfo._from_message(self._call(self._jobs.Get, pb.JobRef(job_id=job_id))))
 
     def jobs(self, *, all: bool = False) -> list[Job]:
-        """Your queued and running jobs and those of the last day, newest first; every one with ``all``
-        (every user's, for an admin)."""
+        """Your queued and running jobs and those of the last day, newest first; with ``all``, every
+        one (every user's, for an admin) up to the newest 500."""
         reply = self._call(self._jobs.List, pb.ListJobsRequest(all=all))
         return [Job(self, JobInfo._from_message(j)) for j in reply.jobs]
 

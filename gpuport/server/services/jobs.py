@@ -430,8 +430,8 @@ class JobService:
         return self._record(row)
 
     def list_for(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
-        """The caller's active jobs and those of the last day, newest first; every one with ``all``
-        (every user's, for an admin)."""
+        """The caller's active jobs and those of the last day, newest first; with ``all``, every one
+        (every user's, for an admin). At most _LIST_LIMIT, the newest."""
         where: list[str] = ["1"]
         params: list[object] = []
         if not (all and caller.admin):

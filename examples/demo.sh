@@ -2,7 +2,7 @@
 # `make demo`: start a gpuport server on 127.0.0.1 with a throwaway state dir, log in to it as a
 # user would (pinning its certificate), look at its GPUs and status, make a token for a teammate,
 # then the main job: train a Keras model remotely with live logs, bring the model back and score
-# it here. Nothing outside a temporary folder is touched.
+# it here; then a quota making a job wait in the queue. Nothing outside a temporary folder is touched.
 # GPUPORT_FAKE_GPUS=2x16GiB make demo   shows what it looks like on a machine with GPUs.
 set -euo pipefail
 
@@ -61,8 +61,16 @@ step "cd examples/keras_digits && gpuport run --output model/ -- python train.py
 step "python evaluate.py gpuport-outputs/<job>/model/digits.keras   # the trained model, back here"
 (cd "$(dirname "$0")/keras_digits" && python evaluate.py "$work/outputs/model/digits.keras" 2>/dev/null)
 
-step "gpuport jobs"
-gpuport jobs
+step "gpuport quota set alice --jobs 1; alice runs two jobs at once; gpuport queue"
+gpuport quota set alice --jobs 1
+mkdir -p "$work/empty"
+first=$(GPUPORT_TOKEN="$alice" gpuport run -d -w "$work/empty" -- sleep 2 2>/dev/null)
+second=$(GPUPORT_TOKEN="$alice" gpuport run -d -w "$work/empty" -- echo second 2>/dev/null)
+gpuport queue
+GPUPORT_TOKEN="$alice" gpuport wait "$second"
+
+step "gpuport jobs --all   # everyone's, for an admin"
+gpuport jobs --all
 
 step "kill -TERM <server>"
 kill -TERM "$server_pid"

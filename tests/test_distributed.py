@@ -16,12 +16,20 @@ from tests.conftest import RunningServer, client_env
 
 SCRIPTS = Path(__file__).parent / "_distributed"
 
+# Prints what the rank sees; a chief then waits for the others to have done so, since the job ends
+# (and the others are stopped) when its chief has finished.
 SHOW_ENV = textwrap.dedent(
     """
-    import json, os
+    import json, os, time
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"]
     print(json.dumps({k: os.environ.get(k) for k in keys}))
-    print(os.environ["TF_CONFIG"])
+    print(os.environ["TF_CONFIG"], flush=True)
+    open(f"shown-{os.environ['RANK']}", "w").close()
+    others = [f"shown-{r}" for r in range(int(os.environ["WORLD_SIZE"])) if str(r) != os.environ["RANK"]]
+    deadline = time.monotonic() + 30
+    if json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "chief":
+        while not all(os.path.exists(o) for o in others) and time.monotonic() < deadline:
+            time.sleep(0.01)
     """
 )
 

@@ -204,8 +204,23 @@ def test_two_ranks_find_each_other(run: Start) -> None:
     assert len(info["children"]) == 2 and info["child"] == info["children"][0]
 
 
+# SHOW_ENV, then a file saying so; the chief waits for every other rank's before it ends the job.
+SHOW_ENV_CHIEF_LAST = SHOW_ENV + textwrap.dedent(
+    """
+    import time
+    open(f"shown-{os.environ['RANK']}", "w").close()
+    others = [f"shown-{r}" for r in range(int(os.environ["WORLD_SIZE"])) if str(r) != os.environ["RANK"]]
+    deadline = time.monotonic() + 30
+    while "chief" in os.environ["TF_CONFIG"] and json.loads(os.environ["TF_CONFIG"])["task"]["type"] == "chief":
+        if all(os.path.exists(o) for o in others) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    """
+)
+
+
 def test_tf_roles_name_the_tasks_in_order(run: Start) -> None:
-    job = run(python(SHOW_ENV), nprocs=4, tf_roles=[["chief", 1], ["worker", 2], ["ps", 1]])
+    job = run(python(SHOW_ENV_CHIEF_LAST), nprocs=4, tf_roles=[["chief", 1], ["worker", 2], ["ps", 1]])
     assert job.wait()["exit_code"] == 0
     configs = {rank: json.loads(json.loads(lines[0])["TF_CONFIG"]) for rank, lines in by_rank(job.log()).items()}
     tasks = [configs[rank]["task"] for rank in range(4)]
@@ -220,6 +235,15 @@ def test_tf_roles_name_the_tasks_in_order(run: Start) -> None:
     assert [len(cluster[role]) for role in cluster] == [1, 2, 1]
     assert all(config["cluster"] == cluster for config in configs.values())
     assert len({address for addresses in cluster.values() for address in addresses}) == 4
+
+
+def test_the_job_ends_when_its_chief_has_finished(run: Start) -> None:
+    # A parameter server serves until it is stopped: the chief's success is the job's.
+    serve = "import os, sys, time\nif os.environ['RANK'] != '0':\n    time.sleep(120)\nprint('chief done', flush=True)"
+    job = run(python(serve), nprocs=2, tf_roles=[["chief", 1], ["ps", 1]])
+    status = job.wait()
+    assert status["exit_code"] == 0 and "failed_rank" not in status
+    assert "[0] chief done" in job.log() and "gpuport: the chief has finished; stopping the other processes" in job.log()
 
 
 def test_rank_gpus_set_each_ranks_visible_devices(run: Start) -> None:

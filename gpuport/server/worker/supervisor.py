@@ -10,7 +10,10 @@ The spec holds ``argv``, ``cwd``, ``env``, ``grace`` (seconds from SIGTERM to SI
 
 - ``nprocs``: how many processes (ranks) run ``argv``; default 1.
 - ``tf_roles``: ``[[role, count], ...]`` adding up to ``nprocs``, e.g. ``[["chief", 1], ["worker", 2]]``;
-  ranks take the roles in that order. Default: every rank is a ``worker``.
+  ranks take the roles in that order. Default: every rank is a ``worker``. With a ``chief``, the
+  job ends when the chief has exited 0: parameter servers (and the workers of
+  ParameterServerStrategy) serve until they are stopped, so the others are then stopped and the
+  job succeeds.
 - ``rank_gpus``: one list of GPU indices per rank, which becomes that rank's CUDA_VISIBLE_DEVICES
   (an empty list: no GPU). Default: every rank keeps the one in ``env``.
 
@@ -101,11 +104,17 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+def _roles(spec: dict, nprocs: int) -> list[str]:
+    """Each rank's TF_CONFIG role."""
+    roles = [role for role, count in spec.get("tf_roles") or [["worker", nprocs]] for _ in range(count)]
+    assert len(roles) == nprocs, f"tf_roles {spec.get('tf_roles')} must count {nprocs} processes"
+    return roles
+
+
 def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
     """The environment of each rank: the job's, plus what distributed training needs to find its peers."""
     rank_gpus = spec.get("rank_gpus")
-    roles = [role for role, count in spec.get("tf_roles") or [["worker", nprocs]] for _ in range(count)]
-    assert len(roles) == nprocs, f"tf_roles {spec.get('tf_roles')} must count {nprocs} processes"
+    roles = _roles(spec, nprocs)
     assert rank_gpus is None or len(rank_gpus) == nprocs, f"rank_gpus must have {nprocs} lists"
     if nprocs > 1:
         import json
@@ -314,6 +323,9 @@ def main(job_dir: str) -> int:
     codes = [None] * len(ranks)
     first_failure = None  # (rank, code) of the first rank seen to exit with a non-zero code
     killed = False
+    roles = _roles(spec, nprocs)
+    chief = roles.index("chief") if "chief" in roles and len(ranks) == nprocs else None
+    chief_done = False  # the chief exited 0: the others are stopped, and their codes are no failure
     while None in codes:
         if "kill" in requested and not killed:
             killed = stopping = True
@@ -326,7 +338,7 @@ def main(job_dir: str) -> int:
             if codes[rank] is not None or (code := process.poll()) is None:
                 continue
             codes[rank] = code
-            if code != 0 and first_failure is None:
+            if code != 0 and first_failure is None and not chief_done:
                 first_failure = (rank, code)
                 if nprocs > 1 and not stopping:
                     status["failed_rank"] = rank
@@ -335,6 +347,10 @@ def main(job_dir: str) -> int:
                     stop()
         if None not in codes:
             break
+        if chief is not None and codes[chief] == 0 and not stopping:
+            chief_done = True
+            note("the chief has finished; stopping the other processes")
+            stop()
         now = time.monotonic()
         if time_limit > 0 and not stopping and now >= start + time_limit:
             status["timed_out"] = True

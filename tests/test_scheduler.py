@@ -66,7 +66,10 @@ def test_fair_share_counts_what_users_hold_by_their_dominant_share() -> None:
         Holding("c", "carol", Request(gpus=1), (0,)),
         Holding("d", "dave", Request(gpu_memory=4 * GiB), (1,)),
     ]
-    queued = [Pending("c1", "carol", Request(gpu_memory=GiB), seq=1), Pending("d1", "dave", Request(gpu_memory=GiB), seq=2)]
+    queued = [
+        Pending("c1", "carol", Request(gpu_memory=GiB), seq=1),
+        Pending("d1", "dave", Request(gpu_memory=GiB), seq=2),
+    ]
     assert [p.job_id for p in queue_order(queued, running, MACHINE)] == ["d1", "c1"]
 
 
@@ -84,7 +87,10 @@ def test_a_large_request_reserves_what_is_free_so_small_ones_cannot_overtake_it_
 
 def test_the_reservation_sticks_ahead_of_the_fair_share_order() -> None:
     # alice holds a GPU, so fair share alone would put bob's job first; alice's reserved job stays ahead.
-    queued = [Pending("big", "alice", Request(gpus=2), seq=1, reserved_at=5.0), Pending("b", "bob", Request(gpus=1), seq=2)]
+    queued = [
+        Pending("big", "alice", Request(gpus=2), seq=1, reserved_at=5.0),
+        Pending("b", "bob", Request(gpus=1), seq=2),
+    ]
     running = [Holding("r", "alice", Request(gpus=1), (0,))]
     decisions = plan(queued, running, MACHINE)
     assert [d.job_id for d in decisions] == ["big", "b"]

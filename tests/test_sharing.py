@@ -62,7 +62,11 @@ def test_requests_no_machine_could_satisfy_are_refused_at_submit(
     before = len(admin_of.jobs(all=True))
     refusals = [
         ({"gpus": 3}, gpuport.ResourceUnavailable, "asked for 3 GPUs; this server has 2 x 16GiB"),
-        ({"gpu_memory": "20GiB"}, gpuport.ResourceUnavailable, "asked for a 20GiB slice of a GPU; this server has 2 x 16GiB"),
+        (
+            {"gpu_memory": "20GiB"},
+            gpuport.ResourceUnavailable,
+            "asked for a 20GiB slice of a GPU; this server has 2 x 16GiB",
+        ),
         ({"cpus": 4096}, gpuport.ResourceUnavailable, "asked for 4096 CPUs; this server has"),
         ({"memory": "64TiB"}, gpuport.ResourceUnavailable, "asked for 64TiB of memory; this server has"),
         ({"gpus": 1, "gpu_memory": "1GiB"}, gpuport.InvalidRequest, "not both"),
@@ -121,8 +125,9 @@ def test_slices_share_a_gpu_with_their_caps_and_show_in_gpus(
     flag = tmp_path / "go"
     env_dump = (
         "import json, os, sys\n"
-        "keys = ['CUDA_VISIBLE_DEVICES', 'GPUPORT_GPU_MEMORY', 'GPUPORT_GPU_MEMORY_FRACTION', 'XLA_PYTHON_CLIENT_MEM_FRACTION',"
-        " 'XLA_PYTHON_CLIENT_PREALLOCATE', 'TF_FORCE_GPU_ALLOW_GROWTH', 'CUPY_GPU_MEMORY_LIMIT']\n"
+        "keys = ['CUDA_VISIBLE_DEVICES', 'GPUPORT_GPU_MEMORY', 'GPUPORT_GPU_MEMORY_FRACTION',"
+        " 'XLA_PYTHON_CLIENT_MEM_FRACTION', 'XLA_PYTHON_CLIENT_PREALLOCATE', 'TF_FORCE_GPU_ALLOW_GROWTH',"
+        " 'CUPY_GPU_MEMORY_LIMIT']\n"
         "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
         "print(sorted(m for m in ('tensorflow', 'torch', 'jax', 'cupy') if m in sys.modules))\n"
     )
@@ -173,7 +178,9 @@ def test_a_job_past_its_slice_is_killed_with_the_reason_in_status_and_log(
     assert info.message == "exceeded its GPU memory slice of 8GiB (used 9.1GiB)"
     lines = list(job.logs())
     assert lines[0].startswith("allocated") and lines[-1] == f"gpuport: job killed: {info.message}"
-    within = admin_of.submit(["python", "use.py", str(8 * GiB), str(tmp_path / "go")], workdir=tmp_path, gpu_memory="8GiB")
+    within = admin_of.submit(
+        ["python", "use.py", str(8 * GiB), str(tmp_path / "go")], workdir=tmp_path, gpu_memory="8GiB"
+    )
     wait_for(lambda: within.refresh().log_bytes, what="the job within its slice allocating")
     (tmp_path / "go").touch()
     assert within.wait(30).info.state == "succeeded"  # at its slice exactly: fine
@@ -199,7 +206,10 @@ def test_quotas_make_jobs_wait_and_only_admins_set_them(
             held = _hold(dave, flag, gpus=1)
             wait_for(lambda: held.status == "running", what="dave's first job")
             over = _hold(dave, flag, gpus=1)
-            assert over.status == "queued" and over.info.message == f"over quota: {dave.user} holds 1 of 1 GPUs allowed at once"
+            assert (
+                over.status == "queued"
+                and over.info.message == f"over quota: {dave.user} holds 1 of 1 GPUs allowed at once"
+            )
             cpu = _hold(dave, flag)
             wait_for(lambda: cpu.status == "running", what="a job without GPUs within the job quota")
             third = _hold(dave, flag)

@@ -243,7 +243,9 @@ def test_the_job_ends_when_its_chief_has_finished(run: Start) -> None:
     job = run(python(serve), nprocs=2, tf_roles=[["chief", 1], ["ps", 1]])
     status = job.wait()
     assert status["exit_code"] == 0 and "failed_rank" not in status
-    assert "[0] chief done" in job.log() and "gpuport: the chief has finished; stopping the other processes" in job.log()
+    assert (
+        "[0] chief done" in job.log() and "gpuport: the chief has finished; stopping the other processes" in job.log()
+    )
 
 
 def test_rank_gpus_set_each_ranks_visible_devices(run: Start) -> None:

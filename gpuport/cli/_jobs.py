@@ -288,7 +288,9 @@ def resources(j: JobInfo) -> str:
     """What a job holds or asks for, the way the CLI's flags write it."""
     parts = []
     if j.gpu_memory:
-        parts.append(f"{format_size(j.gpu_memory)} of GPU {j.gpu_indices[0]}" if j.gpu_indices else format_size(j.gpu_memory))
+        parts.append(
+            f"{format_size(j.gpu_memory)} of GPU {j.gpu_indices[0]}" if j.gpu_indices else format_size(j.gpu_memory)
+        )
     elif j.gpu_indices:
         parts.append("GPU " + ",".join(map(str, j.gpu_indices)))
     elif j.gpus:

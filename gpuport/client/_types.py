@@ -110,9 +110,7 @@ class QuotaInfo:
 
     @classmethod
     def _from_message(cls, m: pb.QuotaInfo) -> QuotaInfo:
-        return cls(
-            m.user, m.gpus if m.HasField("gpus") else None, m.jobs if m.HasField("jobs") else None, m.updated_at
-        )
+        return cls(m.user, m.gpus if m.HasField("gpus") else None, m.jobs if m.HasField("jobs") else None, m.updated_at)
 
 
 @dataclass(frozen=True)

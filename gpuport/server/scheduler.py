@@ -182,7 +182,9 @@ class _Pool:
             missing.append(f"needs {request.gpus} GPU{'s' if request.gpus > 1 else ''}, {len(self.whole)} free")
         if request.gpu_memory and not any(f >= request.gpu_memory for f in self.slice_free.values()):
             most = max(self.slice_free.values(), default=0)
-            missing.append(f"needs a {format_size(request.gpu_memory)} GPU slice, at most {format_size(most)} free on one")
+            missing.append(
+                f"needs a {format_size(request.gpu_memory)} GPU slice, at most {format_size(most)} free on one"
+            )
         if request.cpus > self.cpus + 1e-9:
             missing.append(f"needs {request.cpus:g} CPUs, {max(self.cpus, 0):g} free")
         if request.memory > self.memory:

@@ -84,13 +84,14 @@ class Watchdog:
             slice_ = holding.request.gpu_memory
             if slice_ and used.get(holding.job_id, 0) > slice_:
                 reason = (
-                    f"exceeded its GPU memory slice of {format_size(slice_)} "
-                    f"(used {format_size(used[holding.job_id])})"
+                    f"exceeded its GPU memory slice of {format_size(slice_)} (used {format_size(used[holding.job_id])})"
                 )
             elif holding.request.memory:
                 rss = _rss(self.jobs.pids(holding.job_id))
                 if rss > holding.request.memory:
-                    reason = f"exceeded its memory limit of {format_size(holding.request.memory)} (used {format_size(rss)})"
+                    reason = (
+                        f"exceeded its memory limit of {format_size(holding.request.memory)} (used {format_size(rss)})"
+                    )
             if reason:
                 self._killed.add(holding.job_id)
                 self.jobs.kill(holding.job_id, reason)

@@ -57,7 +57,9 @@ class JobCreate(BaseModel):
     memory: int | str | None = Field(None, description='RAM reserved and enforced: bytes, or a size such as "4GiB"')
     priority: int = Field(0, description="-100 .. 100; above 0: admins only")
     nprocs: int = Field(1, description="Processes of the job (distributed training), with TF_CONFIG and RANK set")
-    tf_roles: dict[str, int] = Field(default_factory=dict, description='TF_CONFIG roles, e.g. {"chief": 1, "worker": 2}')
+    tf_roles: dict[str, int] = Field(
+        default_factory=dict, description='TF_CONFIG roles, e.g. {"chief": 1, "worker": 2}'
+    )
 
 
 class QuotaSet(BaseModel):

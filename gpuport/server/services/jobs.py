@@ -54,7 +54,7 @@ from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, Permissi
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors import Executor, Launch
-from gpuport.server.inventory import Inventory
+from gpuport.server.inventory import FakeInventory, Inventory
 from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Request, could_start, plan
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
@@ -289,9 +289,7 @@ class JobService:
         if request.memory < 0:
             raise InvalidRequest(f"memory must be 0 or more, not {request.memory}")
         if request.gpus and request.gpu_memory:
-            raise InvalidRequest(
-                "ask for whole GPUs (gpus=N) or for a slice of one GPU (gpu_memory=...), not both"
-            )
+            raise InvalidRequest("ask for whole GPUs (gpus=N) or for a slice of one GPU (gpu_memory=...), not both")
         have = f"this server has {machine.describe_gpus()}"
         if not machine.gpu_memory and (request.gpus or request.gpu_memory):
             have += f" ({self.inventory.note})" if self.inventory.note else ""
@@ -716,7 +714,7 @@ class JobService:
         if row["cpus"] and "OMP_NUM_THREADS" not in spec["env"]:
             # As Ray does for its tasks: thread pools sized to the CPUs reserved, not to the machine.
             env["OMP_NUM_THREADS"] = str(max(1, int(row["cpus"] // row["nprocs"])))
-        if self.inventory.kind == "fake":
+        if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir:
             env[ENV_FAKE_GPU_DIR] = str(self.inventory.usage_dir)
         tf_roles = spec.get("tf_roles")
         return Launch(

@@ -278,7 +278,7 @@ def main(job_dir: str) -> int:
 
     started_at = time.time()
     start = time.monotonic()
-    status = {"started_at": started_at}
+    status: dict[str, object] = {"started_at": started_at}
     grace = float(spec.get("grace", 5.0))
     time_limit = float(spec.get("time_limit") or 0)
 

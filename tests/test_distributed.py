@@ -92,19 +92,16 @@ def test_one_failing_rank_stops_the_others_and_fails_the_job_with_its_code(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_keras_multiworker_mirrored_training_ends_with_identical_weights(admin: gpuport.Client, tmp_path: Path) -> None:
-    job = admin.submit(["python", "tf_multiworker.py"], workdir=SCRIPTS, nprocs=2).wait(240)
+@pytest.mark.parametrize(
+    ("script", "saved"),
+    [("tf_multiworker.py", "tf-weights"), ("torch_ddp.py", "torch-params")],
+    ids=["keras-multiworker-mirrored", "torch-ddp-gloo"],
+)
+def test_distributed_training_ends_with_identical_weights_on_both_ranks(
+    admin: gpuport.Client, tmp_path: Path, script: str, saved: str
+) -> None:
+    job = admin.submit(["python", script], workdir=SCRIPTS, nprocs=2).wait(240)
     assert job.info.state == "succeeded", "\n".join(job.logs())
     job.download(tmp_path)
-    first, second = (np.load(tmp_path / f"tf-weights-{i}.npy") for i in (0, 1))
-    assert first.size > 100 and np.array_equal(first, second)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_torch_ddp_training_ends_with_identical_parameters(admin: gpuport.Client, tmp_path: Path) -> None:
-    job = admin.submit(["python", "torch_ddp.py"], workdir=SCRIPTS, nprocs=2).wait(240)
-    assert job.info.state == "succeeded", "\n".join(job.logs())
-    job.download(tmp_path)
-    first, second = (np.load(tmp_path / f"torch-params-{i}.npy") for i in (0, 1))
+    first, second = (np.load(tmp_path / f"{saved}-{i}.npy") for i in (0, 1))
     assert first.size > 100 and np.array_equal(first, second)

@@ -1,14 +1,12 @@
 """The job supervisor, run for real (``python -I -S supervisor.py JOB_DIR``) on a job directory of
 its own: one process as always, N processes of a distributed job, fail-fast, kill with a reason.
 
-The slow tests train for real across two processes, with TensorFlow's MultiWorkerMirroredStrategy
-and with PyTorch DDP, using the scripts in ``tests/_distributed/`` (which end-to-end tests run
-through the server, too).
+Real distributed training (TensorFlow's MultiWorkerMirroredStrategy, PyTorch DDP) runs through the
+server in ``test_distributed.py``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import marshal
 import os
@@ -28,7 +26,6 @@ import pytest
 from gpuport.server.worker import supervisor
 from tests.conftest import wait_for
 
-DISTRIBUTED = Path(__file__).parent / "_distributed"
 # What the supervisor sets for N > 1; the tests' own environment must not pretend to have them.
 DISTRIBUTED_VARS = (
     "TF_CONFIG",
@@ -338,35 +335,3 @@ def test_the_time_limit_stops_every_rank(run: Start) -> None:
     assert status["timed_out"] is True and status["exit_code"] == -signal.SIGTERM
     assert "failed_rank" not in status and "cancelled" not in status
     assert all(is_gone(pid) for pid in children)
-
-
-def _installed(module: str) -> pytest.MarkDecorator:
-    # Looked up, not imported: importing TensorFlow here would cost seconds and memory for nothing.
-    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed")
-
-
-def _train(run: Start, script: str, results: str) -> tuple[Any, Any]:
-    """Run ``script`` as two ranks on the CPU; the two arrays of weights the ranks saved."""
-    np = pytest.importorskip("numpy")
-    job = run([sys.executable, str(DISTRIBUTED / script)], nprocs=2, rank_gpus=[[], []], time_limit=200)
-    status = job.wait(timeout=230)
-    assert status["exit_code"] == 0, job.log()
-    weights = [np.load(job.work / results.format(rank)) for rank in (0, 1)]
-    assert weights[0].size > 100
-    return weights[0], weights[1]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@_installed("tensorflow")
-def test_tensorflow_multi_worker_mirrored_strategy_across_two_ranks(run: Start) -> None:
-    first, second = _train(run, "tf_multiworker.py", "tf-weights-{}.npy")
-    assert (first == second).all(), f"the ranks' weights differ, by up to {abs(first - second).max()}"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@_installed("torch")
-def test_pytorch_ddp_across_two_ranks(run: Start) -> None:
-    first, second = _train(run, "torch_ddp.py", "torch-params-{}.npy")
-    assert (first == second).all(), f"the ranks' weights differ, by up to {abs(first - second).max()}"

@@ -39,12 +39,10 @@ import contextlib
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -52,6 +50,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
 import _servers  # noqa: E402
+from _report import ROWS, Row, connect, gpuport_server, median, ms, print_table, rotate, say  # noqa: E402
 
 import gpuport  # noqa: E402
 
@@ -61,60 +60,6 @@ PASS = ["python", "-c", "pass"]
 # gpuport caches the hash of a file only once the file is 2 s old; a real project's files are older than
 # that, so the synthetic one is given 2 s to settle before its first sync.
 SETTLED_S = 2.1
-
-
-@dataclass
-class Row:
-    figure: str
-    ours: float | None  # seconds, or MB/s for a speed
-    anchor: float | None
-    anchor_name: str
-    goal: str
-    met: bool | None
-    unit: str = "s"  # "s" or "MB/s"
-    note: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        if self.ours is None or not self.anchor:
-            return None
-        return self.ours / self.anchor
-
-
-ROWS: list[Row] = []
-
-
-def say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
-
-
-def fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "MB/s":
-        return f"{value:.0f} MB/s"
-    return f"{value * 1e3:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def rotate(n: int, calls: dict[str, Callable[[], float | None]]) -> dict[str, list[float]]:
-    """Run each call ``n`` times; the order rotates every round so drift hits all alike."""
-    names = list(calls)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(n):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        for name in order:
-            t = calls[name]()
-            if t is not None:
-                times[name].append(t)
-    return times
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:
@@ -133,27 +78,6 @@ def run_quiet(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[
             f"{' '.join(argv[:4])} ... exited {result.returncode}: {(result.stdout + result.stderr)[-2000:]}"
         )
     return result
-
-
-@contextlib.contextmanager
-def gpuport_server(work: Path, name: str) -> Iterator[_servers.Gpuport]:
-    """A fresh gpuport server (empty state dir) under ``work/name``, stopped after.
-
-    Its state stays until the whole temp dir goes at the end: deleting thousands of files between
-    rounds would make the next round's file creation slower on some filesystems (see fs_note).
-    """
-    folder = work / name
-    folder.mkdir()
-    server = _servers.start_gpuport(folder)
-    try:
-        yield server
-    finally:
-        try:
-            server.stop()
-        finally:
-            if server.process.poll() is None:
-                server.process.kill()
-                server.process.wait(timeout=10)
 
 
 def cli_env(server: _servers.Gpuport, work: Path, cache: Path) -> dict[str, str]:
@@ -175,10 +99,6 @@ def cli_has(command: str) -> bool:
     except (RuntimeError, OSError):
         return False
     return True
-
-
-def connect(server: _servers.Gpuport) -> gpuport.Client:
-    return gpuport.connect(server.url, server.token, fingerprint=server.fingerprint)
 
 
 # ---- (a) launch --------------------------------------------------------------------------------------
@@ -540,22 +460,6 @@ def bench_logs(args: argparse.Namespace, work: Path, server: _servers.Gpuport) -
 # ---- main --------------------------------------------------------------------------------------------
 
 
-def print_table() -> None:
-    order = ("launch", "sync", "logs")  # the figures in the order of the brief, whatever order they ran in
-    rows = sorted(ROWS, key=lambda row: order.index(row.figure.split()[0].rstrip(":")))
-    say()
-    say(f"{'figure':<36} {'gpuport':>9} {'anchor':>9} {'ratio':>6}  {'goal':<28} {'met?':<4}  anchor")
-    for row in rows:
-        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
-        met = {True: "yes", False: "NO", None: "-"}[row.met]
-        goal = row.goal + (f" ({row.note})" if row.note else "")
-        say(
-            f"{row.figure:<36} {fmt(row.ours, row.unit):>9} {fmt(row.anchor, row.unit):>9} {ratio:>6}  "
-            f"{goal:<28} {met:<4}  {row.anchor_name}"
-        )
-    say("ratio: gpuport / anchor (times: lower is better; MB/s: higher is better)")
-
-
 def fs_note(path: Path) -> str:
     """The filesystem the temp dir is on. ext4 without a journal skips inodes freed in the last minutes
     when it allocates new ones (recently_deleted() in fs/ext4/ialloc.c), which makes creating many files
@@ -635,7 +539,11 @@ def main() -> None:
                     bench_logs(args, work, server)
         if "ray" not in args.skip:
             bench_ray(args, work, cli_s)
-    print_table()
+    print_table(
+        ("launch", "sync", "logs"),  # the figures in the order of the brief, whatever order they ran in
+        width=36,
+        legend="ratio: gpuport / anchor (times: lower is better; MB/s: higher is better)",
+    )
 
 
 if __name__ == "__main__":

@@ -36,23 +36,20 @@ removed at the end, and is stopped in `finally`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _servers  # noqa: E402
+from _report import MB, ROWS, Row, connect, gpuport_server, median, ms, print_table, rotate, say  # noqa: E402
 
 import gpuport  # noqa: E402
 from gpuport.protocol import gpuport_pb2 as pb  # noqa: E402
@@ -62,82 +59,6 @@ BIN = Path(sys.executable).parent
 CLOCK = ["python", "-c", "import time; print(repr(time.time()))"]
 NOOP = ["true"]
 IDLE_S = 1.0  # the idle second of (c): what the server holds once it has settled after a call
-MB = 1e6
-
-
-@dataclass
-class Row:
-    figure: str
-    ours: float | None  # seconds, jobs/s or bytes, as ``unit`` says
-    anchor: float | None
-    anchor_name: str
-    goal: str
-    met: bool | None
-    unit: str = "s"  # "s", "jobs/s" or "MB"
-    note: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        if self.ours is None or not self.anchor:
-            return None
-        return self.ours / self.anchor
-
-
-ROWS: list[Row] = []
-
-
-def say(text: str = "") -> None:
-    print(text, flush=True)
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
-
-
-def fmt(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "jobs/s":
-        return f"{value:.1f}/s"
-    if unit == "MB":
-        return f"{value / MB:.0f} MB"
-    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def rotate(n: int, calls: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
-    """Run each call ``n`` times; the order rotates every round so drift hits all alike."""
-    names = list(calls)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(n):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        for name in order:
-            times[name].append(calls[name]())
-    return times
-
-
-@contextlib.contextmanager
-def gpuport_server(work: Path, name: str) -> Iterator[_servers.Gpuport]:
-    """A fresh gpuport server (empty state dir) under ``work/name``, stopped after."""
-    folder = work / name
-    folder.mkdir()
-    server = _servers.start_gpuport(folder)
-    try:
-        yield server
-    finally:
-        try:
-            server.stop()
-        finally:
-            if server.process.poll() is None:
-                server.process.kill()
-                server.process.wait(timeout=10)
-
-
-def connect(server: _servers.Gpuport) -> gpuport.Client:
-    return gpuport.connect(server.url, server.token, fingerprint=server.fingerprint)
 
 
 def memory(pid: int) -> dict[str, float]:
@@ -398,22 +319,6 @@ def bench_idle(server: _servers.Gpuport) -> None:
 # ---- main --------------------------------------------------------------------------------------------
 
 
-def print_table() -> None:
-    order = ("submit-to-start", "throughput", "server peak", "idle")  # the brief's order, not the run's
-    rows = sorted(ROWS, key=lambda row: next(i for i, o in enumerate(order) if row.figure.startswith(o)))
-    say()
-    say(f"{'figure':<34} {'gpuport':>9} {'anchor':>9} {'ratio':>6}  {'goal':<28} {'met?':<4}  anchor")
-    for row in rows:
-        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
-        met = {True: "yes", False: "NO", None: "-"}[row.met]
-        goal = row.goal + (f" ({row.note})" if row.note else "")
-        say(
-            f"{row.figure:<34} {fmt(row.ours, row.unit):>9} {fmt(row.anchor, row.unit):>9} {ratio:>6}  "
-            f"{goal:<28} {met:<4}  {row.anchor_name}"
-        )
-    say("ratio: gpuport / anchor (times and MB: lower is better; jobs/s: higher is better)")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="5 latency runs and 200 jobs")
@@ -444,7 +349,11 @@ def main() -> None:
         with gpuport_server(work, "queue-server") as server:
             failed = bench_throughput(args, server)
     say("load average at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    print_table()
+    print_table(
+        ("submit-to-start", "throughput", "server peak", "idle"),  # the brief's order, not the run's
+        width=34,
+        legend="ratio: gpuport / anchor (times and MB: lower is better; jobs/s: higher is better)",
+    )
     if failed:
         raise SystemExit(f"{failed} of {args.jobs} jobs did not succeed")
 

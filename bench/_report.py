@@ -1,0 +1,119 @@
+"""What the benchmarks share: the result rows and their table, printing and formatting, alternated
+timing, and a fresh gpuport server (from _servers.py) to measure, with a client connected to it."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import _servers
+
+import gpuport
+
+MB = 1e6  # MB are 10^6 bytes
+
+
+@dataclass
+class Row:
+    figure: str
+    ours: float | None  # seconds, MB/s, jobs/s or bytes, as ``unit`` says
+    anchor: float | None
+    anchor_name: str
+    goal: str
+    met: bool | None
+    unit: str = "s"  # "s", "MB/s", "jobs/s" or "MB"
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or not self.anchor:
+            return None
+        return self.ours / self.anchor
+
+
+ROWS: list[Row] = []  # what a benchmark found, appended as it goes; print_table() prints them
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def fmt(value: float | None, unit: str) -> str:
+    """``value`` as a table cell: ``unit`` is one of Row.unit's."""
+    if value is None:
+        return "-"
+    if unit == "MB/s":
+        return f"{value:.0f} MB/s"
+    if unit == "jobs/s":
+        return f"{value:.1f}/s"
+    if unit == "MB":
+        return f"{value / MB:.0f} MB"
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def rotate(n: int, calls: Mapping[str, Callable[[], float | None]]) -> dict[str, list[float]]:
+    """Run each call ``n`` times; the order rotates every round so drift hits all alike.
+
+    A call that returns None (it had nothing to time) is left out of its list."""
+    names = list(calls)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(n):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for name in order:
+            t = calls[name]()
+            if t is not None:
+                times[name].append(t)
+    return times
+
+
+@contextlib.contextmanager
+def gpuport_server(work: Path, name: str) -> Iterator[_servers.Gpuport]:
+    """A fresh gpuport server (empty state dir) under ``work/name``, stopped after.
+
+    Its state stays until the whole temp dir goes at the end: deleting thousands of files between
+    rounds would make the next round's file creation slower on some filesystems (see bench_jobs' fs_note).
+    """
+    folder = work / name
+    folder.mkdir()
+    server = _servers.start_gpuport(folder)
+    try:
+        yield server
+    finally:
+        try:
+            server.stop()
+        finally:
+            if server.process.poll() is None:
+                server.process.kill()
+                server.process.wait(timeout=10)
+
+
+def connect(server: _servers.Gpuport) -> gpuport.Client:
+    return gpuport.connect(server.url, server.token, fingerprint=server.fingerprint)
+
+
+def print_table(order: Sequence[str], width: int, legend: str) -> None:
+    """Print ROWS as a table, sorted by the first prefix in ``order`` each figure starts with (the
+    order of the brief, whatever order they ran in), the figure column ``width`` wide, then ``legend``."""
+    rows = sorted(ROWS, key=lambda row: next(i for i, o in enumerate(order) if row.figure.startswith(o)))
+    say()
+    say(f"{'figure':<{width}} {'gpuport':>9} {'anchor':>9} {'ratio':>6}  {'goal':<28} {'met?':<4}  anchor")
+    for row in rows:
+        ratio = f"{row.ratio:.2f}x" if row.ratio is not None else "-"
+        met = {True: "yes", False: "NO", None: "-"}[row.met]
+        goal = row.goal + (f" ({row.note})" if row.note else "")
+        say(
+            f"{row.figure:<{width}} {fmt(row.ours, row.unit):>9} {fmt(row.anchor, row.unit):>9} {ratio:>6}  "
+            f"{goal:<28} {met:<4}  {row.anchor_name}"
+        )
+    say(legend)

@@ -285,12 +285,11 @@ def run_command(
 
 
 def resources(j: JobInfo) -> str:
-    """What a job holds or asks for, the way the CLI's flags write it."""
+    """What a job holds (once running) or asks for, in a few words."""
     parts = []
     if j.gpu_memory:
-        parts.append(
-            f"{format_size(j.gpu_memory)} of GPU {j.gpu_indices[0]}" if j.gpu_indices else format_size(j.gpu_memory)
-        )
+        where = f"GPU {j.gpu_indices[0]}" if j.gpu_indices else "a GPU"
+        parts.append(f"{format_size(j.gpu_memory)} of {where}")
     elif j.gpu_indices:
         parts.append("GPU " + ",".join(map(str, j.gpu_indices)))
     elif j.gpus:

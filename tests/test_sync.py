@@ -129,3 +129,12 @@ def test_hash_cache_reuses_hashes_of_settled_files_only(tmp_path: Path) -> None:
     second = {f.path: f.blob for f in _hash_all(HashCache(tmp_path / "p"), scan(tmp_path / "p"))}
     assert second["old.txt"] != first["old.txt"]
     assert second["new.txt"] == first["new.txt"]
+
+
+def test_a_file_that_vanishes_while_syncing_is_named_in_a_clear_error(tmp_path: Path) -> None:
+    _tree(tmp_path / "p", {"kept.txt": "kept", "gone.log": "written and removed by a running program"})
+    files = scan(tmp_path / "p")
+    (tmp_path / "p" / "gone.log").unlink()
+    with pytest.raises(InvalidRequest, match="gone.log vanished while the folder was being synced"):
+        with ThreadPoolExecutor(2) as pool:
+            HashCache(tmp_path / "p").hash_files(files, pool)

@@ -161,6 +161,13 @@ def _link(real_root: str, root: Path, path: str, full: str) -> LocalFile:
     return LocalFile(path, full, 0, 0o777, link=link)
 
 
+def _hash(f: LocalFile) -> str:
+    try:
+        return sha256_file(f.full)[0]
+    except FileNotFoundError:
+        raise InvalidRequest(f"{f.path} vanished while the folder was being synced — sync again") from None
+
+
 class HashCache:
     """(size, mtime, inode) → SHA-256 of each file of one folder, kept between runs in the user's cache dir."""
 
@@ -191,7 +198,7 @@ class HashCache:
         """Hash ``files`` on ``pool`` (hashlib releases the GIL) and remember the settled ones."""
         now = time.time_ns()
         done = []
-        for f, blob in zip(files, pool.map(lambda f: sha256_file(f.full)[0], files), strict=True):
+        for f, blob in zip(files, pool.map(_hash, files), strict=True):
             f.blob = blob
             done.append(f)
             if now - f.mtime_ns > _SETTLED_NS:

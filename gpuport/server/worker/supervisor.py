@@ -382,4 +382,8 @@ def main(job_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    code = main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written and closed: the interpreter's clean-up would only add 10 ms to each job.
+    os._exit(code)

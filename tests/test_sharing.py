@@ -41,6 +41,15 @@ def sharing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
 
 
 @pytest.fixture
+def flag(tmp_path: Path) -> Iterator[Path]:
+    """A file whose appearance lets the test's holding jobs end; it is made at teardown too, so that a
+    failed test leaves no job holding GPUs for the next."""
+    path = tmp_path / "go"
+    yield path
+    path.touch()
+
+
+@pytest.fixture
 def admin_of(sharing: RunningServer) -> Iterator[gpuport.Client]:
     with sharing.connect() as client:
         yield client
@@ -94,9 +103,8 @@ def test_only_admins_may_raise_a_priority(sharing: RunningServer, admin_of: gpup
 
 
 def test_the_queue_is_fair_between_users_and_explains_each_wait(
-    sharing: RunningServer, admin_of: gpuport.Client, tmp_path: Path, cli: object
+    sharing: RunningServer, admin_of: gpuport.Client, flag: Path, cli: object
 ) -> None:
-    flag = tmp_path / "go"
     with _user(sharing, admin_of, "alice") as alice, _user(sharing, admin_of, "bob") as bob:
         first = [_hold(alice, flag, gpus=1) for _ in range(2)]
         wait_for(lambda: all(j.status == "running" for j in first), what="alice's first jobs running")
@@ -120,9 +128,8 @@ def test_the_queue_is_fair_between_users_and_explains_each_wait(
 
 
 def test_slices_share_a_gpu_with_their_caps_and_show_in_gpus(
-    sharing: RunningServer, admin_of: gpuport.Client, tmp_path: Path, cli: object
+    sharing: RunningServer, admin_of: gpuport.Client, tmp_path: Path, flag: Path, cli: object
 ) -> None:
-    flag = tmp_path / "go"
     env_dump = (
         "import json, os, sys\n"
         "keys = ['CUDA_VISIBLE_DEVICES', 'GPUPORT_GPU_MEMORY', 'GPUPORT_GPU_MEMORY_FRACTION',"
@@ -143,21 +150,25 @@ def test_slices_share_a_gpu_with_their_caps_and_show_in_gpus(
         "CUPY_GPU_MEMORY_LIMIT": str(4 * GiB),
     }
     assert list(probe.logs())[1] == "[]"  # the bootstrap imported no framework
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "use.py").write_text(USE_GPU)
     with _user(sharing, admin_of, "carol") as carol:
-        (tmp_path / "use.py").write_text(USE_GPU)
-        a = carol.submit(["python", "use.py", str(3 * GiB), str(flag)], workdir=tmp_path, gpu_memory="6GiB")
-        b = admin_of.submit(["python", "use.py", str(GiB), str(flag)], workdir=tmp_path, gpu_memory="6GiB")
+        a = carol.submit(["python", "use.py", str(3 * GiB), str(flag)], workdir=work, gpu_memory="6GiB")
+        b = admin_of.submit(["python", "use.py", str(GiB), str(flag)], workdir=work, gpu_memory="6GiB")
         whole = _hold(admin_of, flag, gpus=1)
         for job in (a, b, whole):
             wait_for(lambda job=job: job.status == "running", what=f"{job.id} running")  # type: ignore[misc]
-        wait_for(lambda: any(x.memory_used for g in admin_of.gpus() for x in g.allocations), what="usage read")
         assert a.info.gpu_indices == b.info.gpu_indices  # both slices on one GPU
         gpus = {g.index: g for g in admin_of.gpus()}
         shared = gpus[a.info.gpu_indices[0]]
         held = {x.job_id: x for x in shared.allocations}
         assert held[a.id].owner.startswith("carol") and held[a.id].memory == 6 * GiB
-        wait_for(lambda: {x.job_id: x.memory_used for g in admin_of.gpus() for x in g.allocations}.get(b.id) == GiB)
-        assert {x.job_id: x.memory_used for g in admin_of.gpus() for x in g.allocations}[a.id] == 3 * GiB
+
+        def used() -> dict[str, int]:
+            return {x.job_id: x.memory_used for g in admin_of.gpus() for x in g.allocations}
+
+        wait_for(lambda: used().get(a.id) == 3 * GiB and used().get(b.id) == GiB, what="each slice's use read")
         other = gpus[1 - a.info.gpu_indices[0]]
         assert [(x.job_id, x.memory) for x in other.allocations] == [(whole.id, 0)]
         table = cli("gpus", **client_env(sharing))  # type: ignore[operator]
@@ -168,21 +179,21 @@ def test_slices_share_a_gpu_with_their_caps_and_show_in_gpus(
 
 
 def test_a_job_past_its_slice_is_killed_with_the_reason_in_status_and_log(
-    admin_of: gpuport.Client, tmp_path: Path
+    admin_of: gpuport.Client, tmp_path: Path, flag: Path
 ) -> None:
-    (tmp_path / "use.py").write_text(USE_GPU)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "use.py").write_text(USE_GPU)
     used = int(9.1 * GiB)
-    job = admin_of.submit(["python", "use.py", str(used), str(tmp_path / "never")], workdir=tmp_path, gpu_memory="8GiB")
+    job = admin_of.submit(["python", "use.py", str(used), str(tmp_path / "never")], workdir=work, gpu_memory="8GiB")
     info = job.wait(30).info
     assert info.state == "killed"
     assert info.message == "exceeded its GPU memory slice of 8GiB (used 9.1GiB)"
     lines = list(job.logs())
     assert lines[0].startswith("allocated") and lines[-1] == f"gpuport: job killed: {info.message}"
-    within = admin_of.submit(
-        ["python", "use.py", str(8 * GiB), str(tmp_path / "go")], workdir=tmp_path, gpu_memory="8GiB"
-    )
+    within = admin_of.submit(["python", "use.py", str(8 * GiB), str(flag)], workdir=work, gpu_memory="8GiB")
     wait_for(lambda: within.refresh().log_bytes, what="the job within its slice allocating")
-    (tmp_path / "go").touch()
+    flag.touch()
     assert within.wait(30).info.state == "succeeded"  # at its slice exactly: fine
 
 
@@ -193,9 +204,8 @@ def test_a_job_past_its_memory_limit_is_killed(admin_of: gpuport.Client) -> None
 
 
 def test_quotas_make_jobs_wait_and_only_admins_set_them(
-    sharing: RunningServer, admin_of: gpuport.Client, tmp_path: Path, cli: object
+    sharing: RunningServer, admin_of: gpuport.Client, flag: Path, cli: object
 ) -> None:
-    flag = tmp_path / "go"
     with _user(sharing, admin_of, "dave") as dave:
         with pytest.raises(gpuport.PermissionDenied):
             dave.set_quota(dave.user, gpus=5)
@@ -231,9 +241,8 @@ def test_quotas_make_jobs_wait_and_only_admins_set_them(
         assert result.code == 1 and "no quota for" in result.stderr
 
 
-def test_the_queue_order_survives_a_restart(tmp_path: Path) -> None:
+def test_the_queue_order_survives_a_restart(tmp_path: Path, flag: Path) -> None:
     state = tmp_path / "state"
-    flag = tmp_path / "go"
     first = start_server(state)
     try:
         with first.connect() as admin:

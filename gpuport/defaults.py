@@ -86,3 +86,15 @@ ENV_GPU_MEMORY_FRACTION = "GPUPORT_GPU_MEMORY_FRACTION"
 ENV_FAKE_GPU_DIR = "GPUPORT_FAKE_GPU_DIR"
 # Seconds between the watchdog's readings of GPU (NVML) and RAM use of jobs with a slice or a memory limit.
 DEFAULT_WATCHDOG_INTERVAL = 0.5
+
+# ---- sessions and remote functions ----
+# Seconds a session may go without a call before the server ends it and frees what it holds.
+DEFAULT_SESSION_IDLE_TIMEOUT = 30 * 60.0
+# Seconds an unnamed session outlives its last client (a dropped connection comes back within them).
+SESSION_DETACHED_GRACE = 60.0
+# Values up to this many bytes travel inside a call's message; larger ones stream in chunks of this size.
+SESSION_INLINE_BYTES = 4 * 1024 * 1024
+# Values from this many bytes on show a progress bar (when stderr is a terminal).
+SESSION_PROGRESS_BYTES = 64 * 1024 * 1024
+# Environment a session's worker gets: the folder of its session (output files, socket).
+ENV_SESSION_DIR = "GPUPORT_SESSION_DIR"

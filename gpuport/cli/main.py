@@ -17,6 +17,7 @@ from gpuport.cli._common import json_option
 from gpuport.cli._jobs import JOB_COMMANDS
 from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_json, when
 from gpuport.cli._quotas import quota_group
+from gpuport.cli._sessions import sessions_group
 from gpuport.client import config_path, load_profiles, login, remove_profile
 from gpuport.client._channel import Target
 from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_PROFILE, ENV_PROFILE
@@ -288,6 +289,7 @@ def token_revoke(ctx: click.Context, name: str) -> None:
 for _command in JOB_COMMANDS:
     cli.add_command(_command)
 cli.add_command(quota_group)
+cli.add_command(sessions_group)
 
 
 def main() -> None:

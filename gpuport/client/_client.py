@@ -6,11 +6,13 @@ import os
 import platform
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+import cloudpickle
 import grpc
 
 from gpuport._version import __version__
@@ -27,13 +29,15 @@ from gpuport.client._channel import (
 )
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import Job, JobInfo
+from gpuport.client._sessions import RemoteFunction, Session, SessionInfo
 from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
 from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
-from gpuport.protocol.errors import InvalidRequest, ServerError, ServerUnreachable, TLSError
+from gpuport.protocol.errors import IncompatibleVersions, InvalidRequest, ServerError, ServerUnreachable, TLSError
 from gpuport.protocol.paths import check_entries
 from gpuport.protocol.units import parse_duration, parse_size
+from gpuport.protocol.values import check_compatible
 
 Reply = TypeVar("Reply")
 # progress(done_bytes, total_bytes), called as an upload or download goes.
@@ -79,6 +83,8 @@ class Client:
         self._snapshots = pb_grpc.SnapshotsStub(self._channel)
         self._jobs = pb_grpc.JobsStub(self._channel)
         self._quotas = pb_grpc.QuotasStub(self._channel)
+        self._sessions = pb_grpc.SessionsStub(self._channel)
+        self._open_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         # Uploads send messages encoded ahead of time (_sync.prefetched), so they go out as bytes.
         self._upload = self._channel.stream_unary(
             "/gpuport.v1.Snapshots/Upload", request_serializer=None, response_deserializer=pb.UploadReply.FromString
@@ -86,7 +92,11 @@ class Client:
         try:
             hello = self._call(
                 self._control.Hello,
-                pb.HelloRequest(client_version=__version__, python_version=platform.python_version()),
+                pb.HelloRequest(
+                    client_version=__version__,
+                    python_version=platform.python_version(),
+                    cloudpickle_version=cloudpickle.__version__,
+                ),
                 timeout=timeout,
                 connecting=True,
             )
@@ -98,6 +108,10 @@ class Client:
         self.server_version: str = hello.server_version
         self.server_python: str = hello.python_version
         self.hostname: str = hello.hostname
+        self.server_cloudpickle: str = hello.cloudpickle_version
+        # Sessions and functions exchange pickles, which need the same Python minor version (and
+        # cloudpickle major version) on both sides: found out now, said when a session is opened.
+        self._pickle_problem = check_compatible(self.server_python, self.server_cloudpickle or cloudpickle.__version__)
 
     def _call(
         self,
@@ -394,8 +408,105 @@ class Client:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
         self._call(self._quotas.Unset, pb.QuotaRef(user=user))
 
+    # ---- sessions and functions --------------------------------------------------------------------
+
+    def session(
+        self,
+        *,
+        name: str | None = None,
+        gpus: int = 0,
+        gpu_memory: int | str | None = None,
+        cpus: float = 0.0,
+        memory: int | str | None = None,
+        priority: int = 0,
+        idle_timeout: float | str | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        progress: bool | None = None,
+    ) -> Session:
+        """Open a session: a worker process on the server holding this allocation, which runs your
+        functions and keeps your values (``put``, ``call``, ``get``) between calls.
+
+        With ``name``, your live session of that name is re-attached (its values intact) or, if there
+        is none, opened under it; a named session outlives this client. Without a name it ends when
+        closed (``with`` does it), or when its client has been gone a minute. Any session ends after
+        ``idle_timeout`` (default 30 minutes) without a call. With ``wait`` (the default), returns once
+        the worker runs, saying on stderr why it waits while it is queued. ``progress`` shows a bar for
+        large transfers (None: on a terminal, from 64 MiB).
+
+        Raises ``IncompatibleVersions`` when this Python cannot exchange pickles with the server's.
+        """
+        if self._pickle_problem:
+            raise IncompatibleVersions(
+                f"sessions and remote functions cannot work with this server: {self._pickle_problem}"
+            )
+        spec = pb.SessionSpec(
+            name=name or "",
+            gpus=gpus,
+            gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else 0,
+            cpus=cpus,
+            memory=parse_size(memory) if memory is not None else 0,
+            priority=priority,
+            idle_timeout=parse_duration(idle_timeout) if idle_timeout is not None else 0.0,
+            env=env or {},
+            python_version=platform.python_version(),
+            cloudpickle_version=cloudpickle.__version__,
+        )
+        info = self._call(self._sessions.Open, spec)
+        session = Session(self, info, progress=progress)
+        self._open_sessions.add(session)
+        if wait:
+            try:
+                session._wait_running(info)
+            except BaseException:  # Ctrl-C while queued: give the place in the queue back
+                if not name:
+                    session.close()
+                raise
+        return session
+
+    def sessions(self) -> list[SessionInfo]:
+        """Your live sessions (every user's, for an admin)."""
+        return [SessionInfo.from_message(m) for m in self._call(self._sessions.List, _EMPTY).sessions]
+
+    def close_session(self, name_or_id: str) -> SessionInfo:
+        """End a session by its name or id (``gpuport sessions close``)."""
+        ref = pb.SessionRef(session_id=name_or_id) if name_or_id.startswith("s-") else pb.SessionRef(name=name_or_id)
+        return SessionInfo.from_message(self._call(self._sessions.Close, ref))
+
+    def function(
+        self,
+        function: Callable[..., Any] | None = None,
+        *,
+        gpus: int = 0,
+        gpu_memory: int | str | None = None,
+        cpus: float = 0.0,
+        memory: int | str | None = None,
+        timeout: float | None = None,
+        max_workers: int = 4,
+        env: dict[str, str] | None = None,
+    ) -> Any:
+        """Make ``function`` run on the server: ``@gpu.function(gpu_memory="4GiB")`` above a ``def``.
+
+        Each call runs in a worker process holding that allocation; ``f.spawn(...)`` returns a Future
+        and ``f.map(xs)`` runs calls in up to ``max_workers`` workers at once. A call past ``timeout``
+        seconds raises ``CallTimeout``. Functions of ``__main__``, a notebook or your project's modules
+        travel by value; what they import must be installed on the server.
+        """
+        options = {"gpus": gpus, "gpu_memory": gpu_memory, "cpus": cpus, "memory": memory, "env": env}
+
+        def wrap(f: Callable[..., Any]) -> RemoteFunction:
+            return RemoteFunction(self, f, options, timeout, max_workers)
+
+        return wrap(function) if function is not None else wrap
+
     def close(self) -> None:
-        """Close the connection. The client cannot be used afterwards."""
+        """Close the connection, closing the unnamed sessions opened through it. The client cannot be
+        used afterwards."""
+        for session in list(self._open_sessions):
+            if session.name:
+                session.detach()
+            else:
+                session.close()
         self._channel.close()
 
     def __enter__(self) -> Client:

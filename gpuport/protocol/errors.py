@@ -12,9 +12,12 @@ Every error is a ``GpuportError``; catch that to catch them all. The tree::
     ├── PermissionDenied         a valid token, but not allowed to do this (admin only, not yours)
     ├── NotFound                 no such job, token, model ... (or not visible to you)
     ├── InvalidRequest           the request itself is wrong: bad name, size, path, option
+    │   └── IncompatibleVersions client and server Pythons cannot exchange pickles (sessions)
     ├── Conflict                 the request clashes with the current state (name taken, ...)
     ├── ResourceUnavailable      asks for more than this server has or will give
     ├── RemoteError              the user's own code failed on the server (carries its traceback)
+    ├── WorkerDied               a session's worker process died in a call (signal, exit code, stderr)
+    │   └── CallTimeout          a call ran past its timeout (also a ``TimeoutError``)
     ├── WaitTimeout              waited for longer than asked (also a ``TimeoutError``)
     └── ServerError              the server failed; its log says why
 
@@ -29,11 +32,13 @@ import grpc
 
 __all__ = [
     "AuthenticationError",
+    "CallTimeout",
     "ConfigError",
     "Conflict",
     "ConnectionFailed",
     "FingerprintMismatch",
     "GpuportError",
+    "IncompatibleVersions",
     "InvalidRequest",
     "NotFound",
     "PermissionDenied",
@@ -43,6 +48,7 @@ __all__ = [
     "ServerUnreachable",
     "TLSError",
     "WaitTimeout",
+    "WorkerDied",
 ]
 
 ERROR_METADATA_KEY = "gpuport-error"
@@ -105,16 +111,48 @@ class ResourceUnavailable(GpuportError):
     """The request asks for more than the server has or will grant (GPUs, memory, quota, size)."""
 
 
+class IncompatibleVersions(InvalidRequest):
+    """Client and server differ in Python minor version or cloudpickle major version, so that the
+    functions and objects one pickles cannot be read by the other (sessions and remote functions)."""
+
+
 class RemoteError(GpuportError):
     """The user's own code failed on the server.
 
-    ``remote_type`` is the remote exception's type name and ``remote_traceback`` its traceback as text.
+    ``remote_type`` is the remote exception's type name, ``remote_traceback`` its traceback as text
+    and ``exception`` the exception itself when it could be unpickled here (else None). A session call
+    raises a subclass of both this and the original type where it can: ``except ZeroDivisionError``
+    works as it would locally.
     """
 
-    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "") -> None:
+    def __init__(
+        self, message: str, *, remote_type: str = "", remote_traceback: str = "", exception: BaseException | None = None
+    ) -> None:
         super().__init__(message)
         self.remote_type = remote_type
         self.remote_traceback = remote_traceback
+        self.exception = exception
+
+
+class WorkerDied(GpuportError):
+    """A session's worker process ended in the middle of a call: it crashed (a segfault), ran out of
+    memory, exited, or was killed (over its GPU memory slice). ``exit_code`` is its exit code (None
+    when unknown), ``signal`` the name of the signal that ended it ("SIGSEGV") or None, and
+    ``stderr_tail`` the last lines it wrote to stderr. The session's values are lost;
+    ``session.restart()`` starts a fresh worker.
+    """
+
+    def __init__(
+        self, message: str, *, exit_code: int | None = None, signal: str | None = None, stderr_tail: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.signal = signal
+        self.stderr_tail = stderr_tail
+
+
+class CallTimeout(WorkerDied, TimeoutError):
+    """A call ran past its ``timeout``: its worker was stopped (the session's values are lost)."""
 
 
 class WaitTimeout(GpuportError, TimeoutError):

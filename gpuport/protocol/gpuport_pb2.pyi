@@ -1,8 +1,13 @@
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+from typing import Optional as _Optional
+from typing import Union as _Union
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -11,26 +16,30 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("client_version", "python_version")
+    __slots__ = ("client_version", "python_version", "cloudpickle_version")
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOUDPICKLE_VERSION_FIELD_NUMBER: _ClassVar[int]
     client_version: str
     python_version: str
-    def __init__(self, client_version: _Optional[str] = ..., python_version: _Optional[str] = ...) -> None: ...
+    cloudpickle_version: str
+    def __init__(self, client_version: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("server_version", "python_version", "hostname", "user", "admin")
+    __slots__ = ("server_version", "python_version", "hostname", "user", "admin", "cloudpickle_version")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CLOUDPICKLE_VERSION_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     python_version: str
     hostname: str
     user: str
     admin: bool
-    def __init__(self, server_version: _Optional[str] = ..., python_version: _Optional[str] = ..., hostname: _Optional[str] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ...) -> None: ...
+    cloudpickle_version: str
+    def __init__(self, server_version: _Optional[str] = ..., python_version: _Optional[str] = ..., hostname: _Optional[str] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
 
 class GpuProcess(_message.Message):
     __slots__ = ("pid", "memory_used", "job_id")
@@ -431,3 +440,242 @@ class QuotaRef(_message.Message):
     USER_FIELD_NUMBER: _ClassVar[int]
     user: str
     def __init__(self, user: _Optional[str] = ...) -> None: ...
+
+class SessionSpec(_message.Message):
+    __slots__ = ("name", "gpus", "gpu_memory", "cpus", "memory", "priority", "idle_timeout", "env", "python_version", "cloudpickle_version")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLOUDPICKLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    gpus: int
+    gpu_memory: int
+    cpus: float
+    memory: int
+    priority: int
+    idle_timeout: float
+    env: _containers.ScalarMap[str, str]
+    python_version: str
+    cloudpickle_version: str
+    def __init__(self, name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., idle_timeout: _Optional[float] = ..., env: _Optional[_Mapping[str, str]] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "name", "owner", "state", "job_id", "gpus", "gpu_memory", "cpus", "memory", "gpu_indices", "created_at", "last_call_at", "idle_timeout", "message", "refs", "attached", "position", "reattached")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_CALL_AT_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    owner: str
+    state: str
+    job_id: str
+    gpus: int
+    gpu_memory: int
+    cpus: float
+    memory: int
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    created_at: float
+    last_call_at: float
+    idle_timeout: float
+    message: str
+    refs: int
+    attached: int
+    position: int
+    reattached: bool
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., last_call_at: _Optional[float] = ..., idle_timeout: _Optional[float] = ..., message: _Optional[str] = ..., refs: _Optional[int] = ..., attached: _Optional[int] = ..., position: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("session_id", "name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    name: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SessionList(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class Value(_message.Message):
+    __slots__ = ("header", "buffers", "staged", "sizes")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    header: bytes
+    buffers: _containers.RepeatedScalarFieldContainer[bytes]
+    staged: str
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[bytes] = ..., buffers: _Optional[_Iterable[bytes]] = ..., staged: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RefInfo(_message.Message):
+    __slots__ = ("ref_id", "name", "type", "summary")
+    REF_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    ref_id: str
+    name: str
+    type: str
+    summary: str
+    def __init__(self, ref_id: _Optional[str] = ..., name: _Optional[str] = ..., type: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("session_id", "op", "value", "function", "function_pickle", "keep", "ref_name", "ref_ids", "device", "timeout")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CALL: _ClassVar[CallRequest.Op]
+        PUT: _ClassVar[CallRequest.Op]
+        GET: _ClassVar[CallRequest.Op]
+        DELETE: _ClassVar[CallRequest.Op]
+        REFS: _ClassVar[CallRequest.Op]
+    CALL: CallRequest.Op
+    PUT: CallRequest.Op
+    GET: CallRequest.Op
+    DELETE: CallRequest.Op
+    REFS: CallRequest.Op
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_PICKLE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    REF_NAME_FIELD_NUMBER: _ClassVar[int]
+    REF_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    op: CallRequest.Op
+    value: Value
+    function: str
+    function_pickle: bytes
+    keep: bool
+    ref_name: str
+    ref_ids: _containers.RepeatedScalarFieldContainer[str]
+    device: str
+    timeout: float
+    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[CallRequest.Op, str]] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., function: _Optional[str] = ..., function_pickle: _Optional[bytes] = ..., keep: _Optional[bool] = ..., ref_name: _Optional[str] = ..., ref_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class RemoteFailure(_message.Message):
+    __slots__ = ("kind", "type", "message", "traceback", "exception", "has_exit_code", "exit_code", "stderr_tail")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    EXCEPTION_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    type: str
+    message: str
+    traceback: str
+    exception: bytes
+    has_exit_code: bool
+    exit_code: int
+    stderr_tail: str
+    def __init__(self, kind: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., exception: _Optional[bytes] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., stderr_tail: _Optional[str] = ...) -> None: ...
+
+class CallReply(_message.Message):
+    __slots__ = ("value", "ref", "refs", "failure", "unknown_function", "stdout_offset", "stderr_offset", "download")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STDERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    value: Value
+    ref: RefInfo
+    refs: _containers.RepeatedCompositeFieldContainer[RefInfo]
+    failure: RemoteFailure
+    unknown_function: bool
+    stdout_offset: int
+    stderr_offset: int
+    download: str
+    def __init__(self, value: _Optional[_Union[Value, _Mapping]] = ..., ref: _Optional[_Union[RefInfo, _Mapping]] = ..., refs: _Optional[_Iterable[_Union[RefInfo, _Mapping]]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., unknown_function: _Optional[bool] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ..., download: _Optional[str] = ...) -> None: ...
+
+class UploadChunk(_message.Message):
+    __slots__ = ("session_id", "size", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    size: int
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Staged(_message.Message):
+    __slots__ = ("staged",)
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    staged: str
+    def __init__(self, staged: _Optional[str] = ...) -> None: ...
+
+class DownloadChunkRequest(_message.Message):
+    __slots__ = ("session_id", "staged")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    staged: str
+    def __init__(self, session_id: _Optional[str] = ..., staged: _Optional[str] = ...) -> None: ...
+
+class DataChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class OutputRequest(_message.Message):
+    __slots__ = ("session_id", "stdout_offset", "stderr_offset")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STDERR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    stdout_offset: int
+    stderr_offset: int
+    def __init__(self, session_id: _Optional[str] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("fd", "offset", "data", "state", "job_id")
+    FD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    fd: int
+    offset: int
+    data: bytes
+    state: str
+    job_id: str
+    def __init__(self, fd: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...

@@ -20,6 +20,7 @@ from gpuport.server.services.auth import AuthService, Identity
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
 from gpuport.server.services.quotas import QuotaService
+from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
@@ -73,6 +74,7 @@ class ServerApp:
         self.jobs = JobService(
             self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor(), self.quotas
         )
+        self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
         self.watchdog = Watchdog(self.jobs, inventory)
         self._watching: asyncio.Task[None] | None = None
         self.started_at = time.time()
@@ -83,6 +85,7 @@ class ServerApp:
         """Start the services that run in the background (the job queue, the watchdog), picking up a
         previous run's jobs."""
         await self.jobs.start()
+        await self.sessions.start()
         self._watching = asyncio.create_task(self.watchdog.run())
 
     def gpus(self, caller: Identity) -> GpuListing:
@@ -119,5 +122,6 @@ class ServerApp:
     def close(self) -> None:
         if self._watching is not None:
             self._watching.cancel()
+        self.sessions.stop()
         self.inventory.close()
         self.store.close()

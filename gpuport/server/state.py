@@ -59,6 +59,10 @@ class StateDir:
     def jobs_dir(self) -> Path:
         return self.root / "jobs"
 
+    @property
+    def sessions_dir(self) -> Path:
+        return self.root / "sessions"
+
 
 def open_state_dir(path: Path) -> StateDir:
     """Create ``path`` with mode 0700 if it is missing; refuse one that others could read or write.

@@ -86,6 +86,23 @@ MIGRATIONS: list[str] = [
         updated_at  REAL NOT NULL
     );
     """,
+    # 4: sessions, whose workers are jobs of kind 'session'
+    """
+    ALTER TABLE jobs ADD COLUMN kind TEXT NOT NULL DEFAULT 'job';     -- 'job' or 'session' (a session's worker)
+    CREATE TABLE sessions (
+        seq           INTEGER PRIMARY KEY,
+        id            TEXT NOT NULL UNIQUE,
+        owner         TEXT NOT NULL,
+        name          TEXT NOT NULL DEFAULT '',
+        job_id        TEXT NOT NULL,            -- its current worker
+        spec          TEXT NOT NULL,            -- JSON: what each worker is started with
+        idle_timeout  REAL NOT NULL,            -- seconds
+        created_at    REAL NOT NULL,
+        ended_at      REAL,
+        message       TEXT NOT NULL DEFAULT ''  -- why it ended
+    );
+    CREATE UNIQUE INDEX sessions_live_name ON sessions(owner, name) WHERE ended_at IS NULL AND name != '';
+    """,
 ]
 
 

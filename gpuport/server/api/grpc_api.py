@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import cloudpickle
 import grpc
 
 from gpuport._version import __version__
@@ -29,6 +30,7 @@ from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
 from gpuport.server.services.quotas import QuotaRecord
+from gpuport.server.services.sessions import CallIn, CallOut, SessionRecord, SessionSpec, Value
 from gpuport.server.services.snapshots import Entry, SnapshotRecord
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
             hostname=self.app.hostname,
             user=caller.name,
             admin=caller.admin,
+            cloudpickle_version=cloudpickle.__version__,
         )
 
     @rpc
@@ -388,6 +391,146 @@ class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
         return _EMPTY
 
 
+def session_message(record: SessionRecord) -> pb.SessionInfo:
+    job = record.job
+    return pb.SessionInfo(
+        session_id=record.id,
+        name=record.name,
+        owner=record.owner,
+        state=record.state,
+        job_id=job.id,
+        gpus=job.gpus,
+        gpu_memory=job.gpu_memory,
+        cpus=job.cpus,
+        memory=job.memory,
+        gpu_indices=job.gpu_indices,
+        created_at=record.created_at,
+        last_call_at=record.last_call_at,
+        idle_timeout=record.idle_timeout,
+        message=record.message,
+        refs=record.refs,
+        attached=record.attached,
+        position=job.position,
+        reattached=record.reattached,
+    )
+
+
+_OPS = {
+    pb.CallRequest.CALL: "call",
+    pb.CallRequest.PUT: "put",
+    pb.CallRequest.GET: "get",
+    pb.CallRequest.DELETE: "delete",
+    pb.CallRequest.REFS: "refs",
+}
+
+
+def _ref_message(ref: dict[str, str]) -> pb.RefInfo:
+    return pb.RefInfo(ref_id=ref["ref_id"], name=ref["name"], type=ref["type"], summary=ref["summary"])
+
+
+def call_reply(out: CallOut) -> pb.CallReply:
+    reply = pb.CallReply(
+        unknown_function=out.unknown_function,
+        stdout_offset=out.stdout_offset,
+        stderr_offset=out.stderr_offset,
+        download=out.download,
+    )
+    if out.value is not None:
+        v = out.value
+        reply.value.CopyFrom(pb.Value(header=v.header, buffers=v.buffers, staged=v.staged, sizes=v.sizes))
+    if out.ref is not None:
+        reply.ref.CopyFrom(_ref_message(out.ref))
+    reply.refs.extend(_ref_message(r) for r in out.refs)
+    if out.failure is not None:
+        f = out.failure
+        failure = pb.RemoteFailure(
+            kind=f["kind"],
+            type=f["type"],
+            message=f["message"],
+            traceback=f.get("traceback", ""),
+            exception=out.exception,
+            stderr_tail=f.get("stderr_tail", ""),
+        )
+        if f.get("exit_code") is not None:
+            failure.has_exit_code = True
+            failure.exit_code = f["exit_code"]
+        reply.failure.CopyFrom(failure)
+    return reply
+
+
+class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
+    @rpc
+    async def Open(self, request: pb.SessionSpec, caller: Identity) -> pb.SessionInfo:
+        spec = SessionSpec(
+            name=request.name,
+            gpus=request.gpus,
+            gpu_memory=request.gpu_memory,
+            cpus=request.cpus,
+            memory=request.memory,
+            priority=request.priority,
+            idle_timeout=request.idle_timeout,
+            env=dict(request.env),
+            python_version=request.python_version,
+            cloudpickle_version=request.cloudpickle_version,
+        )
+        return session_message(self.app.sessions.open(caller, spec))
+
+    @rpc
+    async def Get(self, request: pb.SessionRef, caller: Identity) -> pb.SessionInfo:
+        return session_message(self.app.sessions.get(caller, request.session_id, request.name))
+
+    @rpc
+    async def List(self, request: pb.Empty, caller: Identity) -> pb.SessionList:
+        return pb.SessionList(sessions=[session_message(s) for s in self.app.sessions.list_for(caller)])
+
+    @rpc
+    async def Close(self, request: pb.SessionRef, caller: Identity) -> pb.SessionInfo:
+        return session_message(self.app.sessions.close(caller, request.session_id, request.name))
+
+    @rpc
+    async def Restart(self, request: pb.SessionRef, caller: Identity) -> pb.SessionInfo:
+        return session_message(await self.app.sessions.restart(caller, request.session_id, request.name))
+
+    @rpc
+    async def Call(self, request: pb.CallRequest, caller: Identity) -> pb.CallReply:
+        value = None
+        if request.HasField("value"):
+            v = request.value
+            value = Value(header=v.header, buffers=list(v.buffers), staged=v.staged, sizes=list(v.sizes))
+        call = CallIn(
+            session_id=request.session_id,
+            op=_OPS.get(request.op, str(request.op)),
+            value=value,
+            function=request.function,
+            function_pickle=request.function_pickle,
+            keep=request.keep,
+            ref_name=request.ref_name,
+            ref_ids=list(request.ref_ids),
+            device=request.device,
+            timeout=request.timeout,
+        )
+        return call_reply(await self.app.sessions.call(caller, call))
+
+    @rpc
+    async def Upload(self, request: Any, caller: Identity) -> pb.Staged:
+        async def chunks() -> AsyncIterator[tuple[str, int, bytes]]:
+            async for chunk in request:
+                yield chunk.session_id, chunk.size, chunk.data
+
+        return pb.Staged(staged=await self.app.sessions.upload(caller, chunks()))
+
+    @stream_rpc
+    async def Download(self, request: pb.DownloadChunkRequest, caller: Identity) -> AsyncIterator[pb.DataChunk]:
+        async for data in self.app.sessions.download(caller, request.session_id, request.staged):
+            yield pb.DataChunk(data=data)
+
+    @stream_rpc
+    async def Output(self, request: pb.OutputRequest, caller: Identity) -> AsyncIterator[pb.OutputChunk]:
+        stream = self.app.sessions.output(caller, request.session_id, request.stdout_offset, request.stderr_offset)
+        async for fd, offset, data, state in stream:
+            yield pb.OutputChunk(fd=fd, offset=offset, data=data, state=state)
+
+
 def build_grpc_server(
     app: ServerApp, host: str, port: int, credentials: grpc.ServerCredentials | None
 ) -> tuple[grpc.aio.Server, int]:
@@ -408,6 +551,7 @@ def build_grpc_server(
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsServicer(app), server)
     pb_grpc.add_JobsServicer_to_server(JobsServicer(app), server)
     pb_grpc.add_QuotasServicer_to_server(QuotasServicer(app), server)
+    pb_grpc.add_SessionsServicer_to_server(SessionsServicer(app), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)

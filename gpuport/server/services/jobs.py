@@ -131,6 +131,10 @@ class JobRequest:
     priority: int = 0
     nprocs: int = 1
     tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles of the processes, in rank order
+    # Set by the server only (never from a request): a session's worker is a job of kind "session",
+    # with settings of gpuport's own (GPUPORT_SESSION_DIR) in its environment.
+    kind: str = "job"
+    internal_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,7 @@ class JobRecord:
     priority: int = 0
     nprocs: int = 1
     position: int = 0  # place in the queue while queued (1: next); 0 otherwise
+    kind: str = "job"  # or "session": a session's worker
 
 
 def exit_message(code: int) -> str:
@@ -277,6 +282,7 @@ class JobService:
             "datasets": datasets,
             "hyperparameters": request.hyperparameters,
             "tf_roles": request.tf_roles,
+            "internal_env": request.internal_env,
         }
         return argv, snapshot, outputs, spec
 
@@ -351,8 +357,8 @@ class JobService:
                     break
             seq = db.execute(
                 "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
-                "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs) "
-                "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs, kind) "
+                "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     caller.name,
@@ -369,6 +375,7 @@ class JobService:
                     request.memory,
                     request.priority,
                     request.nprocs,
+                    request.kind,
                 ),
             ).lastrowid
         resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory)
@@ -418,6 +425,7 @@ class JobService:
             priority=row["priority"],
             nprocs=row["nprocs"],
             position=position,
+            kind=row["kind"],
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -430,7 +438,7 @@ class JobService:
     def list_for(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
         """The caller's active jobs and those of the last day, newest first; with ``all``, every one
         (every user's, for an admin). At most _LIST_LIMIT, the newest."""
-        where: list[str] = ["1"]
+        where: list[str] = ["kind = 'job'"]  # sessions' workers are listed as sessions
         params: list[object] = []
         if not (all and caller.admin):
             where.append("owner = ?")
@@ -696,6 +704,7 @@ class JobService:
         # Jobs use the server's Python environment first: where `gpuport server` and the frameworks live.
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "/usr/bin:/bin")])
         env.update(spec["env"])
+        env.update(spec.get("internal_env") or {})
         # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), env.get("PYTHONPATH")) if p)
         if spec["datasets"]:

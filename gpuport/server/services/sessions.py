@@ -1,0 +1,686 @@
+"""Sessions: a worker process that keeps a user's values and runs their functions, next to the GPU.
+
+A session's worker is a job of kind "session" (``worker/session.py`` as its command): it is queued,
+placed, capped, watched and listed in ``gpuport gpus`` like any job, and it outlives a server
+restart like any job. This service keeps what is a session's own: its name, its idle timeout, the
+server's connection to its worker, values being uploaded or downloaded, and who follows its output.
+
+Layout of ``STATE_DIR/sessions/<id>/``: ``stdout`` and ``stderr`` (appended by each of its workers in
+turn, so offsets only grow) and ``worker.sock`` (the current worker's socket).
+
+Ending: ``close``; a session with no call for ``idle_timeout`` seconds; an unnamed session that no
+client has followed for ``min(idle_timeout, DETACHED_GRACE)`` (its client left without closing it).
+A named session outlives its clients until one closes it or it idles out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from gpuport.defaults import (
+    DEFAULT_SESSION_IDLE_TIMEOUT,
+    ENV_SESSION_DIR,
+    LOG_CHUNK_BYTES,
+    LOG_POLL_INTERVAL,
+    MAX_NAME_LENGTH,
+    SESSION_DETACHED_GRACE,
+    SESSION_INLINE_BYTES,
+)
+from gpuport.protocol.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    ResourceUnavailable,
+    ServerError,
+)
+from gpuport.protocol.units import format_duration, format_size
+from gpuport.protocol.values import check_compatible
+from gpuport.server.services.auth import Identity
+from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
+from gpuport.server.store import Store
+from gpuport.server.worker import wire
+
+log = logging.getLogger(__name__)
+
+_WORKER = [sys.executable, "-m", "gpuport.server.worker.session"]
+_CONNECT_TIMEOUT = 60.0  # seconds from a worker's start to its socket accepting
+_END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it ended
+_STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
+_REAP_EVERY = 1.0
+_STDERR_TAIL_LINES = 20
+_MAX_IDLE_TIMEOUT = 30 * 24 * 3600.0
+_ERRORS = {cls.__name__: cls for cls in (InvalidRequest, NotFound, Conflict, ResourceUnavailable)}
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    name: str = ""
+    gpus: int = 0
+    gpu_memory: int = 0
+    cpus: float = 0.0
+    memory: int = 0
+    priority: int = 0
+    idle_timeout: float = 0.0  # 0: the default
+    env: dict[str, str] = field(default_factory=dict)
+    python_version: str = ""
+    cloudpickle_version: str = ""
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    id: str
+    name: str
+    owner: str
+    state: str  # queued, running, died, ended
+    job: JobRecord
+    created_at: float
+    last_call_at: float
+    idle_timeout: float
+    message: str
+    refs: int
+    attached: int
+    reattached: bool = False
+
+
+@dataclass
+class Value:
+    """A value on its way: the codec's header, inline buffers, or a staged upload with the buffers' sizes."""
+
+    header: bytes = b""
+    buffers: list[bytes] = field(default_factory=list)
+    staged: str = ""
+    sizes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CallIn:
+    session_id: str
+    op: str  # call, put, get, delete, refs
+    value: Value | None = None
+    function: str = ""
+    function_pickle: bytes = b""
+    keep: bool = False
+    ref_name: str = ""
+    ref_ids: list[str] = field(default_factory=list)
+    device: str = ""
+    timeout: float = 0.0
+
+
+@dataclass
+class CallOut:
+    value: Value | None = None
+    ref: dict[str, str] | None = None
+    refs: list[dict[str, str]] = field(default_factory=list)
+    failure: dict[str, Any] | None = None
+    exception: bytes = b""
+    unknown_function: bool = False
+    stdout_offset: int = 0
+    stderr_offset: int = 0
+    download: str = ""
+
+
+@dataclass
+class _Staged:
+    owner: str
+    session_id: str
+    fd: int
+    size: int
+    created: float = field(default_factory=time.monotonic)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass
+class _Live:
+    """What the server keeps in memory about a session that has not ended."""
+
+    id: str
+    owner: str
+    name: str
+    job_id: str
+    idle_timeout: float
+    last_call_at: float = field(default_factory=time.time)
+    calls: int = 0  # in flight
+    attached: int = 0
+    detached_since: float = field(default_factory=time.time)
+    link: wire.Link | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    refs: int = 0
+
+
+class SessionService:
+    def __init__(self, store: Store, jobs: JobService, root: Path) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.root = root
+        self.root.mkdir(exist_ok=True)
+        self._live: dict[str, _Live] = {}
+        self._staged: dict[str, _Staged] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Pick up the sessions a previous server left; their workers (jobs) run on."""
+        for row in self.store.query("SELECT * FROM sessions WHERE ended_at IS NULL ORDER BY seq"):
+            self._live[row["id"]] = _Live(row["id"], row["owner"], row["name"], row["job_id"], row["idle_timeout"])
+        self._reaper = asyncio.create_task(self._reap())
+
+    def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for live in self._live.values():
+            if live.link is not None:
+                live.link.close()
+        for staged in self._staged.values():
+            staged.close()
+        self._staged.clear()
+
+    # ---- sessions ---------------------------------------------------------------------------------
+
+    def open(self, caller: Identity, spec: SessionSpec) -> SessionRecord:
+        """A new session for ``caller``, or their live session named ``spec.name``."""
+        if spec.python_version or spec.cloudpickle_version:
+            problem = check_compatible(spec.python_version, spec.cloudpickle_version, remote="client", local="server")
+            if problem:
+                raise InvalidRequest(f"sessions need matching versions: {problem}")
+        if spec.name and (
+            len(spec.name) > MAX_NAME_LENGTH or not spec.name.isprintable() or spec.name.startswith("s-")
+        ):
+            raise InvalidRequest(
+                f"session name {spec.name[:80]!r}: use up to {MAX_NAME_LENGTH} printable characters, not starting "
+                "with 's-'"
+            )
+        idle = spec.idle_timeout or DEFAULT_SESSION_IDLE_TIMEOUT
+        if not 0 < idle <= _MAX_IDLE_TIMEOUT:
+            raise InvalidRequest(f"idle timeout {idle:g}s is outside 0 .. {format_duration(_MAX_IDLE_TIMEOUT)}")
+        if spec.name:
+            row = self.store.query_one(
+                "SELECT id FROM sessions WHERE owner = ? AND name = ? AND ended_at IS NULL", (caller.name, spec.name)
+            )
+            if row is not None:
+                return self._record(self._live[row["id"]], reattached=True)
+        session_id = "s-" + secrets.token_hex(4)
+        folder = self.root / session_id
+        folder.mkdir(mode=0o700)
+        stored = {
+            "gpus": spec.gpus,
+            "gpu_memory": spec.gpu_memory,
+            "cpus": spec.cpus,
+            "memory": spec.memory,
+            "priority": spec.priority,
+            "env": spec.env,
+        }
+        try:
+            job = self._start_worker(caller, session_id, spec.name, stored)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        try:
+            with self.store.transaction() as db:
+                db.execute(
+                    "INSERT INTO sessions (id, owner, name, job_id, spec, idle_timeout, created_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (session_id, caller.name, spec.name, job.id, json.dumps(stored), idle, time.time()),
+                )
+        except Exception:
+            self.jobs.cancel(caller, job.id)
+            raise
+        live = self._live[session_id] = _Live(session_id, caller.name, spec.name, job.id, idle)
+        log.info(
+            "session %s%s opened for %s (worker %s)",
+            session_id,
+            f" ({spec.name})" if spec.name else "",
+            caller.name,
+            job.id,
+        )
+        return self._record(live)
+
+    def _start_worker(self, caller: Identity, session_id: str, name: str, spec: dict[str, Any]) -> JobRecord:
+        return self.jobs.submit(
+            caller,
+            JobRequest(
+                command=list(_WORKER),
+                gpus=spec["gpus"],
+                gpu_memory=spec["gpu_memory"],
+                cpus=spec["cpus"],
+                memory=spec["memory"],
+                priority=spec["priority"],
+                env=spec["env"],
+                name=f"session {name or session_id}",
+                kind="session",
+                internal_env={ENV_SESSION_DIR: str(self.root / session_id)},
+            ),
+        )
+
+    def _find(self, caller: Identity, session_id: str = "", name: str = "") -> _Live:
+        if name and not session_id:
+            for live in self._live.values():
+                if live.name == name and live.owner == caller.name:
+                    return live
+            raise NotFound(f"no live session named {name[:80]!r} — `gpuport sessions` lists yours")
+        found = self._live.get(session_id[:64])
+        if found is None or (found.owner != caller.name and not caller.admin):
+            raise NotFound(f"no live session {session_id[:64]!r} — `gpuport sessions` lists yours")
+        return found
+
+    def _state(self, live: _Live, job: JobRecord) -> tuple[str, str]:
+        if job.state is JobState.QUEUED:
+            return "queued", job.message
+        if job.state is JobState.RUNNING:
+            return "running", ""
+        return "died", f"its worker {job.message}" if job.message else "its worker ended"
+
+    def _record(self, live: _Live, *, reattached: bool = False) -> SessionRecord:
+        job = self.jobs.get(Identity(live.owner, admin=True), live.job_id)
+        state, message = self._state(live, job)
+        return SessionRecord(
+            id=live.id,
+            name=live.name,
+            owner=live.owner,
+            state=state,
+            job=job,
+            created_at=job.created_at,
+            last_call_at=live.last_call_at,
+            idle_timeout=live.idle_timeout,
+            message=message,
+            refs=live.refs,
+            attached=live.attached,
+            reattached=reattached,
+        )
+
+    def get(self, caller: Identity, session_id: str = "", name: str = "") -> SessionRecord:
+        return self._record(self._find(caller, session_id, name))
+
+    def list_for(self, caller: Identity) -> list[SessionRecord]:
+        """The caller's live sessions (every user's, for an admin), oldest first."""
+        return [self._record(s) for s in self._live.values() if s.owner == caller.name or caller.admin]
+
+    def close(self, caller: Identity, session_id: str = "", name: str = "", reason: str = "closed") -> SessionRecord:
+        live = self._find(caller, session_id, name)
+        record = self._record(live)
+        self._end(live, reason)
+        return dataclasses.replace(record, state="ended", message=reason)
+
+    def _end(self, live: _Live, reason: str) -> None:
+        self._live.pop(live.id, None)
+        with self.store.transaction() as db:
+            db.execute("UPDATE sessions SET ended_at = ?, message = ? WHERE id = ?", (time.time(), reason, live.id))
+        if live.link is not None:
+            live.link.close()
+            live.link = None
+        self._stop_worker(live)
+        for key, staged in list(self._staged.items()):
+            if staged.session_id == live.id:
+                staged.close()
+                del self._staged[key]
+        log.info("session %s ended: %s", live.id, reason)
+
+    def _stop_worker(self, live: _Live) -> None:
+        owner = Identity(live.owner, admin=True)
+        with contextlib.suppress(Conflict, NotFound):
+            self.jobs.cancel(owner, live.job_id)
+
+    async def restart(self, caller: Identity, session_id: str = "", name: str = "") -> SessionRecord:
+        """A fresh worker for the session (its values are lost), after the old one has ended."""
+        live = self._find(caller, session_id, name)
+        async with live.lock:
+            old = self.jobs.get(Identity(live.owner, admin=True), live.job_id)
+            if not old.state.is_terminal():
+                if live.link is not None:
+                    live.link.close()
+                    live.link = None
+                if old.state is JobState.RUNNING:
+                    self.jobs.kill(old.id, "the session was restarted")
+                self._stop_worker(live)
+                await self.jobs.wait(Identity(live.owner, admin=True), old.id, _END_WAIT)
+            row = self.store.query_one("SELECT spec FROM sessions WHERE id = ?", (live.id,))
+            assert row is not None
+            job = self._start_worker(Identity(live.owner, admin=False), live.id, live.name, json.loads(row["spec"]))
+            with self.store.transaction() as db:
+                db.execute("UPDATE sessions SET job_id = ? WHERE id = ?", (job.id, live.id))
+            live.job_id, live.refs, live.last_call_at = job.id, 0, time.time()
+            log.info("session %s restarted: worker %s", live.id, job.id)
+            return self._record(live)
+
+    # ---- calls ------------------------------------------------------------------------------------
+
+    async def _link(self, live: _Live, deadline: float | None) -> wire.Link:
+        """The connection to the session's worker, once it runs and listens."""
+        if live.link is not None:
+            return live.link
+        owner = Identity(live.owner, admin=True)
+        path = str(self.root / live.id / "worker.sock")
+        started: float | None = None
+        while True:
+            job = self.jobs.get(owner, live.job_id)
+            if job.state.is_terminal():
+                raise _Died(job)
+            if job.state is JobState.RUNNING:
+                started = started or time.monotonic()
+                try:
+                    live.link = await wire.Link.connect(path)
+                    return live.link
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() - started > _CONNECT_TIMEOUT:
+                        raise ServerError(
+                            f"the worker of session {live.id} did not start listening within "
+                            f"{_CONNECT_TIMEOUT:g}s — the server's log and {path}/../stderr may say why"
+                        ) from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise ResourceUnavailable(f"session {live.id} is still queued: {job.message}")
+            await asyncio.sleep(0.01 if job.state is JobState.RUNNING else 0.1)
+
+    async def call(self, caller: Identity, request: CallIn) -> CallOut:
+        live = self._find(caller, request.session_id)
+        if request.op not in ("call", "put", "get", "delete", "refs"):
+            raise InvalidRequest(f"unknown operation {request.op!r}")
+        if request.timeout < 0:
+            raise InvalidRequest(f"timeout must be 0 (none) or more, not {request.timeout:g}")
+        header: dict[str, Any] = {"op": request.op}
+        buffers: list[Any] = []
+        fds: list[int] = []
+        staged: _Staged | None = None
+        if request.function_pickle:
+            header["function_pickle"] = True
+            buffers.append(request.function_pickle)
+        if request.value is not None:
+            header["value"] = request.value.header.decode()
+            buffers += request.value.buffers
+            if request.value.staged:
+                staged = self._staged.pop(request.value.staged, None)
+                if staged is None or staged.session_id != live.id or staged.owner != caller.name:
+                    raise NotFound(
+                        f"no upload {request.value.staged[:64]!r} for this session (it expires after {_STAGED_TTL:g}s)"
+                    )
+                if sum(request.value.sizes) != staged.size:
+                    staged.close()
+                    raise InvalidRequest("the sizes of the uploaded buffers do not add up to the upload's size")
+                header["fd_sizes"] = [staged.size]
+                header["staged_sizes"] = list(request.value.sizes)
+                fds.append(staged.fd)
+        header.update(
+            function=request.function,
+            keep=request.keep,
+            name=request.ref_name,
+            ref_ids=list(request.ref_ids),
+            device=request.device,
+        )
+        try:
+            async with live.lock:
+                live.calls += 1
+                live.last_call_at = time.time()
+                try:
+                    return await self._roundtrip(live, header, buffers, fds, request.timeout)
+                finally:
+                    live.calls -= 1
+                    live.last_call_at = time.time()
+        finally:
+            if staged is not None:
+                staged.close()
+
+    async def _roundtrip(
+        self, live: _Live, header: dict[str, Any], buffers: list[Any], fds: list[int], timeout: float
+    ) -> CallOut:
+        try:
+            link = await self._link(live, None)
+        except _Died as died:
+            return self._died(live, died.job)
+        try:
+            await link.send(header, buffers, fds)
+            frame = await (asyncio.wait_for(link.recv(), timeout) if timeout else link.recv())
+        except asyncio.TimeoutError:
+            self.jobs.kill(live.job_id, f"a call ran past its timeout of {format_duration(timeout)}")
+            return await self._lost(live, timeout=timeout)
+        except (EOFError, ConnectionError, OSError):
+            return await self._lost(live)
+        return self._out(live, frame)
+
+    async def _lost(self, live: _Live, timeout: float = 0.0) -> CallOut:
+        """The worker went away in the middle of a call: say how it ended."""
+        if live.link is not None:
+            live.link.close()
+            live.link = None
+        job = await self.jobs.wait(Identity(live.owner, admin=True), live.job_id, _END_WAIT)
+        out = self._died(live, job)
+        if timeout and out.failure is not None:
+            out.failure["kind"] = "timeout"
+        return out
+
+    def _died(self, live: _Live, job: JobRecord) -> CallOut:
+        live.refs = 0
+        message = job.message or "it ended"
+        if not job.state.is_terminal():
+            message = "it closed its connection to the server"
+        failure = {
+            "kind": "died",
+            "type": "WorkerDied",
+            "message": f"the worker of session {live.id} died: {message}",
+            "traceback": "",
+            "exit_code": job.exit_code,
+            "stderr_tail": self._stderr_tail(live),
+        }
+        stdout, stderr = self._offsets(live)
+        return CallOut(failure=failure, stdout_offset=stdout, stderr_offset=stderr)
+
+    def _offsets(self, live: _Live) -> tuple[int, int]:
+        """Where the session's stdout and stderr end now."""
+        folder = self.root / live.id
+        sizes = []
+        for name in ("stdout", "stderr"):
+            try:
+                sizes.append((folder / name).stat().st_size)
+            except OSError:
+                sizes.append(0)
+        return sizes[0], sizes[1]
+
+    def _stderr_tail(self, live: _Live) -> str:
+        try:
+            with open(self.root / live.id / "stderr", "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-_STDERR_TAIL_LINES:])
+
+    def _out(self, live: _Live, frame: wire.Frame) -> CallOut:
+        h = frame.header
+        out = CallOut(stdout_offset=h.get("stdout", 0), stderr_offset=h.get("stderr", 0))
+        try:
+            if "error" in h:
+                name, message = h["error"]
+                raise _ERRORS.get(name, InvalidRequest)(message)
+            if h.get("unknown_function"):
+                out.unknown_function = True
+            elif "failure" in h:
+                out.failure = h["failure"]
+                out.exception = bytes(frame.buffers[0]) if frame.buffers else b""
+            elif "ref" in h:
+                out.ref = h["ref"]
+            elif "refs" in h:
+                out.refs = h["refs"]
+            if "refs" in h:
+                live.refs = len(h["refs"])
+            elif "ref" in h:
+                live.refs += 1
+            if "value" in h:
+                value = Value(header=h["value"].encode(), buffers=[bytes(b) for b in frame.buffers])
+                if frame.fds:
+                    key = "d-" + secrets.token_hex(8)
+                    self._staged[key] = _Staged(live.owner, live.id, frame.fds.pop(0), h["fd_sizes"][0])
+                    value.staged, value.sizes = key, list(h["staged_sizes"])
+                    out.download = key
+                out.value = value
+            return out
+        finally:
+            for fd in frame.fds:
+                os.close(fd)
+
+    # ---- bulk data --------------------------------------------------------------------------------
+
+    async def upload(self, caller: Identity, chunks: AsyncIterator[tuple[str, int, bytes]]) -> str:
+        """Receive a value's buffers (laid end to end) into memory the worker will map; return its key."""
+        first = await anext(chunks, None)
+        if first is None:
+            raise InvalidRequest("an upload needs at least one message, naming the session and the size")
+        session_id, size, data = first
+        live = self._find(caller, session_id)
+        if size < 0:
+            raise InvalidRequest(f"upload size {size} is negative")
+        available = psutil.virtual_memory().available
+        if size > available:
+            raise ResourceUnavailable(
+                f"a value of {format_size(size)} does not fit in the server's memory ({format_size(available)} "
+                "available): send it in parts"
+            )
+        fd, mapped = wire.staging_file(size, "gpuport-upload")
+        try:
+            at = 0
+            while True:
+                if data:
+                    if at + len(data) > size:
+                        raise InvalidRequest(f"the upload sent more than the {size} bytes it announced")
+                    assert mapped is not None
+                    mapped[at : at + len(data)] = data
+                    at += len(data)
+                nxt = await anext(chunks, None)
+                if nxt is None:
+                    break
+                data = nxt[2]
+            if at != size:
+                raise InvalidRequest(f"the upload ended after {at} of the {size} bytes it announced")
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            if mapped is not None:
+                mapped.close()
+        key = "u-" + secrets.token_hex(8)
+        self._staged[key] = _Staged(caller.name, live.id, fd, size)
+        live.last_call_at = time.time()
+        return key
+
+    async def download(self, caller: Identity, session_id: str, key: str) -> AsyncIterator[bytes]:
+        live = self._find(caller, session_id)
+        staged = self._staged.pop(key[:64], None)
+        if staged is None or staged.session_id != live.id:
+            raise NotFound(f"no result {key[:64]!r} to download for this session (it expires after {_STAGED_TTL:g}s)")
+        try:
+            if not staged.size:
+                return
+            with mmap.mmap(staged.fd, staged.size, prot=mmap.PROT_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    for at in range(0, staged.size, SESSION_INLINE_BYTES):
+                        yield bytes(view[at : at + SESSION_INLINE_BYTES])
+                finally:
+                    view.release()
+        finally:
+            staged.close()
+
+    # ---- output -----------------------------------------------------------------------------------
+
+    async def output(
+        self, caller: Identity, session_id: str, stdout_offset: int, stderr_offset: int
+    ) -> AsyncIterator[tuple[int, int, bytes, str]]:
+        """The session's output from these offsets on (negative: from its end now), as (fd, offset,
+        data, ""), while it lives; a change of state comes as (0, 0, b"", state). Following it keeps
+        an unnamed session alive."""
+        live = self._find(caller, session_id)
+        folder = self.root / live.id
+        offsets = {}
+        for fd, name, asked in ((1, "stdout", stdout_offset), (2, "stderr", stderr_offset)):
+            if asked < 0:  # from where it stands now
+                try:
+                    asked = (folder / name).stat().st_size
+                except OSError:
+                    asked = 0
+            offsets[fd] = asked
+        files: dict[int, Any] = {}
+        live.attached += 1
+        state = ""
+        try:
+            for fd in (1, 2):  # where the stream starts, so that the client knows its offsets
+                yield fd, offsets[fd], b"", ""
+            while True:
+                sent = False
+                for fd, name in ((1, "stdout"), (2, "stderr")):
+                    f = files.get(fd)
+                    if f is None:
+                        try:
+                            f = files[fd] = open(folder / name, "rb")  # noqa: SIM115 - closed below
+                        except FileNotFoundError:
+                            continue
+                    f.seek(offsets[fd])
+                    data = f.read(LOG_CHUNK_BYTES)
+                    if data:
+                        yield fd, offsets[fd], data, ""
+                        offsets[fd] += len(data)
+                        sent = True
+                if sent:
+                    continue
+                ended = live.id not in self._live
+                now = "ended" if ended else self._state(live, self.jobs.get(Identity(live.owner, True), live.job_id))[0]
+                if now != state:
+                    state = now
+                    yield 0, 0, b"", state
+                if ended:
+                    return
+                await asyncio.sleep(LOG_POLL_INTERVAL)
+        finally:
+            live.attached -= 1
+            if not live.attached:
+                live.detached_since = time.time()
+            for f in files.values():
+                f.close()
+
+    # ---- ending idle sessions ---------------------------------------------------------------------
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(_REAP_EVERY)
+            try:
+                self.reap()
+            except Exception:
+                log.exception("ending idle sessions failed")
+
+    def reap(self) -> None:
+        now, mono = time.time(), time.monotonic()
+        for live in list(self._live.values()):
+            if live.calls:
+                continue
+            if now - live.last_call_at > live.idle_timeout:
+                self._end(live, f"idle for {format_duration(live.idle_timeout)}")
+            elif (
+                not live.name
+                and not live.attached
+                and now - live.detached_since > min(live.idle_timeout, SESSION_DETACHED_GRACE)
+            ):
+                self._end(live, "its client went away without closing it")
+        for key, staged in list(self._staged.items()):
+            if mono - staged.created > _STAGED_TTL:
+                staged.close()
+                del self._staged[key]
+
+
+class _Died(Exception):
+    def __init__(self, job: JobRecord) -> None:
+        super().__init__(job.message)
+        self.job = job

@@ -1,0 +1,254 @@
+"""A session's worker: one Python process holding the session's allocation, its values and its functions.
+
+Started as the command of a job of kind "session" (so it queues, holds its GPUs, is capped and
+watched like any job): ``python -m gpuport.server.worker.session``, with ``GPUPORT_SESSION_DIR`` set.
+In that folder it writes its output (``stdout``, ``stderr``, appended across the session's workers, so
+that offsets only grow) and listens on ``worker.sock`` for the server, one request at a time (see
+wire.py for the frames). The server reconnects after its own restart; the values stay here.
+
+Values arrive as the codec's header and buffers (protocol/values.py): inline, or as a memfd the server
+filled from the client's upload, mapped here without a copy. Results larger than ``_INLINE_BYTES`` go
+back the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from gpuport.defaults import ENV_SESSION_DIR
+from gpuport.defaults import SESSION_INLINE_BYTES as _INLINE_BYTES  # larger results go back in a memfd
+from gpuport.protocol import refs, values
+from gpuport.server.worker import wire
+
+
+def describe(value: Any) -> tuple[str, str]:
+    """A value's type name and a short summary, for a Ref's repr."""
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        try:
+            dims = tuple(int(d) if d is not None else None for d in shape)
+        except TypeError:
+            dims = shape
+        return name, f"{getattr(dtype, 'name', dtype)} {dims}"
+    try:
+        return name, f"{len(value)} items"
+    except Exception:
+        return name, ""
+
+
+class Worker:
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.values: dict[str, Any] = {}
+        self.names: dict[str, str] = {}  # name → ref id
+        self.functions: dict[str, Any] = {}  # sha256 of the pickle → function
+        self.count = 0
+        refs.table = self.values
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def handle(self, frame: wire.Frame) -> tuple[dict[str, Any], list[Any], list[int]]:
+        header = frame.header
+        buffers: list[Any] = list(frame.buffers)
+        for fd, size in zip(frame.fds, header.get("fd_sizes", [])):
+            buffers.append(wire.map_file(fd, size))  # the map stays valid once the descriptor is closed
+            os.close(fd)
+        op = header["op"]
+        try:
+            if op == "call":
+                return self._call(header, buffers)
+            if op == "put":
+                value = self._decode(header["value"], buffers, header.get("device") or None)
+                return self._keep(value, header.get("name", "")), [], []
+            if op == "get":
+                return self._reply(self._lookup(header["ref_ids"][0]))
+            if op == "delete":
+                for ref_id in header["ref_ids"]:
+                    self._lookup(ref_id)
+                for ref_id in header["ref_ids"]:
+                    self.values.pop(ref_id, None)
+                    for name, held in list(self.names.items()):
+                        if held == ref_id:
+                            del self.names[name]
+                return {}, [], []
+            if op == "refs":
+                return {"refs": [self._ref_info(r) for r in self.values]}, [], []
+            return {"error": ["InvalidRequest", f"unknown operation {op!r}"]}, [], []
+        except refs.UnknownRef as e:
+            return {"error": ["NotFound", self._unknown(str(e))]}, [], []
+        except LookupError as e:
+            return {"error": ["NotFound", str(e.args[0]) if e.args else str(e)]}, [], []
+
+    def _unknown(self, ref_id: str) -> str:
+        owner = ref_id.split("/")[0]
+        if owner != self.job_id:
+            return (
+                f"the value {ref_id} was held by an earlier worker of this session ({owner}), which has ended; "
+                "put it again"
+            )
+        return f"the session holds no value {ref_id} (deleted?)"
+
+    def _lookup(self, ref_id: str) -> Any:
+        if ref_id not in self.values:
+            raise refs.UnknownRef(ref_id)
+        return self.values[ref_id]
+
+    def _decode(self, header: str, buffers: list[Any], device: str | None = None) -> Any:
+        return values.decode(header, buffers, device=device)
+
+    def _call(self, header: dict[str, Any], buffers: list[Any]) -> tuple[dict[str, Any], list[Any], list[int]]:
+        digest = header["function"]
+        function = self.functions.get(digest)
+        if header.get("function_pickle"):
+            data = buffers.pop(0)
+            if function is None:
+                if hashlib.sha256(data).hexdigest() != digest:
+                    return {"error": ["InvalidRequest", "the function's pickle does not match its hash"]}, [], []
+                try:
+                    function = self.functions[digest] = cloudpickle.loads(data)
+                except Exception as e:
+                    return self._failure(e, "the function could not be unpickled in the worker: ")
+        if function is None:
+            return {"unknown_function": True}, [], []
+        try:
+            args, kwargs = self._decode(header["value"], buffers)
+        except refs.UnknownRef:
+            raise
+        except Exception as e:
+            return self._failure(e, "the arguments could not be unpickled in the worker: ")
+        try:
+            result = function(*args, **kwargs)
+        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the worker stays up
+            return self._failure(e)
+        finally:
+            del args, kwargs
+        if header.get("keep"):
+            return self._keep(result, header.get("name", "")), [], []
+        return self._reply(result)
+
+    def _keep(self, value: Any, name: str) -> dict[str, Any]:
+        self.count += 1
+        ref_id = f"{self.job_id}/{self.count}"
+        self.values[ref_id] = value
+        if name:
+            old = self.names.get(name)
+            if old is not None:
+                self.values.pop(old, None)  # a name holds one value: the newest
+            self.names[name] = ref_id
+        return {"ref": self._ref_info(ref_id)}
+
+    def _ref_info(self, ref_id: str) -> dict[str, str]:
+        name = next((n for n, r in self.names.items() if r == ref_id), "")
+        kind, summary = describe(self.values[ref_id])
+        return {"ref_id": ref_id, "name": name, "type": kind, "summary": summary}
+
+    def _reply(self, value: Any) -> tuple[dict[str, Any], list[Any], list[int]]:
+        try:
+            encoded = values.encode(value)
+        except Exception as e:
+            return self._failure(e, "the result cannot be sent back (keep it in the session with keep=True): ")
+        header: dict[str, Any] = {"value": encoded.header.decode()}
+        total = sum(b.nbytes for b in encoded.buffers)
+        if total <= _INLINE_BYTES:
+            return header, list(encoded.buffers), []
+        fd, mapped = wire.staging_file(total, "gpuport-result")
+        try:
+            at = 0
+            for b in encoded.buffers:
+                mapped[at : at + b.nbytes] = b.cast("B")  # type: ignore[index]
+                at += b.nbytes
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            if mapped is not None:
+                mapped.close()
+        header["fd_sizes"] = [total]
+        header["staged_sizes"] = [b.nbytes for b in encoded.buffers]
+        return header, [], [fd]
+
+    def _failure(self, error: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any], list[int]]:
+        kind = type(error)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        tb = error.__traceback__
+        if tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next  # the worker's own frame says nothing to the user
+        text = "".join(traceback.format_exception(kind, error, tb))
+        try:
+            pickled = cloudpickle.dumps(error, protocol=5)
+        except Exception:
+            pickled = b""
+        failure = {"kind": "raised", "type": name, "message": prefix + str(error), "traceback": text}
+        return {"failure": failure}, [pickled] if pickled else [], []
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def serve(self, listener: socket.socket) -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                while True:
+                    try:
+                        frame = wire.recv(conn)
+                    except (EOFError, ConnectionError):
+                        break  # the server went away (it restarts): wait for it to come back
+                    header, buffers, fds = self.handle(frame)
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    header["stdout"] = os.fstat(1).st_size
+                    header["stderr"] = os.fstat(2).st_size
+                    try:
+                        wire.send(conn, header, buffers, fds)
+                    except (BrokenPipeError, ConnectionError):
+                        break
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+
+
+def _output(folder: Path) -> None:
+    """Point fds 1 and 2 at the session's output files, which the server follows."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        target = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def _listen(folder: Path) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    cwd = os.getcwd()
+    os.chdir(folder)  # bound by its relative name: the folder's path may be longer than a socket's limit
+    try:
+        for name in ("worker.sock.new",):
+            if os.path.exists(name):
+                os.unlink(name)
+        listener.bind("worker.sock.new")
+        os.chmod("worker.sock.new", 0o600)
+        listener.listen(4)
+        os.replace("worker.sock.new", "worker.sock")  # appears only once it accepts connections
+    finally:
+        os.chdir(cwd)
+    return listener
+
+
+def main() -> None:
+    folder = Path(os.environ[ENV_SESSION_DIR])
+    _output(folder)
+    listener = _listen(folder)
+    # The user's functions import their modules from the session's workdir, as a script's would.
+    sys.path.insert(0, os.getcwd())
+    Worker(os.environ.get("GPUPORT_JOB_ID", "w")).serve(listener)
+
+
+if __name__ == "__main__":
+    main()

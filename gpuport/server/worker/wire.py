@@ -1,0 +1,224 @@
+"""Frames between the server and a session's worker, over the worker's Unix socket.
+
+A frame is a fixed prefix (header length, inline bytes), a JSON header and the inline buffers laid
+end to end; file descriptors (memfds holding large buffers) ride along with the prefix as
+``SCM_RIGHTS``. The header is JSON on purpose: the worker runs the user's code, so the server never
+unpickles anything the worker sends. Each side reads exactly one frame's bytes at a time, so the
+descriptors of a frame always arrive with its own prefix.
+
+The worker's side (``send``/``recv``) blocks; the server's side (``Link``) runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import json
+import mmap
+import os
+import socket
+import struct
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+_PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
+_MAX_HEADER = 64 * 1024 * 1024
+_MAX_FDS = 16
+_ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Frame:
+    __slots__ = ("header", "buffers", "fds")
+
+    def __init__(self, header: dict[str, Any], buffers: list[memoryview], fds: list[int]) -> None:
+        self.header = header
+        self.buffers = buffers  # inline buffers, split by header["sizes"]
+        self.fds = fds  # received descriptors: the receiver owns (and closes) them
+
+
+def _encode(header: dict[str, Any], buffers: Sequence[Buffer]) -> tuple[bytes, int]:
+    sizes = [memoryview(b).nbytes for b in buffers]
+    head = json.dumps({**header, "sizes": sizes}, separators=(",", ":")).encode()
+    total = sum(sizes)
+    return _PREFIX.pack(len(head), total) + head, total
+
+
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            ints = array.array("i")
+            ints.frombytes(data[: len(data) - len(data) % ints.itemsize])
+            fds.extend(ints)
+    return fds
+
+
+def _split(header: dict[str, Any], data: memoryview) -> list[memoryview]:
+    out, at = [], 0
+    for size in header.pop("sizes", []):
+        out.append(data[at : at + size])
+        at += size
+    return out
+
+
+def staging_file(size: int, name: str = "gpuport-value") -> tuple[int, mmap.mmap | None]:
+    """A descriptor of ``size`` bytes of memory (a memfd; an unlinked temp file where there is none),
+    and a writable map of it (None for 0 bytes)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    else:  # pragma: no cover - not Linux
+        fd, path = tempfile.mkstemp(prefix=name)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+        return fd, (mmap.mmap(fd, size) if size else None)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_file(fd: int, size: int) -> memoryview:
+    """The ``size`` bytes behind ``fd``, mapped (shared, writable); the map outlives the descriptor."""
+    if not size:
+        return memoryview(b"")
+    return memoryview(mmap.mmap(fd, size))
+
+
+# ---- the worker's side: blocking ----------------------------------------------------------------
+
+
+def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
+    prefix, _ = _encode(header, buffers)
+    if fds:
+        sent = sock.sendmsg([prefix], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        if sent < len(prefix):
+            sock.sendall(prefix[sent:])
+    else:
+        sock.sendall(prefix)
+    for b in buffers:
+        sock.sendall(b)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise EOFError("the other side closed the connection")
+        got += n
+
+
+def recv(sock: socket.socket) -> Frame:
+    """The next frame; ``EOFError`` when the other side has gone."""
+    prefix = bytearray(_PREFIX.size)
+    got, fds = 0, []
+    while got < len(prefix):
+        data, ancdata, _, _ = sock.recvmsg(len(prefix) - got, _ANCILLARY)
+        if not data:
+            raise EOFError("the other side closed the connection")
+        fds += _fds_of(ancdata)
+        prefix[got : got + len(data)] = data
+        got += len(data)
+    head_size, total = _PREFIX.unpack(prefix)
+    if head_size > _MAX_HEADER:
+        raise EOFError(f"a frame header of {head_size} bytes: the stream is corrupt")
+    body = memoryview(bytearray(head_size + total))
+    _recv_exact(sock, body)
+    header = json.loads(bytes(body[:head_size]))
+    return Frame(header, _split(header, body[head_size:]), fds)
+
+
+# ---- the server's side: on the event loop --------------------------------------------------------
+
+
+class Link:
+    """The server's connection to one worker: one request at a time (the caller holds a lock)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def connect(cls, path: str) -> Link:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        folder_fd = None
+        try:
+            sock.setblocking(False)
+            if len(os.fsencode(path)) >= 100 and os.path.isdir("/proc/self/fd"):
+                # A Unix socket's path may have at most 107 bytes: go through a descriptor of its folder.
+                folder, name = os.path.split(path)
+                folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                path = f"/proc/self/fd/{folder_fd}/{name}"
+            await asyncio.get_running_loop().sock_connect(sock, path)
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            if folder_fd is not None:
+                os.close(folder_fd)
+        return cls(sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def _ready(self, write: bool) -> None:
+        fut = self._loop.create_future()
+        fd = self.sock.fileno()
+
+        def wake() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        (self._loop.add_writer if write else self._loop.add_reader)(fd, wake)
+        try:
+            await fut
+        finally:
+            (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
+
+    async def send(self, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
+        prefix, _ = _encode(header, buffers)
+        sent = 0
+        while True:
+            try:
+                if fds:
+                    sent = self.sock.sendmsg([prefix], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                else:
+                    sent = self.sock.send(prefix)
+                break
+            except BlockingIOError:
+                await self._ready(write=True)
+        if sent < len(prefix):
+            await self._loop.sock_sendall(self.sock, prefix[sent:])
+        for b in buffers:
+            await self._loop.sock_sendall(self.sock, b)
+
+    async def recv(self) -> Frame:
+        prefix = bytearray(_PREFIX.size)
+        got, fds = 0, []
+        while got < len(prefix):
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(len(prefix) - got, _ANCILLARY)
+            except BlockingIOError:
+                await self._ready(write=False)
+                continue
+            if not data:
+                raise EOFError("the worker closed the connection")
+            fds += _fds_of(ancdata)
+            prefix[got : got + len(data)] = data
+            got += len(data)
+        head_size, total = _PREFIX.unpack(prefix)
+        if head_size > _MAX_HEADER:
+            raise EOFError(f"a frame header of {head_size} bytes from the worker: the stream is corrupt")
+        body = memoryview(bytearray(head_size + total))
+        at = 0
+        while at < len(body):
+            n = await self._loop.sock_recv_into(self.sock, body[at:])
+            if not n:
+                raise EOFError("the worker closed the connection")
+            at += n
+        header = json.loads(bytes(body[:head_size]))
+        return Frame(header, _split(header, body[head_size:]), fds)

@@ -66,6 +66,11 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="HTTP port (0: any free).",
 )
 @click.option(
+    "--data-port",
+    type=click.IntRange(0, 65535),
+    help="Port for sessions' large values, TLS like the others [default: the gRPC port + 2].",
+)
+@click.option(
     "--state-dir",
     type=click.Path(path_type=Path),
     help="Where the server keeps its state [default: the user data dir].",
@@ -79,6 +84,7 @@ def server(
     host: str,
     port: int,
     http_port: int,
+    data_port: int | None,
     state_dir: Path | None,
     insecure: bool,
     new_admin_token: bool,
@@ -104,6 +110,7 @@ def server(
             host=host,
             port=port,
             http_port=http_port,
+            data_port=data_port,
             state_dir=state_dir or default_state_dir(),
             insecure=insecure,
             new_admin_token=new_admin_token,

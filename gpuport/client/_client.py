@@ -77,6 +77,7 @@ class Client:
         self.fingerprint = settings.fingerprint if self._target.tls else None
         self._metadata = (("authorization", f"Bearer {settings.token}"),)
         certificate = _trusted_certificate(self._target, settings, timeout)
+        self._certificate = certificate  # also trusted on the data port, where sessions' large values go
         self._channel = open_channel(self._target, certificate)
         self._control = pb_grpc.ControlStub(self._channel)
         self._tokens = pb_grpc.TokensStub(self._channel)
@@ -109,6 +110,7 @@ class Client:
         self.server_python: str = hello.python_version
         self.hostname: str = hello.hostname
         self.server_cloudpickle: str = hello.cloudpickle_version
+        self._data_port: int = hello.data_port  # 0: none; after a failed connection, too (gRPC instead)
         # Sessions and functions exchange pickles, which need the same Python minor version (and
         # cloudpickle major version) on both sides: found out now, said when a session is opened.
         self._pickle_problem = check_compatible(self.server_python, self.server_cloudpickle or cloudpickle.__version__)

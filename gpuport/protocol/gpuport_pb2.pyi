@@ -1,13 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-from typing import Optional as _Optional
-from typing import Union as _Union
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -26,20 +22,22 @@ class HelloRequest(_message.Message):
     def __init__(self, client_version: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("server_version", "python_version", "hostname", "user", "admin", "cloudpickle_version")
+    __slots__ = ("server_version", "python_version", "hostname", "user", "admin", "cloudpickle_version", "data_port")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
     CLOUDPICKLE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     python_version: str
     hostname: str
     user: str
     admin: bool
     cloudpickle_version: str
-    def __init__(self, server_version: _Optional[str] = ..., python_version: _Optional[str] = ..., hostname: _Optional[str] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
+    data_port: int
+    def __init__(self, server_version: _Optional[str] = ..., python_version: _Optional[str] = ..., hostname: _Optional[str] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., cloudpickle_version: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class GpuProcess(_message.Message):
     __slots__ = ("pid", "memory_used", "job_id")
@@ -655,6 +653,26 @@ class DataChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class TransferRequest(_message.Message):
+    __slots__ = ("session_id", "size", "staged")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    size: int
+    staged: str
+    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., staged: _Optional[str] = ...) -> None: ...
+
+class TransferTicket(_message.Message):
+    __slots__ = ("staged", "ticket", "port")
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    staged: str
+    ticket: str
+    port: int
+    def __init__(self, staged: _Optional[str] = ..., ticket: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class OutputRequest(_message.Message):
     __slots__ = ("session_id", "stdout_offset", "stderr_offset")

@@ -26,6 +26,7 @@ from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
+from gpuport.server.api.data_port import DataPort
 from gpuport.server.api.grpc_api import build_grpc_server
 from gpuport.server.api.http_api import build_http_app
 from gpuport.server.app import ServerApp
@@ -136,6 +137,7 @@ async def serve(
     port: int,
     http_port: int,
     state_dir: Path,
+    data_port: int | None = None,
     insecure: bool = False,
     new_admin_token: bool = False,
     say: Callable[[str], None] = print,
@@ -143,7 +145,8 @@ async def serve(
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
 
     The first start prints the first admin token; ``new_admin_token`` prints one more admin token
-    on any start (for when every admin token is lost).
+    on any start (for when every admin token is lost). ``data_port`` (None: the gRPC port + 2, or any
+    free port when that is 0) carries sessions' large values (see api/data_port.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -164,6 +167,7 @@ async def serve(
             )
     inventory = detect_inventory()
     app = ServerApp(state, inventory)
+    data: DataPort | None = None
     try:
         credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
         try:
@@ -173,6 +177,17 @@ async def serve(
                 f"cannot listen for gRPC on {host}:{port} — is another server using it? pick another --port"
             ) from None
         http_socket = _bind_http(host, http_port)
+        if data_port is None:
+            data_port = port + 2 if port else 0
+        data = DataPort(
+            app.sessions.staging,
+            host,
+            data_port,
+            state.cert_path if identity else None,
+            state.key_path if identity else None,
+        )
+        app.sessions.data_port = data.port
+        data.start()
         http_bound = http_socket.getsockname()[1]
         http = _HttpServer(
             uvicorn.Config(
@@ -219,4 +234,6 @@ async def serve(
         await asyncio.gather(grpc_server.stop(DEFAULT_SHUTDOWN_GRACE), http_task, return_exceptions=True)
         say("stopped")
     finally:
+        if data is not None:
+            data.close()
         app.close()

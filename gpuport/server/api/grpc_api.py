@@ -138,6 +138,7 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
             user=caller.name,
             admin=caller.admin,
             cloudpickle_version=cloudpickle.__version__,
+            data_port=self.app.sessions.data_port,
         )
 
     @rpc
@@ -523,6 +524,11 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
     async def Download(self, request: pb.DownloadChunkRequest, caller: Identity) -> AsyncIterator[pb.DataChunk]:
         async for data in self.app.sessions.download(caller, request.session_id, request.staged):
             yield pb.DataChunk(data=data)
+
+    @rpc
+    async def Transfer(self, request: pb.TransferRequest, caller: Identity) -> pb.TransferTicket:
+        key, ticket = self.app.sessions.transfer(caller, request.session_id, request.size, request.staged)
+        return pb.TransferTicket(staged=key, ticket=ticket, port=self.app.sessions.data_port)
 
     @stream_rpc
     async def Output(self, request: pb.OutputRequest, caller: Identity) -> AsyncIterator[pb.OutputChunk]:

@@ -25,6 +25,7 @@ import os
 import secrets
 import shutil
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ _WORKER = [sys.executable, "-m", "gpuport.server.worker.session"]
 _CONNECT_TIMEOUT = 60.0  # seconds from a worker's start to its socket accepting
 _END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it ended
 _STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
+_TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
+_STATE_EVERY = 25  # output polls between looks at a followed session's state (0.5 s)
 _REAP_EVERY = 1.0
 _STDERR_TAIL_LINES = 20
 _MAX_IDLE_TIMEOUT = 30 * 24 * 3600.0
@@ -136,16 +139,85 @@ class CallOut:
 
 
 @dataclass
-class _Staged:
+class Staged:
+    """Bytes in memory between the client and a worker: an upload on its way to a call, or a result
+    on its way to the client. ``parts`` are (descriptor, offset, size), laid end to end."""
+
     owner: str
     session_id: str
-    fd: int
+    parts: list[tuple[int, int, int]]
     size: int
+    complete: bool = True  # an upload through the data port is complete once every byte arrived
     created: float = field(default_factory=time.monotonic)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        for fd in {fd for fd, _, _ in self.parts}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def views(self) -> list[tuple[mmap.mmap, memoryview]]:
+        """Each part mapped (read only), as its map and a view of its bytes; close the maps after use."""
+        out = []
+        for fd, offset, size in self.parts:
+            if not size:
+                continue
+            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            out.append((mapped, memoryview(mapped)[offset : offset + size]))
+        return out
+
+
+class Staging:
+    """The staged values of every session, by key; shared with the data port's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, Staged] = {}
+        self._tickets: dict[str, tuple[str, str, float]] = {}  # ticket → (key, "upload" | "download", expiry)
+
+    def add(self, staged: Staged, prefix: str) -> str:
+        key = prefix + secrets.token_hex(8)
+        with self._lock:
+            self._items[key] = staged
+        return key
+
+    def take(self, key: str) -> Staged | None:
+        with self._lock:
+            return self._items.pop(key, None)
+
+    def peek(self, key: str) -> Staged | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def ticket(self, key: str, kind: str) -> str:
+        ticket = secrets.token_hex(32)
+        with self._lock:
+            self._tickets[ticket] = (key, kind, time.monotonic() + _TICKET_TTL)
+        return ticket
+
+    def redeem(self, ticket: str) -> tuple[str, str, Staged] | None:
+        """The staged value a ticket is for (once: a ticket is used up), or None."""
+        with self._lock:
+            found = self._tickets.pop(ticket, None)
+            if found is None or found[2] < time.monotonic():
+                return None
+            key, kind, _ = found
+            staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
+        return (key, kind, staged) if staged is not None else None
+
+    def drop(self, session_id: str | None = None, older_than: float | None = None) -> None:
+        """Free the staged values of a session, or those older than ``older_than`` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            doomed = [
+                key
+                for key, staged in self._items.items()
+                if (session_id is None or staged.session_id == session_id)
+                and (older_than is None or now - staged.created > older_than)
+            ]
+            gone = [self._items.pop(key) for key in doomed]
+            self._tickets = {t: v for t, v in self._tickets.items() if v[2] >= now and v[0] in self._items}
+        for staged in gone:
+            staged.close()
 
 
 @dataclass
@@ -173,7 +245,8 @@ class SessionService:
         self.root = root
         self.root.mkdir(exist_ok=True)
         self._live: dict[str, _Live] = {}
-        self._staged: dict[str, _Staged] = {}
+        self.staging = Staging()
+        self.data_port = 0  # set by the daemon once the data port listens
         self._reaper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -188,9 +261,7 @@ class SessionService:
         for live in self._live.values():
             if live.link is not None:
                 live.link.close()
-        for staged in self._staged.values():
-            staged.close()
-        self._staged.clear()
+        self.staging.drop()
 
     # ---- sessions ---------------------------------------------------------------------------------
 
@@ -326,10 +397,7 @@ class SessionService:
             live.link.close()
             live.link = None
         self._stop_worker(live)
-        for key, staged in list(self._staged.items()):
-            if staged.session_id == live.id:
-                staged.close()
-                del self._staged[key]
+        self.staging.drop(session_id=live.id)
         log.info("session %s ended: %s", live.id, reason)
 
     def _stop_worker(self, live: _Live) -> None:
@@ -396,7 +464,7 @@ class SessionService:
         header: dict[str, Any] = {"op": request.op}
         buffers: list[Any] = []
         fds: list[int] = []
-        staged: _Staged | None = None
+        staged: Staged | None = None
         if request.function_pickle:
             header["function_pickle"] = True
             buffers.append(request.function_pickle)
@@ -404,8 +472,10 @@ class SessionService:
             header["value"] = request.value.header.decode()
             buffers += request.value.buffers
             if request.value.staged:
-                staged = self._staged.pop(request.value.staged, None)
-                if staged is None or staged.session_id != live.id or staged.owner != caller.name:
+                staged = self.staging.take(request.value.staged[:64])
+                if staged is None or staged.session_id != live.id or not staged.complete:
+                    if staged is not None:
+                        staged.close()
                     raise NotFound(
                         f"no upload {request.value.staged[:64]!r} for this session (it expires after {_STAGED_TTL:g}s)"
                     )
@@ -414,7 +484,7 @@ class SessionService:
                     raise InvalidRequest("the sizes of the uploaded buffers do not add up to the upload's size")
                 header["fd_sizes"] = [staged.size]
                 header["staged_sizes"] = list(request.value.sizes)
-                fds.append(staged.fd)
+                fds.append(staged.parts[0][0])
         header.update(
             function=request.function,
             keep=request.keep,
@@ -523,9 +593,12 @@ class SessionService:
             if "value" in h:
                 value = Value(header=h["value"].encode(), buffers=[bytes(b) for b in frame.buffers])
                 if frame.fds:
-                    key = "d-" + secrets.token_hex(8)
-                    self._staged[key] = _Staged(live.owner, live.id, frame.fds.pop(0), h["fd_sizes"][0])
-                    value.staged, value.sizes = key, list(h["staged_sizes"])
+                    # [descriptor index, offset, size] of each buffer, in the descriptors sent along
+                    parts = [(frame.fds[i], offset, size) for i, offset, size in h["parts"]]
+                    staged = Staged(live.owner, live.id, parts, sum(size for _, _, size in parts))
+                    frame.fds = []  # the staged value owns them now
+                    key = self.staging.add(staged, "d-")
+                    value.staged, value.sizes = key, [size for _, _, size in parts]
                     out.download = key
                 out.value = value
             return out
@@ -542,14 +615,7 @@ class SessionService:
             raise InvalidRequest("an upload needs at least one message, naming the session and the size")
         session_id, size, data = first
         live = self._find(caller, session_id)
-        if size < 0:
-            raise InvalidRequest(f"upload size {size} is negative")
-        available = psutil.virtual_memory().available
-        if size > available:
-            raise ResourceUnavailable(
-                f"a value of {format_size(size)} does not fit in the server's memory ({format_size(available)} "
-                "available): send it in parts"
-            )
+        self._check_size(size)
         fd, mapped = wire.staging_file(size, "gpuport-upload")
         try:
             at = 0
@@ -572,27 +638,55 @@ class SessionService:
         finally:
             if mapped is not None:
                 mapped.close()
-        key = "u-" + secrets.token_hex(8)
-        self._staged[key] = _Staged(caller.name, live.id, fd, size)
+        key = self.staging.add(Staged(caller.name, live.id, [(fd, 0, size)], size), "u-")
         live.last_call_at = time.time()
         return key
 
+    def transfer(self, caller: Identity, session_id: str, size: int, key: str) -> tuple[str, str]:
+        """A ticket for the data port: to upload ``size`` bytes (a new staged key), or to download the
+        staged result ``key``. Returns (key, ticket)."""
+        live = self._find(caller, session_id)
+        if not self.data_port:
+            raise InvalidRequest("this server has no data port: send values through gRPC (Upload, Download)")
+        if key:
+            staged = self.staging.peek(key[:64])
+            if staged is None or staged.session_id != live.id:
+                raise NotFound(
+                    f"no result {key[:64]!r} to download for this session (it expires after {_STAGED_TTL:g}s)"
+                )
+            return key, self.staging.ticket(key, "download")
+        self._check_size(size)
+        fd, mapped = wire.staging_file(size, "gpuport-upload")
+        if mapped is not None:
+            mapped.close()
+        key = self.staging.add(Staged(caller.name, live.id, [(fd, 0, size)], size, complete=False), "u-")
+        live.last_call_at = time.time()
+        return key, self.staging.ticket(key, "upload")
+
+    def _check_size(self, size: int) -> None:
+        if size < 0:
+            raise InvalidRequest(f"upload size {size} is negative")
+        available = psutil.virtual_memory().available
+        if size > available:
+            raise ResourceUnavailable(
+                f"a value of {format_size(size)} does not fit in the server's memory ({format_size(available)} "
+                "available): send it in parts"
+            )
+
     async def download(self, caller: Identity, session_id: str, key: str) -> AsyncIterator[bytes]:
         live = self._find(caller, session_id)
-        staged = self._staged.pop(key[:64], None)
+        staged = self.staging.take(key[:64])
         if staged is None or staged.session_id != live.id:
             raise NotFound(f"no result {key[:64]!r} to download for this session (it expires after {_STAGED_TTL:g}s)")
+        views = staged.views()
         try:
-            if not staged.size:
-                return
-            with mmap.mmap(staged.fd, staged.size, prot=mmap.PROT_READ) as mapped:
-                view = memoryview(mapped)
-                try:
-                    for at in range(0, staged.size, SESSION_INLINE_BYTES):
-                        yield bytes(view[at : at + SESSION_INLINE_BYTES])
-                finally:
-                    view.release()
+            for _, view in views:
+                for at in range(0, len(view), SESSION_INLINE_BYTES):
+                    yield bytes(view[at : at + SESSION_INLINE_BYTES])
         finally:
+            for mapped, view in views:
+                view.release()
+                mapped.close()
             staged.close()
 
     # ---- output -----------------------------------------------------------------------------------
@@ -615,7 +709,7 @@ class SessionService:
             offsets[fd] = asked
         files: dict[int, Any] = {}
         live.attached += 1
-        state = ""
+        state, polls = "", 0
         try:
             for fd in (1, 2):  # where the stream starts, so that the client knows its offsets
                 yield fd, offsets[fd], b"", ""
@@ -636,11 +730,14 @@ class SessionService:
                         sent = True
                 if sent:
                     continue
+                polls += 1
                 ended = live.id not in self._live
-                now = "ended" if ended else self._state(live, self.jobs.get(Identity(live.owner, True), live.job_id))[0]
-                if now != state:
-                    state = now
-                    yield 0, 0, b"", state
+                if ended or polls % _STATE_EVERY == 1:  # the state: from the store, so less often
+                    job = self.jobs.get(Identity(live.owner, admin=True), live.job_id) if not ended else None
+                    now = "ended" if job is None else self._state(live, job)[0]
+                    if now != state:
+                        state = now
+                        yield 0, 0, b"", state
                 if ended:
                     return
                 await asyncio.sleep(LOG_POLL_INTERVAL)
@@ -662,7 +759,7 @@ class SessionService:
                 log.exception("ending idle sessions failed")
 
     def reap(self) -> None:
-        now, mono = time.time(), time.monotonic()
+        now = time.time()
         for live in list(self._live.values()):
             if live.calls:
                 continue
@@ -674,10 +771,7 @@ class SessionService:
                 and now - live.detached_since > min(live.idle_timeout, SESSION_DETACHED_GRACE)
             ):
                 self._end(live, "its client went away without closing it")
-        for key, staged in list(self._staged.items()):
-            if mono - staged.created > _STAGED_TTL:
-                staged.close()
-                del self._staged[key]
+        self.staging.drop(older_than=_STAGED_TTL)
 
 
 class _Died(Exception):

@@ -13,6 +13,7 @@ back the same way.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import socket
@@ -52,6 +53,7 @@ class Worker:
         self.values: dict[str, Any] = {}
         self.names: dict[str, str] = {}  # name → ref id
         self.functions: dict[str, Any] = {}  # sha256 of the pickle → function
+        self.mappings: dict[str, _Mapping] = {}  # ref id → the memfd its value was put in
         self.count = 0
         refs.table = self.values
 
@@ -60,23 +62,36 @@ class Worker:
     def handle(self, frame: wire.Frame) -> tuple[dict[str, Any], list[Any], list[int]]:
         header = frame.header
         buffers: list[Any] = list(frame.buffers)
+        kept: _Mapping | None = None
         for fd, size in zip(frame.fds, header.get("fd_sizes", [])):
-            buffers.append(wire.map_file(fd, size))  # the map stays valid once the descriptor is closed
-            os.close(fd)
+            mapping = _Mapping(fd, size)  # the map stays valid once the descriptor is closed
+            at = 0
+            for part in header.get("staged_sizes", [size]):
+                buffers.append(mapping.view[at : at + part])
+                at += part
+            if header["op"] == "put" and kept is None:
+                kept = mapping
+            else:
+                mapping.close_fd()
         op = header["op"]
         try:
             if op == "call":
                 return self._call(header, buffers)
             if op == "put":
                 value = self._decode(header["value"], buffers, header.get("device") or None)
-                return self._keep(value, header.get("name", "")), [], []
+                del buffers
+                reply = self._keep(value, header.get("name", ""))
+                if kept is not None:  # sent back from the same memory, while the value is that memory
+                    self.mappings[reply["ref"]["ref_id"]] = kept
+                    kept = None
+                return reply, [], []
             if op == "get":
                 return self._reply(self._lookup(header["ref_ids"][0]))
             if op == "delete":
                 for ref_id in header["ref_ids"]:
                     self._lookup(ref_id)
                 for ref_id in header["ref_ids"]:
-                    self.values.pop(ref_id, None)
+                    self._drop(ref_id)
                     for name, held in list(self.names.items()):
                         if held == ref_id:
                             del self.names[name]
@@ -88,6 +103,15 @@ class Worker:
             return {"error": ["NotFound", self._unknown(str(e))]}, [], []
         except LookupError as e:
             return {"error": ["NotFound", str(e.args[0]) if e.args else str(e)]}, [], []
+        finally:
+            if kept is not None:
+                kept.close_fd()
+
+    def _drop(self, ref_id: str) -> None:
+        self.values.pop(ref_id, None)
+        mapping = self.mappings.pop(ref_id, None)
+        if mapping is not None:
+            mapping.close_fd()
 
     def _unknown(self, ref_id: str) -> str:
         owner = ref_id.split("/")[0]
@@ -143,7 +167,7 @@ class Worker:
         if name:
             old = self.names.get(name)
             if old is not None:
-                self.values.pop(old, None)  # a name holds one value: the newest
+                self._drop(old)  # a name holds one value: the newest
             self.names[name] = ref_id
         return {"ref": self._ref_info(ref_id)}
 
@@ -161,6 +185,11 @@ class Worker:
         total = sum(b.nbytes for b in encoded.buffers)
         if total <= _INLINE_BYTES:
             return header, list(encoded.buffers), []
+        shared = self._in_mappings(encoded.buffers)
+        if shared is not None:  # a value that was put: no copy, the server reads the same memory
+            fds = sorted({fd for fd, _, _ in shared})
+            header["parts"] = [[fds.index(fd), offset, size] for fd, offset, size in shared]
+            return header, [], [os.dup(fd) for fd in fds]
         fd, mapped = wire.staging_file(total, "gpuport-result")
         try:
             at = 0
@@ -173,9 +202,29 @@ class Worker:
         finally:
             if mapped is not None:
                 mapped.close()
-        header["fd_sizes"] = [total]
-        header["staged_sizes"] = [b.nbytes for b in encoded.buffers]
+        parts, at = [], 0
+        for b in encoded.buffers:
+            parts.append([0, at, b.nbytes])
+            at += b.nbytes
+        header["parts"] = parts
         return header, [], [fd]
+
+    def _in_mappings(self, buffers: list[memoryview]) -> list[tuple[int, int, int]] | None:
+        """(descriptor, offset, size) of each buffer when every one lies in a memfd a value was put in."""
+        if not self.mappings:
+            return None
+        out = []
+        for b in buffers:
+            address = _address(b)
+            if address is None:
+                return None
+            for mapping in self.mappings.values():
+                if mapping.fd >= 0 and mapping.base <= address and address + b.nbytes <= mapping.base + mapping.size:
+                    out.append((mapping.fd, address - mapping.base, b.nbytes))
+                    break
+            else:
+                return None
+        return out
 
     def _failure(self, error: BaseException, prefix: str = "") -> tuple[dict[str, Any], list[Any], list[int]]:
         kind = type(error)
@@ -214,6 +263,33 @@ class Worker:
                     finally:
                         for fd in fds:
                             os.close(fd)
+
+
+class _Mapping:
+    """A memfd a value arrived in, mapped; its descriptor is kept while a Ref's value may live there."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+        self.view = wire.map_file(fd, size)
+        self.base = _address(self.view) or 0 if size else 0
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _address(buffer: memoryview) -> int | None:
+    """Where a buffer's bytes start in memory, or None when that cannot be told."""
+    if not buffer.nbytes:
+        return None
+    numpy = sys.modules.get("numpy")
+    try:
+        if numpy is not None:
+            return int(numpy.frombuffer(buffer, dtype=numpy.uint8).ctypes.data)
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    except (TypeError, ValueError, BufferError):
+        return None
 
 
 def _output(folder: Path) -> None:

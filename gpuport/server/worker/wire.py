@@ -216,7 +216,11 @@ class Link:
         body = memoryview(bytearray(head_size + total))
         at = 0
         while at < len(body):
-            n = await self._loop.sock_recv_into(self.sock, body[at:])
+            try:  # usually there already: straight from the socket, without a turn of the loop
+                n = self.sock.recv_into(body[at:])
+            except BlockingIOError:
+                await self._ready(write=False)
+                continue
             if not n:
                 raise EOFError("the worker closed the connection")
             at += n

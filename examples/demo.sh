@@ -2,7 +2,7 @@
 # `make demo`: start a gpuport server on 127.0.0.1 with a throwaway state dir, log in to it as a
 # user would (pinning its certificate), look at its GPUs and status, make a token for a teammate,
 # then the main job: train a Keras model remotely with live logs, bring the model back and score
-# it here; then a quota making a job wait in the queue. Nothing outside a temporary folder is touched.
+# it here; then a session keeping data and a model on the server; then a quota making a job wait in the queue. Nothing outside a temporary folder is touched.
 # GPUPORT_FAKE_GPUS=2x16GiB make demo   shows what it looks like on a machine with GPUs.
 set -euo pipefail
 
@@ -60,6 +60,9 @@ step "cd examples/keras_digits && gpuport run --output model/ -- python train.py
 
 step "python evaluate.py gpuport-outputs/<job>/model/digits.keras   # the trained model, back here"
 (cd "$(dirname "$0")/keras_digits" && python evaluate.py "$work/outputs/model/digits.keras" 2>/dev/null)
+
+step "python examples/sessions/keras_session.py   # a session: data put once, the model kept remote"
+(cd "$(dirname "$0")/sessions" && python keras_session.py 2>/dev/null)
 
 step "gpuport quota set alice --jobs 1; alice runs two jobs at once; gpuport queue"
 gpuport quota set alice --jobs 1

@@ -106,6 +106,7 @@ def _banner(
     root: Path,
     grpc_url: str,
     http_url: str,
+    data_port: int,
     identity: TLSIdentity | None,
     inventory: Inventory,
     new_token: str | None,
@@ -117,6 +118,7 @@ def _banner(
         f"  state dir    {root}",
         f"  gRPC         {grpc_url}",
         f"  HTTP         {http_url}",
+        f"  data port    {data_port}          (sessions' large values: open it beside the gRPC port)",
         f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
         f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
         if gpus
@@ -219,7 +221,13 @@ async def serve(
         new_token = app.auth.create_first_admin() or (app.auth.create_recovery_admin() if new_admin_token else None)
         scheme = "http" if insecure else "https"
         banner = _banner(
-            state.root, _url(scheme, host, bound), _url(scheme, host, http_bound), identity, inventory, new_token
+            state.root,
+            _url(scheme, host, bound),
+            _url(scheme, host, http_bound),
+            data.port,
+            identity,
+            inventory,
+            new_token,
         )
         # Everything imported and built so far lives as long as the server: move it out of the
         # cyclic GC's sight, so that collections triggered by per-call garbage stay cheap.

@@ -1,0 +1,123 @@
+"""How sessions' values travel and last: the data port and its tickets, the gRPC fallback, a server
+restart under a live session, Refs of an earlier worker."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuport
+from gpuport.protocol import gpuport_pb2 as pb
+from tests.conftest import RunningServer, start_server
+
+# Past the 4 MiB that travel inside a call: these go through the data port (or gRPC streams).
+LARGE = 3 * 1024 * 1024  # float32 elements: 12 MiB
+
+
+def _large() -> np.ndarray:
+    return np.arange(LARGE, dtype=np.uint32).view(np.float32)
+
+
+@pytest.fixture
+def session(admin: gpuport.Client) -> Iterator[gpuport.Session]:
+    with admin.session() as s:
+        yield s
+
+
+def test_large_values_go_through_the_data_port_both_ways(admin: gpuport.Client, session: gpuport.Session) -> None:
+    assert admin._data_port > 0
+    x = _large()
+    ref = session.put(x)
+    assert ref.summary == f"float32 ({LARGE},)"
+    back = session.get(ref)
+    assert back.dtype == x.dtype and np.array_equal(back.view(np.uint32), x.view(np.uint32))
+    # A computed result (not the memory a value was put in) goes back through a copy: the same bytes.
+    doubled = session.call(lambda a: a.view(np.uint32) * 2, ref)
+    assert np.array_equal(doubled, x.view(np.uint32) * 2)
+
+
+def test_without_the_data_port_values_go_through_grpc(admin: gpuport.Client, session: gpuport.Session) -> None:
+    admin._data_port = 0  # as for a server reached through a firewall that lets only the gRPC port through
+    x = _large()
+    ref = session.put(x)
+    assert np.array_equal(session.get(ref).view(np.uint32), x.view(np.uint32))
+
+
+def test_an_unreachable_data_port_warns_and_falls_back_to_grpc(admin: gpuport.Client, session: gpuport.Session) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens there once this socket is closed
+    original = session._client._sessions.Transfer
+
+    def elsewhere(request: pb.TransferRequest, **kw: object) -> pb.TransferTicket:
+        ticket = original(request, **kw)
+        return pb.TransferTicket(staged=ticket.staged, ticket=ticket.ticket, port=closed)
+
+    admin._sessions.Transfer = elsewhere  # type: ignore[method-assign]
+    x = _large()
+    with pytest.warns(UserWarning, match="data port"):
+        ref = session.put(x)
+    assert admin._data_port == 0  # not tried again
+    assert np.array_equal(session.get(ref).view(np.uint32), x.view(np.uint32))
+
+
+def _data_port_says(server: RunningServer, port: int, line: bytes) -> bytes:
+    context = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    context.check_hostname = False
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw, context.wrap_socket(raw) as conn:
+        conn.sendall(line)
+        return conn.recv(1000)
+
+
+def test_the_data_port_takes_only_a_valid_unused_ticket(
+    server: RunningServer, admin: gpuport.Client, session: gpuport.Session
+) -> None:
+    port = admin._data_port
+    assert _data_port_says(server, port, b"0" * 64 + b"\n").startswith(b"Ethis ticket is unknown")
+    ticket = admin._sessions.Transfer(pb.TransferRequest(session_id=session.id, size=4), metadata=admin._metadata)
+    assert _data_port_says(server, port, ticket.ticket.encode() + b"\n" + b"abcd") == b"K"
+    again = _data_port_says(server, port, ticket.ticket.encode() + b"\n" + b"abcd")
+    assert again.startswith(b"E")  # used up
+
+
+def test_another_users_session_gets_no_ticket(server: RunningServer, user_token: str, session: gpuport.Session) -> None:
+    with server.connect(user_token) as other, pytest.raises(gpuport.NotFound):
+        other._call(other._sessions.Transfer, pb.TransferRequest(session_id=session.id, size=4))
+
+
+def test_refs_of_an_earlier_worker_say_so(session: gpuport.Session) -> None:
+    ref = session.put([1, 2, 3])
+    session.restart()
+    with pytest.raises(gpuport.NotFound, match="earlier worker"):
+        session.get(ref)
+
+
+def test_a_named_session_and_its_values_outlive_a_server_restart(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = start_server(state)
+    try:
+        with first.connect() as gpu:
+            s = gpu.session(name="durable")
+            s.put(np.arange(5), name="x")
+            worker = s.info().job_id
+            s.detach()
+    finally:
+        first.stop()
+    second = start_server(state)
+    second.admin_token = first.admin_token  # printed on the first start only
+    try:
+        with second.connect() as gpu:
+            with gpu.session(name="durable") as s:
+                assert s.reattached
+                assert s.info().job_id == worker  # the same worker process, still running
+                assert s.get(s.ref("x")).tolist() == [0, 1, 2, 3, 4]
+                assert s.call(lambda v: int(v.sum()), s.ref("x")) == 10
+                s.close()
+            assert [x for x in gpu.sessions() if x.name == "durable"] == []
+    finally:
+        second.stop()

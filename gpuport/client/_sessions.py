@@ -49,6 +49,8 @@ _OUTPUT_WAIT = 5.0  # seconds a call waits for its output to arrive before retur
 _RECONNECT_PAUSE = 0.5
 _DATA_SLICE = 16 * 1024 * 1024  # bytes per send or receive call on the data port
 _encoding_for = threading.local()  # the session whose call is being encoded, for Ref.__reduce__
+_NO_ARGS_ENCODED = values.encode(((), {}))
+_NO_ARGS_VALUE = pb.Value(header=_NO_ARGS_ENCODED.header, buffers=[b.tobytes() for b in _NO_ARGS_ENCODED.buffers])
 
 
 @dataclass(frozen=True)
@@ -532,7 +534,7 @@ class Session:
         request = pb.CallRequest(
             session_id=self.id,
             op=pb.CallRequest.CALL,
-            value=self._encode((args, kwargs)),
+            value=self._encode((args, kwargs)) if args or kwargs else _NO_ARGS_VALUE,  # the latter: encoded once
             function=digest,
             function_pickle=b"" if digest in self._sent else pickled,
             keep=bool(keep),

@@ -29,6 +29,11 @@ from gpuport.defaults import SESSION_INLINE_BYTES as _INLINE_BYTES  # larger res
 from gpuport.protocol import refs, values
 from gpuport.server.worker import wire
 
+# A call with no arguments, and a result of None, as the codec writes them: the no-op fast path.
+_NO_ARGS = values.encode(((), {}))
+_NO_ARGS_HEADER, _NO_ARGS_PICKLE = _NO_ARGS.header.decode(), _NO_ARGS.buffers[0].tobytes()
+_NONE = values.encode(None)
+
 
 def describe(value: Any) -> tuple[str, str]:
     """A value's type name and a short summary, for a Ref's repr."""
@@ -145,7 +150,10 @@ class Worker:
         if function is None:
             return {"unknown_function": True}, [], []
         try:
-            args, kwargs = self._decode(header["value"], buffers)
+            if len(buffers) == 1 and buffers[0] == _NO_ARGS_PICKLE and header["value"] == _NO_ARGS_HEADER:
+                args, kwargs = (), {}
+            else:
+                args, kwargs = self._decode(header["value"], buffers)
         except refs.UnknownRef:
             raise
         except Exception as e:
@@ -177,6 +185,8 @@ class Worker:
         return {"ref_id": ref_id, "name": name, "type": kind, "summary": summary}
 
     def _reply(self, value: Any) -> tuple[dict[str, Any], list[Any], list[int]]:
+        if value is None:
+            return {"value": _NONE.header.decode()}, list(_NONE.buffers), []
         try:
             encoded = values.encode(value)
         except Exception as e:

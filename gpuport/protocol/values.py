@@ -57,6 +57,7 @@ from typing import Any
 
 import cloudpickle
 
+from gpuport.protocol import refs
 from gpuport.protocol.errors import InvalidRequest
 
 __all__ = ["Buffer", "Encoded", "check_compatible", "decode", "encode"]
@@ -528,7 +529,7 @@ def _decode_pickle(meta: dict[str, Any], buffers: Sequence[Buffer]) -> Any:
     out_of_band = [_flat(buffer, writable=True) for buffer in extra]
     try:
         return pickle.loads(data, buffers=out_of_band)
-    except InvalidRequest:
+    except (InvalidRequest, refs.UnknownRef):  # a Ref the worker does not hold: its own error
         raise
     except Exception as exc:
         advice = _version_advice(meta) or "install the same packages, at the same versions, on both sides"

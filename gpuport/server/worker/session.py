@@ -83,7 +83,12 @@ class Worker:
             if op == "call":
                 return self._call(header, buffers)
             if op == "put":
-                value = self._decode(header["value"], buffers, header.get("device") or None)
+                try:
+                    value = self._put_value(header["value"], buffers, header.get("device") or None)
+                except refs.UnknownRef:
+                    raise
+                except Exception as e:  # the worker lives on: nothing was kept
+                    return {"error": ["InvalidRequest", f"the worker cannot take this value: {e}"]}, [], []
                 del buffers
                 reply = self._keep(value, header.get("name", ""))
                 if kept is not None:  # sent back from the same memory, while the value is that memory
@@ -134,6 +139,13 @@ class Worker:
 
     def _decode(self, header: str, buffers: list[Any], device: str | None = None) -> Any:
         return values.decode(header, buffers, device=device)
+
+    def _put_value(self, header: str, buffers: list[Any], device: str | None) -> Any:
+        if device == "gpu" and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            # A session holding no GPU runs on the CPU, as everything does on a machine without one.
+            print("gpuport: this session holds no GPU: the value stays on the CPU", file=sys.stderr)
+            device = "cpu"
+        return self._decode(header, buffers, device)
 
     def _call(self, header: dict[str, Any], buffers: list[Any]) -> tuple[dict[str, Any], list[Any], list[int]]:
         digest = header["function"]

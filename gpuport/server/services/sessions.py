@@ -64,6 +64,9 @@ _CONNECT_TIMEOUT = 60.0  # seconds from a worker's start to its socket accepting
 _END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it ended
 _STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
 _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
+# Seconds the server waits for a worker's reply before it turns to other work: most calls answer
+# within it, and then cost no extra turns of the event loop (which is blocked that long at most).
+_QUICK_REPLY = 0.001
 _STATE_EVERY = 25  # output polls between looks at a followed session's state (0.5 s)
 _REAP_EVERY = 1.0
 _STDERR_TAIL_LINES = 20
@@ -514,7 +517,8 @@ class SessionService:
             return self._died(live, died.job)
         try:
             await link.send(header, buffers, fds)
-            frame = await (asyncio.wait_for(link.recv(), timeout) if timeout else link.recv())
+            receive = link.recv(_QUICK_REPLY)
+            frame = await (asyncio.wait_for(receive, timeout) if timeout else receive)
         except asyncio.TimeoutError:
             self.jobs.kill(live.job_id, f"a call ran past its timeout of {format_duration(timeout)}")
             return await self._lost(live, timeout=timeout)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import tempfile
@@ -196,7 +197,11 @@ class Link:
         for b in buffers:
             await self._loop.sock_sendall(self.sock, b)
 
-    async def recv(self) -> Frame:
+    async def recv(self, wait: float = 0.0) -> Frame:
+        """The worker's next frame. With ``wait``, first wait up to that many seconds for it without
+        yielding to the event loop: a quick reply (a no-op call) then costs no turns of the loop."""
+        if wait:
+            select.select([self.sock], [], [], wait)
         prefix = bytearray(_PREFIX.size)
         got, fds = 0, []
         while got < len(prefix):

@@ -98,3 +98,5 @@ SESSION_INLINE_BYTES = 4 * 1024 * 1024
 SESSION_PROGRESS_BYTES = 64 * 1024 * 1024
 # Environment a session's worker gets: the folder of its session (output files, socket).
 ENV_SESSION_DIR = "GPUPORT_SESSION_DIR"
+# ... and its idle timeout in seconds: a worker whose server is gone ends itself once idle well past it.
+ENV_SESSION_IDLE_TIMEOUT = "GPUPORT_SESSION_IDLE_TIMEOUT"

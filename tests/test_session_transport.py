@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -121,3 +122,23 @@ def test_a_named_session_and_its_values_outlive_a_server_restart(tmp_path: Path)
             assert [x for x in gpu.sessions() if x.name == "durable"] == []
     finally:
         second.stop()
+
+
+def test_a_worker_whose_server_is_gone_ends_itself_once_idle(tmp_path: Path) -> None:
+    from gpuport.protocol import refs
+    from gpuport.server.worker.session import Worker
+
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(tmp_path / "worker.sock"))
+        listener.listen()
+        worker = threading.Thread(target=Worker("j-test").serve, args=(listener, 0.3), daemon=True)
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive()  # no server ever came
+        with socket.socket(socket.AF_UNIX) as server:
+            worker = threading.Thread(target=Worker("j-test").serve, args=(listener, 0.3), daemon=True)
+            worker.start()
+            server.connect(str(tmp_path / "worker.sock"))  # a server that connects, then says nothing
+            worker.join(10)
+            assert not worker.is_alive()
+    refs.table = None

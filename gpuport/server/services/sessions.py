@@ -37,6 +37,7 @@ import psutil
 from gpuport.defaults import (
     DEFAULT_SESSION_IDLE_TIMEOUT,
     ENV_SESSION_DIR,
+    ENV_SESSION_IDLE_TIMEOUT,
     LOG_CHUNK_BYTES,
     LOG_POLL_INTERVAL,
     MAX_NAME_LENGTH,
@@ -302,7 +303,7 @@ class SessionService:
             "env": spec.env,
         }
         try:
-            job = self._start_worker(caller, session_id, spec.name, stored)
+            job = self._start_worker(caller, session_id, spec.name, stored, idle)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -326,7 +327,9 @@ class SessionService:
         )
         return self._record(live)
 
-    def _start_worker(self, caller: Identity, session_id: str, name: str, spec: dict[str, Any]) -> JobRecord:
+    def _start_worker(
+        self, caller: Identity, session_id: str, name: str, spec: dict[str, Any], idle: float
+    ) -> JobRecord:
         return self.jobs.submit(
             caller,
             JobRequest(
@@ -339,7 +342,7 @@ class SessionService:
                 env=spec["env"],
                 name=f"session {name or session_id}",
                 kind="session",
-                internal_env={ENV_SESSION_DIR: str(self.root / session_id)},
+                internal_env={ENV_SESSION_DIR: str(self.root / session_id), ENV_SESSION_IDLE_TIMEOUT: str(idle)},
             ),
         )
 
@@ -423,7 +426,9 @@ class SessionService:
                 await self.jobs.wait(Identity(live.owner, admin=True), old.id, _END_WAIT)
             row = self.store.query_one("SELECT spec FROM sessions WHERE id = ?", (live.id,))
             assert row is not None
-            job = self._start_worker(Identity(live.owner, admin=False), live.id, live.name, json.loads(row["spec"]))
+            job = self._start_worker(
+                Identity(live.owner, admin=False), live.id, live.name, json.loads(row["spec"]), live.idle_timeout
+            )
             with self.store.transaction() as db:
                 db.execute("UPDATE sessions SET job_id = ? WHERE id = ?", (job.id, live.id))
             live.job_id, live.refs, live.last_call_at = job.id, 0, time.time()

@@ -24,7 +24,7 @@ from typing import Any
 
 import cloudpickle
 
-from gpuport.defaults import ENV_SESSION_DIR
+from gpuport.defaults import ENV_SESSION_DIR, ENV_SESSION_IDLE_TIMEOUT
 from gpuport.defaults import SESSION_INLINE_BYTES as _INLINE_BYTES  # larger results go back in a memfd
 from gpuport.protocol import refs, values
 from gpuport.server.worker import wire
@@ -264,15 +264,24 @@ class Worker:
 
     # ---- the loop ---------------------------------------------------------------------------------
 
-    def serve(self, listener: socket.socket) -> None:
+    def serve(self, listener: socket.socket, idle_timeout: float | None) -> None:
+        """Answer the server, one request at a time. The server ends an idle session; a worker whose
+        server is gone (stopped for good, or a crashed test) ends itself once idle a while longer."""
+        listener.settimeout(idle_timeout)
         while True:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                return
+            conn.settimeout(idle_timeout)
             with conn:
                 while True:
                     try:
                         frame = wire.recv(conn)
                     except (EOFError, ConnectionError):
                         break  # the server went away (it restarts): wait for it to come back
+                    except TimeoutError:
+                        return
                     header, buffers, fds = self.handle(frame)
                     sys.stdout.flush()
                     sys.stderr.flush()
@@ -345,7 +354,8 @@ def main() -> None:
     listener = _listen(folder)
     # The user's functions import their modules from the session's workdir, as a script's would.
     sys.path.insert(0, os.getcwd())
-    Worker(os.environ.get("GPUPORT_JOB_ID", "w")).serve(listener)
+    idle = float(os.environ.get(ENV_SESSION_IDLE_TIMEOUT, "0")) or None
+    Worker(os.environ.get("GPUPORT_JOB_ID", "w")).serve(listener, idle * 1.5 + 60 if idle else None)
 
 
 if __name__ == "__main__":

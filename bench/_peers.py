@@ -1,4 +1,5 @@
-"""The peers bench_jobs.py measures gpuport against, all on 127.0.0.1: an rsync daemon and a local Ray head.
+"""The peers the benchmarks measure gpuport against, all on 127.0.0.1: an rsync daemon and a local Ray
+head (bench_jobs.py submits jobs to it; bench_sessions.py connects a driver to it for actor calls).
 
 Each is started in its own session and stopped by the pids of that session only (never by process
 name, so another Ray or rsync on the machine is left alone); their files live in the bench's temp dir.
@@ -172,6 +173,7 @@ class RayHead:
     cli: str
     auth: str
     notes: list[str] = field(default_factory=list)
+    gcs_address: str = ""  # 127.0.0.1:PORT, what a driver's ray.init(address=...) takes
 
     def submit(self, argv: list[str], cwd: Path) -> float:
         """``ray job submit --address ... -- ARGV`` as a whole process; return its wall time."""
@@ -268,6 +270,7 @@ def start_ray(work: Path) -> RayHead:
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     head = RayHead(process, f"http://{LOOPBACK}:{dashboard}", temp_dir, env, cli, "token")
+    head.gcs_address = f"{LOOPBACK}:{ports['port']}"
     try:
         _wait_port(dashboard, process, "ray start", timeout=120)
         # The dashboard listens before its job module is ready: wait until the job API answers.

@@ -457,7 +457,7 @@ class SessionService:
                     if time.monotonic() - started > _CONNECT_TIMEOUT:
                         raise ServerError(
                             f"the worker of session {live.id} did not start listening within "
-                            f"{_CONNECT_TIMEOUT:g}s — the server's log and {path}/../stderr may say why"
+                            f"{_CONNECT_TIMEOUT:g}s — {self.root / live.id / 'stderr'} and the server's log may say why"
                         ) from None
             if deadline is not None and time.monotonic() > deadline:
                 raise ResourceUnavailable(f"session {live.id} is still queued: {job.message}")

@@ -57,6 +57,19 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+def _sizes(prefix: bytearray) -> tuple[int, int]:
+    """A frame's header and inline sizes, from its prefix."""
+    head_size, total = _PREFIX.unpack(prefix)
+    if head_size > _MAX_HEADER:
+        raise EOFError(f"a frame header of {head_size} bytes: the stream is corrupt")
+    return head_size, total
+
+
+def _frame(body: memoryview, head_size: int, fds: list[int]) -> Frame:
+    header = json.loads(bytes(body[:head_size]))
+    return Frame(header, _split(header, body[head_size:]), fds)
+
+
 def _split(header: dict[str, Any], data: memoryview) -> list[memoryview]:
     out, at = [], 0
     for size in header.pop("sizes", []):
@@ -123,13 +136,10 @@ def recv(sock: socket.socket) -> Frame:
         fds += _fds_of(ancdata)
         prefix[got : got + len(data)] = data
         got += len(data)
-    head_size, total = _PREFIX.unpack(prefix)
-    if head_size > _MAX_HEADER:
-        raise EOFError(f"a frame header of {head_size} bytes: the stream is corrupt")
+    head_size, total = _sizes(prefix)
     body = memoryview(bytearray(head_size + total))
     _recv_exact(sock, body)
-    header = json.loads(bytes(body[:head_size]))
-    return Frame(header, _split(header, body[head_size:]), fds)
+    return _frame(body, head_size, fds)
 
 
 # ---- the server's side: on the event loop --------------------------------------------------------
@@ -215,9 +225,7 @@ class Link:
             fds += _fds_of(ancdata)
             prefix[got : got + len(data)] = data
             got += len(data)
-        head_size, total = _PREFIX.unpack(prefix)
-        if head_size > _MAX_HEADER:
-            raise EOFError(f"a frame header of {head_size} bytes from the worker: the stream is corrupt")
+        head_size, total = _sizes(prefix)
         body = memoryview(bytearray(head_size + total))
         at = 0
         while at < len(body):
@@ -229,5 +237,4 @@ class Link:
             if not n:
                 raise EOFError("the worker closed the connection")
             at += n
-        header = json.loads(bytes(body[:head_size]))
-        return Frame(header, _split(header, body[head_size:]), fds)
+        return _frame(body, head_size, fds)

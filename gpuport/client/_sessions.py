@@ -12,11 +12,14 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
+import json
 import mmap
 import os
+import select
 import signal
 import socket
 import ssl
+import struct
 import sys
 import sysconfig
 import threading
@@ -41,6 +44,7 @@ from gpuport.protocol.errors import (
     InvalidRequest,
     RemoteError,
     WorkerDied,
+    error_from_name,
 )
 
 if TYPE_CHECKING:
@@ -329,6 +333,7 @@ class Session:
         self._worker = info.job_id
         self._progress = progress
         self._closed = False
+        self._channel: _Channel | None = None
         self._output = _Output(self, start_at_end=info.reattached)
 
     # ---- life -------------------------------------------------------------------------------------
@@ -359,6 +364,7 @@ class Session:
             return
         self._closed = True
         self._output.stop()
+        self._close_channel()
         with contextlib.suppress(GpuportError):
             self._client._call(self._client._sessions.Close, pb.SessionRef(session_id=self.id))
 
@@ -366,6 +372,7 @@ class Session:
         """Stop following this session from here; a named session goes on running."""
         self._closed = True
         self._output.stop()
+        self._close_channel()
 
     def __enter__(self) -> Session:
         return self
@@ -385,13 +392,44 @@ class Session:
     def _rpc(self, request: pb.CallRequest) -> pb.CallReply:
         if self._closed:
             raise InvalidRequest(f"session {self.id} was closed or detached here; open it again with gpu.session()")
-        reply: pb.CallReply = self._client._call(self._client._sessions.Call, request, timeout=None)
+        channel = self._open_channel()
+        if channel is not None:
+            try:
+                reply = channel.call(request)
+            except _ChannelLost:
+                self._close_channel()
+                raise ConnectionFailed(
+                    f"lost the connection to the server during a call to session {self.id}: the call may or may "
+                    "not have run; the session's values are still there unless its worker died"
+                ) from None
+        else:
+            reply = self._client._call(self._client._sessions.Call, request, timeout=None)
         self._output.wait_for(reply.stdout_offset, reply.stderr_offset)
         if reply.HasField("failure"):
             if reply.failure.kind in ("died", "timeout"):
                 self._sent = set()
             raise _remote_error(reply.failure)
         return reply
+
+    def _open_channel(self) -> _Channel | None:
+        """The channel carrying this session's calls on the data port (opened on first use, and again
+        once the server closed it, as after its restart), or None for gRPC (no data port)."""
+        channel = self._channel
+        if channel is not None and channel.idle_and_closed():
+            self._close_channel()
+            channel = None
+        if channel is None and self._client._data_port:
+            request = pb.TransferRequest(session_id=self.id, channel=True)
+            ticket = self._client._call(self._client._sessions.Transfer, request)
+            connection = _data_connection(self._client, ticket)
+            if connection is not None:
+                channel = self._channel = _Channel(connection, ticket.ticket)
+        return channel
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def _value(self, encoded: values.Encoded) -> pb.Value:
         total = sum(b.nbytes for b in encoded.buffers)
@@ -635,6 +673,75 @@ def _data_connection(client: Client, ticket: pb.TransferTicket) -> socket.socket
     except (OSError, ssl.SSLError) as e:
         raw.close()
         raise ConnectionFailed(f"the TLS handshake with the server's data port failed: {e}") from None
+
+
+class _ChannelLost(Exception):
+    pass
+
+
+class _Channel:
+    """A session's calls over one data-port connection (see server/api/data_port.py): a length and
+    a serialized ``CallRequest`` out, a length, a kind and a ``CallReply`` (or an error) back."""
+
+    _LENGTH = struct.Struct("<I")
+    _REPLY = struct.Struct("<IB")
+
+    def __init__(self, sock: socket.socket, ticket: str) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()  # one call at a time, whichever thread makes it
+        try:
+            sock.sendall(ticket.encode() + b"\n")
+            answer = sock.recv(1)
+        except OSError as e:
+            sock.close()
+            raise ConnectionFailed(f"opening a channel on the server's data port failed: {e}") from None
+        if answer != b"C":
+            rest = b""
+            with contextlib.suppress(OSError):
+                rest = sock.recv(200)
+            sock.close()
+            raise ConnectionFailed(
+                f"the server's data port refused the channel: {(answer + rest)[1:].decode().strip()}"
+            )
+
+    def idle_and_closed(self) -> bool:
+        """Whether the server closed the channel while no call was on it (it sends nothing unasked)."""
+        with self._lock:
+            try:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+            except (OSError, ValueError):
+                return True
+            return bool(readable)
+
+    def call(self, request: pb.CallRequest) -> pb.CallReply:
+        data = request.SerializeToString()
+        head = bytearray(self._REPLY.size)
+        with self._lock:
+            try:
+                self._sock.sendall(self._LENGTH.pack(len(data)) + data)
+                _recv_exact(self._sock, memoryview(head))
+                size, kind = self._REPLY.unpack(head)
+                body = bytearray(size)
+                _recv_exact(self._sock, memoryview(body))
+            except (OSError, EOFError):
+                raise _ChannelLost from None
+        if kind == 0:
+            return pb.CallReply.FromString(bytes(body))
+        error = json.loads(body)
+        raise error_from_name(error["error"], error["message"])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise EOFError("the server closed the connection")
+        got += n
 
 
 # ---- remote functions --------------------------------------------------------------------------------

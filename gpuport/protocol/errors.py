@@ -192,3 +192,8 @@ def error_from_status(code: grpc.StatusCode, message: str, error_name: str | Non
     """Rebuild the error a server sent: by class name when it names one we know, else by status code."""
     cls = _BY_NAME.get(error_name or "") or _BY_CODE.get(code) or ServerError
     return cls(message)
+
+
+def error_from_name(error_name: str, message: str) -> GpuportError:
+    """Rebuild an error a server sent by class name (its data-port channel), ServerError when unknown."""
+    return (_BY_NAME.get(error_name) or ServerError)(message)

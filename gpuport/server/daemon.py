@@ -182,7 +182,7 @@ async def serve(
         if data_port is None:
             data_port = port + 2 if port else 0
         data = DataPort(
-            app.sessions.staging,
+            app.sessions,
             host,
             data_port,
             state.cert_path if identity else None,

@@ -8,21 +8,37 @@ value past ``SESSION_INLINE_BYTES`` goes here instead: the client asks for a tic
 newline) and then the bytes, received straight into the memfd the worker will map; or it receives
 the bytes of a staged result, sent straight from the worker's memory. An upload is answered with one
 byte, ``K``, once every byte has arrived. A connection with a bad ticket is answered ``E`` and the
-reason, and closed. Same certificate, same cipher as the gRPC port; one thread per transfer.
+reason, and closed. Same certificate, same cipher as the gRPC port; one thread per connection.
+
+A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
+keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and
+the serialized ``CallRequest``, and each reply as a length, one byte (0: a ``CallReply`` follows; 1: an
+error, JSON ``{"error": class name, "message": ...}``) and the body. Its thread relays the calls
+straight to the worker's socket: no HTTP/2 framing and no turns of the event loop, which is what a
+small call's round trip is made of through gRPC. Values past ``SESSION_INLINE_BYTES`` still go by
+ticket as above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import mmap
 import socket
 import ssl
+import struct
 import threading
 from pathlib import Path
 
-from gpuport.protocol.errors import ConfigError
-from gpuport.server.services.sessions import Staging
+from google.protobuf.message import DecodeError
+
+from gpuport.defaults import MAX_MESSAGE_BYTES
+from gpuport.protocol import gpuport_pb2 as pb
+from gpuport.protocol.errors import ConfigError, GpuportError, InvalidRequest, ServerError
+from gpuport.server.api.grpc_api import call_in, call_reply
+from gpuport.server.services.auth import Identity
+from gpuport.server.services.sessions import Direct, SessionService
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +46,15 @@ _TICKET_LINE = 65  # 64 hex digits and "\n"
 _HANDSHAKE_TIMEOUT = 10.0
 _IDLE_TIMEOUT = 60.0  # seconds a transfer may stall before the server gives up on it
 _SLICE = 16 * 1024 * 1024  # bytes per send or receive call
+_LENGTH = struct.Struct("<I")
+_REPLY = struct.Struct("<IB")  # length, kind
+_OK, _ERROR = 0, 1
 
 
 class DataPort:
-    def __init__(self, staging: Staging, host: str, port: int, cert: Path | None, key: Path | None) -> None:
-        self.staging = staging
+    def __init__(self, sessions: SessionService, host: str, port: int, cert: Path | None, key: Path | None) -> None:
+        self.sessions = sessions
+        self.staging = sessions.staging
         self._context: ssl.SSLContext | None = None
         if cert is not None and key is not None:
             self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -84,9 +104,16 @@ class DataPort:
             if found is None:
                 conn.sendall(b"Ethis ticket is unknown, used or expired: ask for another with Sessions.Transfer\n")
                 return
-            key, kind, staged = found
+            if found.kind == "channel":
+                assert found.caller is not None
+                conn.settimeout(None)  # a channel waits for the client's next call as long as it likes
+                conn.sendall(b"C")
+                self._channel(conn, found.caller, Direct(found.key))
+                return
+            staged = found.staged
+            assert staged is not None
             conn.settimeout(_IDLE_TIMEOUT)
-            if kind == "upload":
+            if found.kind == "upload":
                 fd, _, size = staged.parts[0]
                 if size:
                     with mmap.mmap(fd, size) as mapped:
@@ -114,6 +141,42 @@ class DataPort:
             with contextlib.suppress(OSError):
                 conn.close()
 
+    def _channel(self, conn: socket.socket, caller: Identity, direct: Direct) -> None:
+        """Relay a client's calls until it closes the channel."""
+        prefix = bytearray(_LENGTH.size)
+        try:
+            while True:
+                if not _receive(conn, memoryview(prefix), eof_ok=True):
+                    return  # the client closed the channel between calls
+                (size,) = _LENGTH.unpack(prefix)
+                if size > MAX_MESSAGE_BYTES:
+                    _reply(conn, _ERROR, _error(InvalidRequest(f"a call of {size} bytes is over the channel's limit")))
+                    return
+                body = bytearray(size)
+                _receive(conn, memoryview(body))
+                try:
+                    request = pb.CallRequest.FromString(bytes(body))
+                    kind, reply = _OK, call_reply(self.sessions.call_direct(caller, call_in(request), direct))
+                    data = reply.SerializeToString()
+                except DecodeError:
+                    kind, data = _ERROR, _error(InvalidRequest("the channel carried something other than a call"))
+                except GpuportError as e:
+                    kind, data = _ERROR, _error(e)
+                except Exception:
+                    log.exception("a call on a data-port channel failed")
+                    kind, data = _ERROR, _error(ServerError("internal server error — the server's log has the details"))
+                _reply(conn, kind, data)
+        finally:
+            direct.close()
+
+
+def _error(error: GpuportError) -> bytes:
+    return json.dumps({"error": type(error).__name__, "message": str(error)}).encode()
+
+
+def _reply(conn: socket.socket, kind: int, data: bytes) -> None:
+    conn.sendall(_REPLY.pack(len(data), kind) + data)
+
 
 def _read_line(conn: socket.socket) -> bytes:
     data = bytearray()
@@ -125,10 +188,14 @@ def _read_line(conn: socket.socket) -> bytes:
     return bytes(data)
 
 
-def _receive(conn: socket.socket, view: memoryview) -> None:
+def _receive(conn: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+    """Fill ``view`` from ``conn``; with ``eof_ok``, False when the client closed before its first byte."""
     got = 0
     while got < len(view):
         n = conn.recv_into(view[got : got + _SLICE])
         if not n:
+            if eof_ok and not got:
+                return False
             raise EOFError(f"the client closed the connection after {got} of {len(view)} bytes")
         got += n
+    return True

@@ -429,6 +429,25 @@ def _ref_message(ref: dict[str, str]) -> pb.RefInfo:
     return pb.RefInfo(ref_id=ref["ref_id"], name=ref["name"], type=ref["type"], summary=ref["summary"])
 
 
+def call_in(request: pb.CallRequest) -> CallIn:
+    value = None
+    if request.HasField("value"):
+        v = request.value
+        value = Value(header=v.header, buffers=list(v.buffers), staged=v.staged, sizes=list(v.sizes))
+    return CallIn(
+        session_id=request.session_id,
+        op=_OPS.get(request.op, str(request.op)),
+        value=value,
+        function=request.function,
+        function_pickle=request.function_pickle,
+        keep=request.keep,
+        ref_name=request.ref_name,
+        ref_ids=list(request.ref_ids),
+        device=request.device,
+        timeout=request.timeout,
+    )
+
+
 def call_reply(out: CallOut) -> pb.CallReply:
     reply = pb.CallReply(
         unknown_function=out.unknown_function,
@@ -494,23 +513,7 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
 
     @rpc
     async def Call(self, request: pb.CallRequest, caller: Identity) -> pb.CallReply:
-        value = None
-        if request.HasField("value"):
-            v = request.value
-            value = Value(header=v.header, buffers=list(v.buffers), staged=v.staged, sizes=list(v.sizes))
-        call = CallIn(
-            session_id=request.session_id,
-            op=_OPS.get(request.op, str(request.op)),
-            value=value,
-            function=request.function,
-            function_pickle=request.function_pickle,
-            keep=request.keep,
-            ref_name=request.ref_name,
-            ref_ids=list(request.ref_ids),
-            device=request.device,
-            timeout=request.timeout,
-        )
-        return call_reply(await self.app.sessions.call(caller, call))
+        return call_reply(await self.app.sessions.call(caller, call_in(request)))
 
     @rpc
     async def Upload(self, request: Any, caller: Identity) -> pb.Staged:
@@ -527,7 +530,9 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
 
     @rpc
     async def Transfer(self, request: pb.TransferRequest, caller: Identity) -> pb.TransferTicket:
-        key, ticket = self.app.sessions.transfer(caller, request.session_id, request.size, request.staged)
+        key, ticket = self.app.sessions.transfer(
+            caller, request.session_id, request.size, request.staged, channel=request.channel
+        )
         return pb.TransferTicket(staged=key, ticket=ticket, port=self.app.sessions.data_port)
 
     @stream_rpc

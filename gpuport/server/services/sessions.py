@@ -24,10 +24,11 @@ import mmap
 import os
 import secrets
 import shutil
+import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,13 +171,25 @@ class Staged:
         return out
 
 
+@dataclass(frozen=True)
+class Redeemed:
+    """What a data-port ticket was for: an upload or a download of ``staged``, or a channel for the
+    calls of session ``key`` by ``caller``."""
+
+    key: str
+    kind: str  # upload, download, channel
+    staged: Staged | None
+    caller: Identity | None = None
+
+
 class Staging:
     """The staged values of every session, by key; shared with the data port's threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Staged] = {}
-        self._tickets: dict[str, tuple[str, str, float]] = {}  # ticket → (key, "upload" | "download", expiry)
+        # ticket → (key, "upload" | "download" | "channel", expiry, caller)
+        self._tickets: dict[str, tuple[str, str, float, Identity | None]] = {}
 
     def add(self, staged: Staged, prefix: str) -> str:
         key = prefix + secrets.token_hex(8)
@@ -192,21 +205,23 @@ class Staging:
         with self._lock:
             return self._items.get(key)
 
-    def ticket(self, key: str, kind: str) -> str:
+    def ticket(self, key: str, kind: str, caller: Identity | None = None) -> str:
         ticket = secrets.token_hex(32)
         with self._lock:
-            self._tickets[ticket] = (key, kind, time.monotonic() + _TICKET_TTL)
+            self._tickets[ticket] = (key, kind, time.monotonic() + _TICKET_TTL, caller)
         return ticket
 
-    def redeem(self, ticket: str) -> tuple[str, str, Staged] | None:
-        """The staged value a ticket is for (once: a ticket is used up), or None."""
+    def redeem(self, ticket: str) -> Redeemed | None:
+        """What a ticket is for (once: a ticket is used up), or None."""
         with self._lock:
             found = self._tickets.pop(ticket, None)
             if found is None or found[2] < time.monotonic():
                 return None
-            key, kind, _ = found
+            key, kind, _, caller = found
+            if kind == "channel":
+                return Redeemed(key, kind, None, caller)
             staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
-        return (key, kind, staged) if staged is not None else None
+        return Redeemed(key, kind, staged) if staged is not None else None
 
     def drop(self, session_id: str | None = None, older_than: float | None = None) -> None:
         """Free the staged values of a session, or those older than ``older_than`` seconds."""
@@ -219,7 +234,9 @@ class Staging:
                 and (older_than is None or now - staged.created > older_than)
             ]
             gone = [self._items.pop(key) for key in doomed]
-            self._tickets = {t: v for t, v in self._tickets.items() if v[2] >= now and v[0] in self._items}
+            self._tickets = {
+                t: v for t, v in self._tickets.items() if v[2] >= now and (v[1] == "channel" or v[0] in self._items)
+            }
         for staged in gone:
             staged.close()
 
@@ -240,6 +257,34 @@ class _Live:
     link: wire.Link | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     refs: int = 0
+    counting: threading.Lock = field(default_factory=threading.Lock)  # calls come from channel threads too
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Count a call in flight (the reaper leaves the session alone) and note when calls happen."""
+        with self.counting:
+            self.calls += 1
+            self.last_call_at = time.time()
+        try:
+            yield
+        finally:
+            with self.counting:
+                self.calls -= 1
+                self.last_call_at = time.time()
+
+
+@dataclass
+class Direct:
+    """A data-port channel's own connection to a session's worker, used by the channel's thread only."""
+
+    session_id: str
+    sock: socket.socket | None = None
+    job_id: str = ""
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class SessionService:
@@ -252,9 +297,11 @@ class SessionService:
         self.staging = Staging()
         self.data_port = 0  # set by the daemon once the data port listens
         self._reaper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         """Pick up the sessions a previous server left; their workers (jobs) run on."""
+        self._loop = asyncio.get_running_loop()
         for row in self.store.query("SELECT * FROM sessions WHERE ended_at IS NULL ORDER BY seq"):
             self._live[row["id"]] = _Live(row["id"], row["owner"], row["name"], row["job_id"], row["idle_timeout"])
         self._reaper = asyncio.create_task(self._reap())
@@ -465,6 +512,18 @@ class SessionService:
 
     async def call(self, caller: Identity, request: CallIn) -> CallOut:
         live = self._find(caller, request.session_id)
+        header, buffers, fds, staged = self._request(live, request)
+        try:
+            async with live.lock:
+                with live.call():
+                    return await self._roundtrip(live, header, buffers, fds, request.timeout)
+        finally:
+            if staged is not None:
+                staged.close()
+
+    def _request(self, live: _Live, request: CallIn) -> tuple[dict[str, Any], list[Any], list[int], Staged | None]:
+        """The frame for the worker: its header, inline buffers and descriptors, and the upload it
+        names (the caller closes it once sent)."""
         if request.op not in ("call", "put", "get", "delete", "refs"):
             raise InvalidRequest(f"unknown operation {request.op!r}")
         if request.timeout < 0:
@@ -500,18 +559,57 @@ class SessionService:
             ref_ids=list(request.ref_ids),
             device=request.device,
         )
+        return header, buffers, fds, staged
+
+    def call_direct(self, caller: Identity, request: CallIn, direct: Direct) -> CallOut:
+        """``call`` from a data-port channel's thread: straight to the worker on the channel's own
+        connection, with no turn of the event loop (the worker answers its connections one request
+        at a time). What is not a plain round trip goes to the event loop: a worker the server has
+        not reached yet (starting, queued), one that dies, a call past its timeout."""
+        live = self._find(caller, request.session_id)
+        if live.id != direct.session_id:
+            raise InvalidRequest(f"this channel carries the calls of session {direct.session_id}, not {live.id}")
+        sock = self._direct_socket(live, direct)
+        if sock is None:
+            return self._on_loop(self.call(caller, request))
+        header, buffers, fds, staged = self._request(live, request)
+        with live.call():
+            try:
+                sock.settimeout(request.timeout or None)
+                wire.send(sock, header, buffers, fds)
+                frame = wire.recv(sock)
+            except TimeoutError:
+                direct.close()
+                return self._on_loop(self._timed_out(live, request.timeout))
+            except (EOFError, OSError):
+                direct.close()
+                return self._on_loop(self._lost(live))
+            finally:
+                if staged is not None:
+                    staged.close()
+        return self._out(live, frame)
+
+    def _direct_socket(self, live: _Live, direct: Direct) -> socket.socket | None:
+        if direct.sock is not None and direct.job_id == live.job_id:
+            return direct.sock
+        direct.close()
+        if live.link is None:  # the event loop's path waits for the worker to listen, and says how it ended
+            return None
+        job_id = live.job_id
         try:
-            async with live.lock:
-                live.calls += 1
-                live.last_call_at = time.time()
-                try:
-                    return await self._roundtrip(live, header, buffers, fds, request.timeout)
-                finally:
-                    live.calls -= 1
-                    live.last_call_at = time.time()
-        finally:
-            if staged is not None:
-                staged.close()
+            direct.sock = wire.connect(str(self.root / live.id / "worker.sock"))
+        except OSError:
+            return None
+        direct.job_id = job_id
+        return direct.sock
+
+    def _on_loop(self, work: Coroutine[Any, Any, CallOut]) -> CallOut:
+        assert self._loop is not None, "SessionService.start() was not awaited"
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
+    async def _timed_out(self, live: _Live, timeout: float) -> CallOut:
+        self.jobs.kill(live.job_id, f"a call ran past its timeout of {format_duration(timeout)}")
+        return await self._lost(live, timeout=timeout)
 
     async def _roundtrip(
         self, live: _Live, header: dict[str, Any], buffers: list[Any], fds: list[int], timeout: float
@@ -525,8 +623,7 @@ class SessionService:
             receive = link.recv(_QUICK_REPLY)
             frame = await (asyncio.wait_for(receive, timeout) if timeout else receive)
         except asyncio.TimeoutError:
-            self.jobs.kill(live.job_id, f"a call ran past its timeout of {format_duration(timeout)}")
-            return await self._lost(live, timeout=timeout)
+            return await self._timed_out(live, timeout)
         except (EOFError, ConnectionError, OSError):
             return await self._lost(live)
         return self._out(live, frame)
@@ -651,12 +748,17 @@ class SessionService:
         live.last_call_at = time.time()
         return key
 
-    def transfer(self, caller: Identity, session_id: str, size: int, key: str) -> tuple[str, str]:
-        """A ticket for the data port: to upload ``size`` bytes (a new staged key), or to download the
-        staged result ``key``. Returns (key, ticket)."""
+    def transfer(
+        self, caller: Identity, session_id: str, size: int, key: str, channel: bool = False
+    ) -> tuple[str, str]:
+        """A ticket for the data port: to upload ``size`` bytes (a new staged key), to download the
+        staged result ``key``, or with ``channel`` for a channel carrying the session's calls.
+        Returns (key, ticket)."""
         live = self._find(caller, session_id)
         if not self.data_port:
             raise InvalidRequest("this server has no data port: send values through gRPC (Upload, Download)")
+        if channel:
+            return "", self.staging.ticket(live.id, "channel", caller)
         if key:
             staged = self.staging.peek(key[:64])
             if staged is None or staged.session_id != live.id:

@@ -3,8 +3,9 @@
 Started as the command of a job of kind "session" (so it queues, holds its GPUs, is capped and
 watched like any job): ``python -m gpuport.server.worker.session``, with ``GPUPORT_SESSION_DIR`` set.
 In that folder it writes its output (``stdout``, ``stderr``, appended across the session's workers, so
-that offsets only grow) and listens on ``worker.sock`` for the server, one request at a time (see
-wire.py for the frames). The server reconnects after its own restart; the values stay here.
+that offsets only grow) and listens on ``worker.sock`` for the server: its own connection and one per
+data-port channel, answered one request at a time (see wire.py for the frames). The server reconnects
+after its own restart; the values stay here.
 
 Values arrive as the codec's header and buffers (protocol/values.py): inline, or as a memfd the server
 filled from the client's upload, mapped here without a copy. Results larger than ``_INLINE_BYTES`` go
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import selectors
 import socket
 import sys
 import traceback
@@ -265,35 +267,48 @@ class Worker:
     # ---- the loop ---------------------------------------------------------------------------------
 
     def serve(self, listener: socket.socket, idle_timeout: float | None) -> None:
-        """Answer the server, one request at a time. The server ends an idle session; a worker whose
-        server is gone (stopped for good, or a crashed test) ends itself once idle a while longer."""
-        listener.settimeout(idle_timeout)
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                return
-            conn.settimeout(idle_timeout)
-            with conn:
-                while True:
-                    try:
-                        frame = wire.recv(conn)
-                    except (EOFError, ConnectionError):
-                        break  # the server went away (it restarts): wait for it to come back
-                    except TimeoutError:
-                        return
-                    header, buffers, fds = self.handle(frame)
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    header["stdout"] = os.fstat(1).st_size
-                    header["stderr"] = os.fstat(2).st_size
-                    try:
-                        wire.send(conn, header, buffers, fds)
-                    except (BrokenPipeError, ConnectionError):
-                        break
-                    finally:
-                        for fd in fds:
-                            os.close(fd)
+        """Answer the server's connections (its own, and one per data-port channel), one request at a
+        time. The server ends an idle session; a worker whose server is gone (stopped for good, or a
+        crashed test) ends itself once idle a while longer."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
+            while True:
+                ready = selector.select(idle_timeout)
+                if not ready:
+                    for key in list(selector.get_map().values()):
+                        if key.fileobj is not listener:
+                            key.fileobj.close()  # type: ignore[union-attr]
+                    return
+                for key, _ in ready:
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    if sock is listener:
+                        conn, _ = listener.accept()
+                        conn.settimeout(idle_timeout)
+                        selector.register(conn, selectors.EVENT_READ)
+                    elif not self._answer(sock):
+                        selector.unregister(sock)
+                        sock.close()  # the server went away (it restarts), or a channel closed
+
+    def _answer(self, conn: socket.socket) -> bool:
+        """Answer one request on ``conn``; False once the other side has gone."""
+        try:
+            frame = wire.recv(conn)
+        except (EOFError, OSError):
+            return False
+        header, buffers, fds = self.handle(frame)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        header["stdout"] = os.fstat(1).st_size
+        header["stderr"] = os.fstat(2).st_size
+        try:
+            wire.send(conn, header, buffers, fds)
+        except OSError:
+            return False
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return True
 
 
 class _Mapping:

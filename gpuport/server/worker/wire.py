@@ -6,13 +6,16 @@ end to end; file descriptors (memfds holding large buffers) ride along with the 
 unpickles anything the worker sends. Each side reads exactly one frame's bytes at a time, so the
 descriptors of a frame always arrive with its own prefix.
 
-The worker's side (``send``/``recv``) blocks; the server's side (``Link``) runs on the event loop.
+The worker's side (``send``/``recv``) blocks, as do the server's data-port channels (``connect``); the
+server's own connection (``Link``) runs on the event loop. A worker answers each of its connections,
+one request at a time.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import json
 import mmap
 import os
@@ -20,7 +23,7 @@ import select
 import socket
 import struct
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
@@ -101,7 +104,34 @@ def map_file(fd: int, size: int) -> memoryview:
     return memoryview(mmap.mmap(fd, size))
 
 
-# ---- the worker's side: blocking ----------------------------------------------------------------
+@contextlib.contextmanager
+def _reachable(path: str) -> Iterator[str]:
+    """An address for the socket at ``path``: a Unix socket's may have at most 107 bytes, so a longer
+    one goes through a descriptor of its folder, open while the address is used."""
+    if len(os.fsencode(path)) < 100 or not os.path.isdir("/proc/self/fd"):
+        yield path
+        return
+    folder, name = os.path.split(path)
+    folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{folder_fd}/{name}"
+    finally:
+        os.close(folder_fd)
+
+
+# ---- blocking: the worker's side, and the server's data-port channels ------------------------------
+
+
+def connect(path: str) -> socket.socket:
+    """A blocking connection to the worker listening at ``path``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _reachable(path) as address:
+            sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
@@ -156,21 +186,13 @@ class Link:
     @classmethod
     async def connect(cls, path: str) -> Link:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        folder_fd = None
         try:
             sock.setblocking(False)
-            if len(os.fsencode(path)) >= 100 and os.path.isdir("/proc/self/fd"):
-                # A Unix socket's path may have at most 107 bytes: go through a descriptor of its folder.
-                folder, name = os.path.split(path)
-                folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                path = f"/proc/self/fd/{folder_fd}/{name}"
-            await asyncio.get_running_loop().sock_connect(sock, path)
+            with _reachable(path) as address:
+                await asyncio.get_running_loop().sock_connect(sock, address)
         except BaseException:
             sock.close()
             raise
-        finally:
-            if folder_fd is not None:
-                os.close(folder_fd)
         return cls(sock)
 
     def close(self) -> None:

@@ -96,6 +96,11 @@ SESSION_DETACHED_GRACE = 60.0
 SESSION_INLINE_BYTES = 4 * 1024 * 1024
 # Values from this many bytes on show a progress bar (when stderr is a terminal).
 SESSION_PROGRESS_BYTES = 64 * 1024 * 1024
+# Memory that large values arrived in, once they are gone, is kept for the next ones: up to this many
+# bytes per session (on the server) or per client (for results), for this many seconds. Receiving into
+# memory first touched costs page faults that take about as long as the transfer itself.
+SESSION_REUSE_BYTES = 4 * 1024 * 1024 * 1024
+SESSION_REUSE_SECONDS = 60.0
 # Environment a session's worker gets: the folder of its session (output files, socket).
 ENV_SESSION_DIR = "GPUPORT_SESSION_DIR"
 # ... and its idle timeout in seconds: a worker whose server is gone ends itself once idle well past it.

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import grpc
 
-from gpuport.defaults import DEFAULT_CONNECT_TIMEOUT, SESSION_INLINE_BYTES, SESSION_PROGRESS_BYTES
+from gpuport.defaults import (
+    DEFAULT_CONNECT_TIMEOUT,
+    SESSION_INLINE_BYTES,
+    SESSION_PROGRESS_BYTES,
+    SESSION_REUSE_BYTES,
+    SESSION_REUSE_SECONDS,
+)
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import refs, values
 from gpuport.protocol.errors import (
@@ -52,7 +58,7 @@ if TYPE_CHECKING:
 
 _OUTPUT_WAIT = 5.0  # seconds a call waits for its output to arrive before returning anyway
 _RECONNECT_PAUSE = 0.5
-_DATA_SLICE = 16 * 1024 * 1024  # bytes per send or receive call on the data port
+_DATA_SLICE = 1024 * 1024  # bytes per send or receive call on the data port
 _encoding_for = threading.local()  # the session whose call is being encoded, for Ref.__reduce__
 _NO_ARGS_ENCODED = values.encode(((), {}))
 _NO_ARGS_VALUE = pb.Value(header=_NO_ARGS_ENCODED.header, buffers=[b.tobytes() for b in _NO_ARGS_ENCODED.buffers])
@@ -487,8 +493,9 @@ class Session:
         if value.staged:
             total = sum(value.sizes)
             # Anonymous memory, not a bytearray: a bytearray is zero-filled first, which cost as much
-            # time as receiving the bytes. The arrays decoded from it keep the map alive.
-            view = memoryview(mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE)) if total else memoryview(bytearray())
+            # time as receiving the bytes; reused once an earlier result's arrays are gone. The arrays
+            # decoded from it keep the map alive.
+            view = memoryview(_RESULTS.take(total))[:total] if total else memoryview(bytearray())
             bar = _Progress("receiving", total, self._progress)
             try:
                 if not self._download_direct(value.staged, view, bar):
@@ -673,6 +680,64 @@ def _data_connection(client: Client, ticket: pb.TransferTicket) -> socket.socket
     except (OSError, ssl.SSLError) as e:
         raw.close()
         raise ConnectionFailed(f"the TLS handshake with the server's data port failed: {e}") from None
+
+
+class _Memory:
+    """Memory that large results are received into, reused once the arrays made from it are gone (their
+    views hold references to its map: CPython's reference count tells). Memory first touched costs page
+    faults that take about as long as receiving the bytes (on a 2-core VM, 0.7 s a GiB). A map unused
+    for ``SESSION_REUSE_SECONDS`` is given back; ``SESSION_REUSE_BYTES`` bounds what is kept."""
+
+    _SMALLEST = 16 * 1024 * 1024  # smaller results are not worth keeping memory for
+    _FREE = 2  # references to a map nobody uses: its entry's, and getrefcount's argument
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: list[list[Any]] = []  # [map, when last handed out]
+        self._timer: threading.Timer | None = None
+
+    def take(self, size: int) -> mmap.mmap:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            fits = [e for e in self._maps if size <= len(e[0]) <= size + size // 4 and self._unused(e)]
+            if fits:
+                entry = min(fits, key=lambda e: len(e[0]))
+                entry[1] = now
+                return entry[0]  # type: ignore[no-any-return]
+        mapped = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0))
+        if size >= self._SMALLEST:
+            with self._lock:
+                while self._maps and sum(len(e[0]) for e in self._maps) + size > SESSION_REUSE_BYTES:
+                    free = [e for e in self._maps if self._unused(e)]
+                    if not free:
+                        break
+                    self._maps.remove(min(free, key=lambda e: e[1]))
+                if sum(len(e[0]) for e in self._maps) + size <= SESSION_REUSE_BYTES:
+                    self._maps.append([mapped, now])
+                    self._schedule()
+        return mapped
+
+    def _unused(self, entry: list[Any]) -> bool:
+        return sys.getrefcount(entry[0]) <= self._FREE
+
+    def _trim(self, now: float) -> None:
+        self._maps = [e for e in self._maps if not (now - e[1] > SESSION_REUSE_SECONDS and self._unused(e))]
+
+    def _schedule(self) -> None:
+        if self._timer is None and self._maps:
+            self._timer = threading.Timer(SESSION_REUSE_SECONDS + 1, self._tick)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._trim(time.monotonic())
+            self._schedule()
+
+
+_RESULTS = _Memory()
 
 
 class _ChannelLost(Exception):

@@ -39,13 +39,14 @@ from gpuport.protocol.errors import ConfigError, GpuportError, InvalidRequest, S
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.sessions import Direct, SessionService
+from gpuport.server.worker import wire
 
 log = logging.getLogger(__name__)
 
 _TICKET_LINE = 65  # 64 hex digits and "\n"
 _HANDSHAKE_TIMEOUT = 10.0
 _IDLE_TIMEOUT = 60.0  # seconds a transfer may stall before the server gives up on it
-_SLICE = 16 * 1024 * 1024  # bytes per send or receive call
+_SLICE = 1024 * 1024  # bytes per send or receive call
 _LENGTH = struct.Struct("<I")
 _REPLY = struct.Struct("<IB")  # length, kind
 _OK, _ERROR = 0, 1
@@ -116,12 +117,13 @@ class DataPort:
             if found.kind == "upload":
                 fd, _, size = staged.parts[0]
                 if size:
-                    with mmap.mmap(fd, size) as mapped:
-                        view = memoryview(mapped)
-                        try:
-                            _receive(conn, view)
-                        finally:
-                            view.release()
+                    if staged.mapped is None:  # kept once the value went to the worker: see _Live.sent
+                        staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
+                    view = memoryview(staged.mapped)
+                    try:
+                        _receive(conn, view)
+                    finally:
+                        view.release()
                 staged.complete = True
                 conn.sendall(b"K")
             else:

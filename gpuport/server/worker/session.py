@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import selectors
 import socket
@@ -61,6 +62,7 @@ class Worker:
         self.names: dict[str, str] = {}  # name → ref id
         self.functions: dict[str, Any] = {}  # sha256 of the pickle → function
         self.mappings: dict[str, _Mapping] = {}  # ref id → the memfd its value was put in
+        self.releasing: list[_Mapping] = []  # memfds whose values are gone, once nothing uses them
         self.count = 0
         refs.table = self.values
 
@@ -79,7 +81,7 @@ class Worker:
             if header["op"] == "put" and kept is None:
                 kept = mapping
             else:
-                mapping.close_fd()
+                self.releasing.append(mapping)
         op = header["op"]
         try:
             if op == "call":
@@ -117,13 +119,27 @@ class Worker:
             return {"error": ["NotFound", str(e.args[0]) if e.args else str(e)]}, [], []
         finally:
             if kept is not None:
-                kept.close_fd()
+                self.releasing.append(kept)
 
     def _drop(self, ref_id: str) -> None:
         self.values.pop(ref_id, None)
         mapping = self.mappings.pop(ref_id, None)
         if mapping is not None:
-            mapping.close_fd()
+            self.releasing.append(mapping)
+
+    def released(self) -> list[tuple[int, int]]:
+        """(descriptor, size) of each memfd that no value uses any more: they go back to the server,
+        which receives the session's next large values into them (their pages already made)."""
+        out, still = [], []
+        for mapping in self.releasing:
+            if mapping.unmap():
+                if mapping.fd >= 0:
+                    out.append((mapping.fd, mapping.size))
+                    mapping.fd = -1
+            else:
+                still.append(mapping)
+        self.releasing = still
+        return out
 
     def _unknown(self, ref_id: str) -> str:
         owner = ref_id.split("/")[0]
@@ -297,6 +313,12 @@ class Worker:
         except (EOFError, OSError):
             return False
         header, buffers, fds = self.handle(frame)
+        del frame
+        if self.releasing:
+            released = self.released()
+            if released:  # after the descriptors of the reply's own parts
+                header["released"] = [[len(fds) + i, size] for i, (_, size) in enumerate(released)]
+                fds = fds + [fd for fd, _ in released]
         sys.stdout.flush()
         sys.stderr.flush()
         header["stdout"] = os.fstat(1).st_size
@@ -319,10 +341,16 @@ class _Mapping:
         self.view = wire.map_file(fd, size)
         self.base = _address(self.view) or 0 if size else 0
 
-    def close_fd(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def unmap(self) -> bool:
+        """Unmap the memory, once no value uses it any more (False while one does)."""
+        mapped = self.view.obj if self.size else None
+        try:
+            self.view.release()
+            if isinstance(mapped, mmap.mmap):
+                mapped.close()
+        except BufferError:  # arrays still point into it
+            return False
+        return True
 
 
 def _address(buffer: memoryview) -> int | None:

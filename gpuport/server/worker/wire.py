@@ -81,9 +81,12 @@ def _split(header: dict[str, Any], data: memoryview) -> list[memoryview]:
     return out
 
 
-def staging_file(size: int, name: str = "gpuport-value") -> tuple[int, mmap.mmap | None]:
-    """A descriptor of ``size`` bytes of memory (a memfd; an unlinked temp file where there is none),
-    and a writable map of it (None for 0 bytes)."""
+# Pages mapped at once rather than faulted in one by one as bytes arrive (where the system has it).
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def memory_file(size: int, name: str = "gpuport-value") -> int:
+    """A descriptor of ``size`` bytes of memory: a memfd (an unlinked temp file where there is none)."""
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
     else:  # pragma: no cover - not Linux
@@ -91,7 +94,17 @@ def staging_file(size: int, name: str = "gpuport-value") -> tuple[int, mmap.mmap
         os.unlink(path)
     try:
         os.ftruncate(fd, size)
-        return fd, (mmap.mmap(fd, size) if size else None)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def staging_file(size: int, name: str = "gpuport-value") -> tuple[int, mmap.mmap | None]:
+    """A ``memory_file`` and a writable map of it (None for 0 bytes)."""
+    fd = memory_file(size, name)
+    try:
+        return fd, (mmap.mmap(fd, size, flags=mmap.MAP_SHARED | POPULATE) if size else None)
     except BaseException:
         os.close(fd)
         raise

@@ -107,3 +107,46 @@ def test_the_jax_cap_holds_where_tensorflow_is_not_installed(gpu: gpuport.Client
     limit = int(next(line for line in lines if line.startswith("limit")).split()[1])
     assert limit <= size * 1.05  # XLA's allocator is capped at the slice
     assert any(line.startswith("refused") for line in lines)
+
+
+# ---- sessions on the GPU -----------------------------------------------------------------------------
+
+
+def _device_of(tensor: object) -> str:
+    return str(tensor.device)  # type: ignore[attr-defined]
+
+
+def _gram(tensor: object) -> object:
+    return tensor @ tensor.T  # type: ignore[attr-defined]
+
+
+def _allocate(fraction: float) -> int:
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    block = torch.empty(int(total * fraction), dtype=torch.uint8, device="cuda")
+    return int(block.numel())
+
+
+def test_a_session_keeps_torch_tensors_on_its_gpu_and_computes_with_them(gpu: gpuport.Client) -> None:
+    torch = pytest.importorskip("torch")
+    with gpu.session(gpu_memory=_slice(gpu, 0.2)) as s:
+        matrix = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        ref = s.put(matrix, device="gpu")
+        assert s.call(_device_of, ref) == "cuda:0"
+        product = s.call(_gram, ref, keep=True)  # computed on the GPU, and kept there
+        assert s.call(_device_of, product) == "cuda:0"
+        back = s.get(product)
+        assert back.device.type == "cpu" and torch.equal(back, matrix @ matrix.T)
+        worker = s.info().job_id
+        assert worker in {a.job_id for g in gpu.gpus() for a in g.allocations}
+
+
+def test_a_sessions_gpu_slice_caps_what_its_calls_allocate(gpu: gpuport.Client) -> None:
+    pytest.importorskip("torch")
+    with gpu.session(gpu_memory=_slice(gpu, 0.1)) as s:
+        assert s.call(_allocate, 0.05) > 0
+        with pytest.raises(gpuport.RemoteError) as raised:
+            s.call(_allocate, 0.2)
+        assert "OutOfMemoryError" in raised.value.remote_type
+        assert s.call(_allocate, 0.05) > 0  # the worker lives on, within its slice

@@ -3,8 +3,10 @@ restart under a live session, Refs of an earlier worker."""
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +144,125 @@ def test_a_worker_whose_server_is_gone_ends_itself_once_idle(tmp_path: Path) -> 
             worker.join(10)
             assert not worker.is_alive()
     refs.table = None
+
+
+# ---- the channel carrying calls, and memory reused ------------------------------------------------
+
+
+def _channel(server: RunningServer, client: gpuport.Client, session_id: str) -> ssl.SSLSocket:
+    """A raw channel on the data port for ``session_id``, as the client opens one."""
+    request = pb.TransferRequest(session_id=session_id, channel=True)
+    ticket = client._call(client._sessions.Transfer, request)
+    context = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    context.check_hostname = False
+    conn = context.wrap_socket(socket.create_connection(("127.0.0.1", ticket.port), timeout=30))
+    conn.sendall(ticket.ticket.encode() + b"\n")
+    assert conn.recv(1) == b"C"
+    return conn
+
+
+def _exchange(conn: ssl.SSLSocket, body: bytes) -> tuple[int, bytes]:
+    conn.sendall(struct.pack("<I", len(body)) + body)
+    head = _read(conn, 5)
+    size, kind = struct.unpack("<IB", head)
+    return kind, _read(conn, size)
+
+
+def _read(conn: ssl.SSLSocket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the server closed the channel")
+        data += chunk
+    return data
+
+
+def test_a_channel_carries_calls_and_answers_bad_ones_with_errors(
+    server: RunningServer, admin: gpuport.Client, session: gpuport.Session
+) -> None:
+    session.put([1, 2], name="on-channel")
+    with admin.session() as other, _channel(server, admin, session.id) as conn:
+        kind, body = _exchange(conn, pb.CallRequest(session_id=session.id, op=pb.CallRequest.REFS).SerializeToString())
+        assert kind == 0 and "on-channel" in {r.name for r in pb.CallReply.FromString(body).refs}
+        kind, body = _exchange(conn, b"\xff\xff\xff")  # not a CallRequest
+        assert kind == 1 and json.loads(body)["error"] == "InvalidRequest"
+        kind, body = _exchange(conn, pb.CallRequest(session_id=other.id, op=pb.CallRequest.REFS).SerializeToString())
+        error = json.loads(body)
+        assert kind == 1 and error["error"] == "InvalidRequest" and f"session {session.id}" in error["message"]
+        kind, body = _exchange(conn, pb.CallRequest(session_id=session.id, op=pb.CallRequest.GET).SerializeToString())
+        assert kind == 1  # a GET naming no Ref: the worker's error, and the channel goes on
+        kind, _ = _exchange(conn, pb.CallRequest(session_id=session.id, op=pb.CallRequest.REFS).SerializeToString())
+        assert kind == 0
+        conn.sendall(struct.pack("<I", 1 << 31))  # past the limit: refused, and the channel closed
+        size, kind = struct.unpack("<IB", _read(conn, 5))
+        assert kind == 1 and "limit" in json.loads(_read(conn, size))["message"]
+        assert conn.recv(1) == b""
+
+
+def test_a_channel_ticket_is_only_for_the_sessions_owner(
+    server: RunningServer, user_token: str, session: gpuport.Session
+) -> None:
+    with server.connect(user_token) as other, pytest.raises(gpuport.NotFound):
+        other._call(other._sessions.Transfer, pb.TransferRequest(session_id=session.id, channel=True))
+
+
+def test_calls_from_threads_and_from_another_client_are_answered_in_turn(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    with admin.session(name="busy") as s, server.connect() as second:
+        second._data_port = 0  # this one's calls go through gRPC: the worker answers both connections
+        s.call(lambda i: i, 0)
+        assert s._channel is not None
+        results: dict[str, list[int]] = {}
+
+        def calls(name: str, session: gpuport.Session) -> None:
+            results[name] = [session.call(lambda i: i * 2, i) for i in range(30)]
+
+        with second.session(name="busy") as t:
+            threads = [threading.Thread(target=calls, args=(f"t{n}", s)) for n in range(3)]
+            threads.append(threading.Thread(target=calls, args=("grpc", t)))
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+        assert results == {name: [i * 2 for i in range(30)] for name in ("t0", "t1", "t2", "grpc")}
+        s.close()
+
+
+def test_a_channel_the_server_closed_is_opened_again(session: gpuport.Session) -> None:
+    assert session.call(lambda: 1) == 1
+    first = session._channel
+    assert first is not None
+    first._sock.shutdown(socket.SHUT_RDWR)  # as when the server restarted between two calls
+    assert session.call(lambda: 2) == 2
+    assert session._channel is not None and session._channel is not first
+
+
+def test_memory_a_value_still_uses_is_not_reused(session: gpuport.Session) -> None:
+    x = _large()
+    ref = session.put(x)
+    halves = session.call(lambda a: a[::2], ref, keep=True)  # a view into the memory x arrived in
+    session.delete(ref)
+    ref = session.put(np.full(LARGE, 7, dtype=np.uint32))  # the same size: it would fit in x's memory
+    assert np.array_equal(session.get(halves).view(np.uint32), x.view(np.uint32)[::2])
+    session.delete(halves, ref)
+    for n in (LARGE // 2, LARGE * 2, LARGE):  # smaller, larger, the same: memory handed back is resized
+        y = np.arange(n, dtype=np.uint32) * 3
+        ref = session.put(y)
+        assert np.array_equal(session.get(ref), y)
+        assert session.call(lambda a: int(a[-1]), ref) == (n - 1) * 3
+        session.delete(ref)
+
+
+def test_results_are_received_into_memory_their_arrays_let_go_of(session: gpuport.Session) -> None:
+    n = 6 * 1024 * 1024  # 24 MiB: results this large are received into kept memory
+    first = session.get(session.put(np.full(n, 1, dtype=np.uint32)))
+    second = session.get(session.put(np.full(n, 2, dtype=np.uint32)))
+    assert not np.shares_memory(first, second)  # the first is still in use
+    assert (first == 1).all() and (second == 2).all()
+    address = first.ctypes.data
+    del first
+    third = session.get(session.put(np.arange(n, dtype=np.uint32)))
+    assert third.ctypes.data == address  # the first one's memory, now that nothing uses it
+    assert np.array_equal(third, np.arange(n, dtype=np.uint32)) and (second == 2).all()

@@ -135,7 +135,8 @@ class DataPort:
                 finally:
                     for mapped, view in views:
                         view.release()
-                        mapped.close()
+                        if mapped is not None:
+                            mapped.close()
                     staged.close()
         except (OSError, EOFError, ValueError) as e:
             log.info("a transfer from %s failed: %s", peer, e)

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +157,7 @@ class Staged:
     complete: bool = True  # an upload through the data port is complete once every byte arrived
     created: float = field(default_factory=time.monotonic)
     mapped: mmap.mmap | None = None  # an upload's memory, mapped here (writable)
+    borrow: Callable[[int], mmap.mmap | None] | None = None  # a result's: the session's map of a memfd
 
     def close(self) -> None:
         for fd in {fd for fd, _, _ in self.parts}:
@@ -166,14 +167,27 @@ class Staged:
             self.mapped.close()
             self.mapped = None
 
-    def views(self) -> list[tuple[mmap.mmap, memoryview]]:
-        """Each part mapped (read only), as its map and a view of its bytes; close the maps after use."""
-        out = []
+    def views(self) -> list[tuple[mmap.mmap | None, memoryview]]:
+        """Each part's bytes, and the map made for them here (close it after use; None: a map the
+        session keeps, of the upload whose memory this is)."""
+        out: list[tuple[mmap.mmap | None, memoryview]] = []
         for fd, offset, size in self.parts:
             if not size:
                 continue
-            mapped = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            kept = self.borrow(fd) if self.borrow is not None else None
+            if kept is not None and offset + size <= len(kept):
+                out.append((None, memoryview(kept)[offset : offset + size]))
+                continue
+            # Populated at once: faulting a GiB in page by page costs more than the mapping saves.
+            mapped = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | wire.POPULATE, prot=mmap.PROT_READ)
             out.append((mapped, memoryview(mapped)[offset : offset + size]))
+        return out
+
+    def inodes(self) -> set[int]:
+        out = set()
+        for fd, _, _ in self.parts:
+            with contextlib.suppress(OSError):
+                out.add(os.fstat(fd).st_ino)
         return out
 
 
@@ -229,6 +243,12 @@ class Staging:
             staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
         return Redeemed(key, kind, staged) if staged is not None else None
 
+    def holds(self, inode: int) -> bool:
+        """Whether a staged value lies in the memfd ``inode`` (a result on its way out of it)."""
+        with self._lock:
+            items = list(self._items.values())
+        return any(inode in staged.inodes() for staged in items)
+
     def drop(self, session_id: str | None = None, older_than: float | None = None) -> None:
         """Free the staged values of a session, or those older than ``older_than`` seconds."""
         now = time.monotonic()
@@ -278,9 +298,18 @@ class _Live:
                     old = self.maps.pop(inode, None)
                     self.maps[inode] = staged.mapped
                 if old is not None:
-                    old.close()
+                    _unmap(old)
                 staged.mapped = None
         staged.close()
+
+    def borrow(self, fd: int) -> mmap.mmap | None:
+        """The map kept of the memfd ``fd`` (a value that was put), to send a result from; not to close."""
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            return None
+        with self.counting:
+            return self.maps.get(inode)
 
     def keep_spare(self, fd: int, size: int) -> None:
         """Keep a memfd the worker let go of, for the session's next large value; within
@@ -307,7 +336,7 @@ class _Live:
         if had != size:
             os.ftruncate(fd, size)  # shrinking frees the rest; growing adds pages to make
             if mapped is not None:
-                mapped.close()
+                _unmap(mapped)
                 mapped = None
         return fd, mapped
 
@@ -315,7 +344,7 @@ class _Live:
         with contextlib.suppress(OSError), self.counting:
             mapped = self.maps.pop(os.fstat(fd).st_ino, None)
             if mapped is not None:
-                mapped.close()
+                _unmap(mapped)
         os.close(fd)
 
     def drop_spare(self, older_than: float = 0.0) -> None:
@@ -331,7 +360,7 @@ class _Live:
             with self.counting:
                 maps, self.maps = list(self.maps.values()), {}
             for mapped in maps:
-                mapped.close()
+                _unmap(mapped)
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
@@ -345,6 +374,12 @@ class _Live:
             with self.counting:
                 self.calls -= 1
                 self.last_call_at = time.time()
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    """Close a map; one a download still sends from is unmapped once that ends (and drops its view)."""
+    with contextlib.suppress(BufferError):
+        mapped.close()
 
 
 @dataclass
@@ -759,7 +794,10 @@ class SessionService:
         if released and len(released) <= len(frame.fds):  # the last descriptors: memory the worker let go of
             kept = len(frame.fds) - len(released)
             for fd, (_, size) in zip(frame.fds[kept:], released):
-                live.keep_spare(fd, size)
+                if self.staging.holds(os.fstat(fd).st_ino):  # a result still on its way out of it
+                    os.close(fd)
+                else:
+                    live.keep_spare(fd, size)
             frame.fds = frame.fds[:kept]
         try:
             if "error" in h:
@@ -783,7 +821,7 @@ class SessionService:
                 if frame.fds:
                     # [descriptor index, offset, size] of each buffer, in the descriptors sent along
                     parts = [(frame.fds[i], offset, size) for i, offset, size in h["parts"]]
-                    staged = Staged(live.owner, live.id, parts, sum(size for _, _, size in parts))
+                    staged = Staged(live.owner, live.id, parts, sum(size for _, _, size in parts), borrow=live.borrow)
                     frame.fds = []  # the staged value owns them now
                     key = self.staging.add(staged, "d-")
                     value.staged, value.sizes = key, [size for _, _, size in parts]
@@ -885,7 +923,8 @@ class SessionService:
         finally:
             for mapped, view in views:
                 view.release()
-                mapped.close()
+                if mapped is not None:
+                    mapped.close()
             staged.close()
 
     # ---- output -----------------------------------------------------------------------------------

@@ -339,15 +339,15 @@ class _Mapping:
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
         self.view = wire.map_file(fd, size)
+        self.mapped = self.view.obj if size else None
         self.base = _address(self.view) or 0 if size else 0
 
     def unmap(self) -> bool:
         """Unmap the memory, once no value uses it any more (False while one does)."""
-        mapped = self.view.obj if self.size else None
         try:
             self.view.release()
-            if isinstance(mapped, mmap.mmap):
-                mapped.close()
+            if isinstance(self.mapped, mmap.mmap):
+                self.mapped.close()
         except BufferError:  # arrays still point into it
             return False
         return True

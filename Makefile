@@ -16,9 +16,12 @@ $(VENV)/.demo: pyproject.toml | $(PY)
 
 # Everything the tests use. torch is pinned first to the CPU build (2.13.0); the `torch` extra's
 # range is then already met and pip does not reach for a multi-GB CUDA build.
+# tritonclient and tensorflow-serving-api come without their own pins (protobuf < 7 and the full
+# tensorflow): their generated code runs on protobuf 7, and tensorflow-cpu is the tensorflow here.
 $(VENV)/.dev: pyproject.toml | $(PY)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev,tf,torch]'
+	$(PIP) --no-deps tritonclient==2.73.0 tensorflow-serving-api==2.21.0
 	touch $@
 
 demo: $(VENV)/.demo
@@ -42,6 +45,8 @@ bench: $(VENV)/.dev $(VENV)/.bench
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. gpuport/protocol/gpuport.proto
+	$(PY) -m grpc_tools.protoc -I . --include_imports --descriptor_set_out=gpuport/protocol/serving/serving.desc \
+		gpuport/protocol/serving/*.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -101,6 +101,15 @@ SESSION_PROGRESS_BYTES = 64 * 1024 * 1024
 # memory first touched costs page faults that take about as long as the transfer itself.
 SESSION_REUSE_BYTES = 4 * 1024 * 1024 * 1024
 SESSION_REUSE_SECONDS = 60.0
+# ---- model serving ----
+# A deployment coalesces concurrent requests into batches of up to this many rows, waiting at most
+# this long (seconds) after the oldest arrived, unless told otherwise.
+DEFAULT_MAX_BATCH_SIZE = 64
+DEFAULT_MAX_QUEUE_DELAY = 0.002
+# Requests waiting for a deployment's replicas beyond this many are refused (the model is overloaded).
+MAX_SERVING_QUEUE = 4096
+# A prediction request's body (REST) or message (gRPC) may have at most this many bytes.
+MAX_INFER_BYTES = 64 * 1024 * 1024
 # Environment a session's worker gets: the folder of its session (output files, socket).
 ENV_SESSION_DIR = "GPUPORT_SESSION_DIR"
 # ... and its idle timeout in seconds: a worker whose server is gone ends itself once idle well past it.

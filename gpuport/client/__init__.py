@@ -4,6 +4,7 @@ from gpuport.client._client import Client, connect
 from gpuport.client._config import config_path, load_profiles, remove_profile
 from gpuport.client._jobs import Job, JobInfo
 from gpuport.client._login import login
+from gpuport.client._models import ModelInfo, TensorSpec
 from gpuport.client._sessions import Ref, RemoteFunction, Session, SessionInfo
 from gpuport.client._types import GPU, GpuAllocation, GpuProcess, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
 
@@ -21,6 +22,8 @@ __all__ = [
     "ServerStatus",
     "Session",
     "SessionInfo",
+    "ModelInfo",
+    "TensorSpec",
     "Snapshot",
     "TokenInfo",
     "config_path",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -29,9 +31,15 @@ from gpuport.client._channel import (
 )
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import Job, JobInfo
+from gpuport.client._models import ModelInfo
 from gpuport.client._sessions import RemoteFunction, Session, SessionInfo
 from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
-from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
+from gpuport.defaults import (
+    DEFAULT_CALL_TIMEOUT,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_QUEUE_DELAY,
+)
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import IncompatibleVersions, InvalidRequest, ServerError, ServerUnreachable, TLSError
@@ -85,6 +93,7 @@ class Client:
         self._jobs = pb_grpc.JobsStub(self._channel)
         self._quotas = pb_grpc.QuotasStub(self._channel)
         self._sessions = pb_grpc.SessionsStub(self._channel)
+        self._models = pb_grpc.ModelsStub(self._channel)
         self._open_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
         # Uploads send messages encoded ahead of time (_sync.prefetched), so they go out as bytes.
         self._upload = self._channel.stream_unary(
@@ -475,6 +484,89 @@ class Client:
         ref = pb.SessionRef(session_id=name_or_id) if name_or_id.startswith("s-") else pb.SessionRef(name=name_or_id)
         return SessionInfo.from_message(self._call(self._sessions.Close, ref))
 
+    # ---- serving ----------------------------------------------------------------------------------
+
+    def deploy(
+        self,
+        name: str,
+        source: str | os.PathLike[str],
+        *,
+        version: int | None = None,
+        format: str | None = None,
+        gpus: int = 0,
+        gpu_memory: int | str | None = None,
+        cpus: float = 0.0,
+        memory: int | str | None = None,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_queue_delay: float | str = DEFAULT_MAX_QUEUE_DELAY,
+        replicas: int = 1,
+        wait: bool = True,
+        timeout: float = 600.0,
+    ) -> ModelInfo:
+        """Serve a model over KServe v2 and TensorFlow Serving's APIs, as ``name``.
+
+        ``source``: a local file or folder (uploaded), ``job.output("model/")`` / ``"job:<id>:model/"``
+        (a job's output), or a pushed snapshot's name (``"NAME"`` or ``"NAME:path/in/it"``). Formats:
+        a SavedModel folder, a ``.keras`` file, TorchScript, ONNX, or a pickled Python class with
+        ``predict``. With ``wait`` (the default) returns once the model is ready, and raises
+        ``ServerError`` with the loader's message when it failed to load.
+        """
+        local = Path(os.fspath(source)).expanduser()
+        text = os.fspath(source)
+        if local.exists():
+            text = self._upload_model(local)
+        elif text.startswith((".", "/", "~")) or os.sep in text.split(":")[0]:
+            raise InvalidRequest(f"{text}: no such file or folder here")
+        request = pb.DeployRequest(
+            name=name,
+            source=text,
+            version=version or 0,
+            format=format or "",
+            gpus=gpus,
+            gpu_memory=0 if gpu_memory is None else parse_size(gpu_memory),
+            cpus=cpus,
+            memory=0 if memory is None else parse_size(memory),
+            max_batch_size=max_batch_size,
+            max_queue_delay=parse_duration(max_queue_delay),
+            replicas=replicas,
+        )
+        info = ModelInfo.from_message(self._call(self._models.Deploy, request))
+        if not wait:
+            return info
+        deadline = time.monotonic() + timeout
+        while info.state == "loading":
+            if time.monotonic() > deadline:
+                raise ServerError(f"model {name} version {info.version} is still loading after {timeout:g}s")
+            time.sleep(0.1)
+            info = self.model(name, info.version)
+        if info.state == "failed":
+            raise ServerError(f"model {name} version {info.version} failed: {info.message}")
+        return info
+
+    def _upload_model(self, path: Path) -> str:
+        """Upload a local model as an unnamed snapshot; its source for a deployment."""
+        if path.is_dir():
+            return f"snapshot:{self._sync_folder(path, '', None).id}"
+        with tempfile.TemporaryDirectory(prefix="gpuport-model-") as tmp:
+            os.link(path, Path(tmp) / path.name) if _same_device(path, tmp) else shutil.copy2(path, tmp)
+            spec = path.parent / "gpuport-model.json"
+            if spec.exists():
+                shutil.copy2(spec, tmp)
+            return f"snapshot:{self._sync_folder(Path(tmp), '', None).id}:{path.name}"
+
+    def model(self, name: str, version: int | None = None) -> ModelInfo:
+        """A deployed model (its newest ready version, unless ``version``)."""
+        return ModelInfo.from_message(self._call(self._models.Get, pb.ModelRef(name=name, version=version or 0)))
+
+    def models(self) -> list[ModelInfo]:
+        """Every deployed model on the server, each version apart."""
+        return [ModelInfo.from_message(m) for m in self._call(self._models.List, _EMPTY).models]
+
+    def undeploy(self, name: str, version: int | None = None) -> list[ModelInfo]:
+        """Stop serving ``name`` (every version, or just ``version``); returns what was undeployed."""
+        reply = self._call(self._models.Undeploy, pb.ModelRef(name=name, version=version or 0))
+        return [ModelInfo.from_message(m) for m in reply.models]
+
     def function(
         self,
         function: Callable[..., Any] | None = None,
@@ -543,3 +635,10 @@ def connect(
     ...     print(gpu.gpus())
     """
     return Client(resolve_settings(url, token, profile, fingerprint), timeout=timeout)
+
+
+def _same_device(path: Path, folder: str) -> bool:
+    try:
+        return path.stat().st_dev == os.stat(folder).st_dev
+    except OSError:
+        return False

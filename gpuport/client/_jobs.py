@@ -202,6 +202,10 @@ class Job:
         if pending:
             yield pending.decode("utf-8", "replace")
 
+    def output(self, path: str = "") -> str:
+        """One of the job's outputs as a source for ``gpu.deploy``: ``job:<id>:<path>``."""
+        return f"job:{self.id}:{path}"
+
     def download(self, dest: str | Path, path: str | None = None, *, progress: Progress | None = None) -> list[Path]:
         """Fetch the job's outputs (or those at ``path``) into folder ``dest``; return the files written.
 

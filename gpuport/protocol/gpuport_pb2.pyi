@@ -699,3 +699,91 @@ class OutputChunk(_message.Message):
     state: str
     job_id: str
     def __init__(self, fd: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class DeployRequest(_message.Message):
+    __slots__ = ("name", "source", "version", "format", "gpus", "gpu_memory", "cpus", "memory", "max_batch_size", "max_queue_delay", "replicas")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: str
+    version: int
+    format: str
+    gpus: int
+    gpu_memory: int
+    cpus: float
+    memory: int
+    max_batch_size: int
+    max_queue_delay: float
+    replicas: int
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "datatype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DELAY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    version: int
+    owner: str
+    source: str
+    format: str
+    state: str
+    message: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    max_batch_size: int
+    max_queue_delay: float
+    replicas: int
+    gpus: int
+    gpu_memory: int
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    created_at: float
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class ModelRef(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ModelList(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

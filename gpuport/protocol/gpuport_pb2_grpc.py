@@ -1625,3 +1625,204 @@ class Sessions:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ModelsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Deploy = channel.unary_unary(
+                '/gpuport.v1.Models/Deploy',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.DeployRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/gpuport.v1.Models/Get',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/gpuport.v1.Models/List',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelList.FromString,
+                _registered_method=True)
+        self.Undeploy = channel.unary_unary(
+                '/gpuport.v1.Models/Undeploy',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelList.FromString,
+                _registered_method=True)
+
+
+class ModelsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Deploy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undeploy(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ModelsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Deploy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deploy,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.DeployRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelList.SerializeToString,
+            ),
+            'Undeploy': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undeploy,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelList.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpuport.v1.Models', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpuport.v1.Models', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Models:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Deploy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Models/Deploy',
+            gpuport_dot_protocol_dot_gpuport__pb2.DeployRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Models/Get',
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Models/List',
+            gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undeploy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Models/Undeploy',
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -20,6 +20,7 @@ from gpuport.server.services.auth import AuthService, Identity
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
 from gpuport.server.services.quotas import QuotaService
+from gpuport.server.services.serving import ServingService
 from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
@@ -75,6 +76,7 @@ class ServerApp:
             self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor(), self.quotas
         )
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
+        self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs, inventory)
         self._watching: asyncio.Task[None] | None = None
         self.started_at = time.time()
@@ -86,6 +88,7 @@ class ServerApp:
         previous run's jobs."""
         await self.jobs.start()
         await self.sessions.start()
+        await self.serving.start()
         self._watching = asyncio.create_task(self.watchdog.run())
 
     def gpus(self, caller: Identity) -> GpuListing:
@@ -123,5 +126,6 @@ class ServerApp:
         if self._watching is not None:
             self._watching.cancel()
         self.sessions.stop()
+        self.serving.stop()
         self.inventory.close()
         self.store.close()

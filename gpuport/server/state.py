@@ -63,6 +63,10 @@ class StateDir:
     def sessions_dir(self) -> Path:
         return self.root / "sessions"
 
+    @property
+    def models_dir(self) -> Path:
+        return self.root / "models"
+
 
 def open_state_dir(path: Path) -> StateDir:
     """Create ``path`` with mode 0700 if it is missing; refuse one that others could read or write.

@@ -103,6 +103,27 @@ MIGRATIONS: list[str] = [
     );
     CREATE UNIQUE INDEX sessions_live_name ON sessions(owner, name) WHERE ended_at IS NULL AND name != '';
     """,
+    """
+    CREATE TABLE deployments (
+        seq           INTEGER PRIMARY KEY,
+        id            TEXT NOT NULL UNIQUE,     -- d-<hex>: its folder under STATE_DIR/models
+        name          TEXT NOT NULL,            -- the model's name in prediction URLs, the same for every user
+        version       INTEGER NOT NULL,
+        owner         TEXT NOT NULL,
+        source        TEXT NOT NULL,            -- as deployed: snapshot:<id>[:path], a snapshot name, job:<id>:<path>
+        snapshot_id   TEXT NOT NULL,
+        path          TEXT NOT NULL DEFAULT '', -- the model's path inside the snapshot
+        format        TEXT NOT NULL DEFAULT '', -- as asked ('' : found from the files)
+        spec          TEXT NOT NULL,            -- JSON: resources, replicas, batching
+        state         TEXT NOT NULL,            -- loading, ready, failed (message says why)
+        message       TEXT NOT NULL DEFAULT '',
+        metadata      TEXT NOT NULL DEFAULT '', -- JSON: the format, inputs and outputs the model published
+        jobs          TEXT NOT NULL DEFAULT '[]', -- its replicas' current workers
+        created_at    REAL NOT NULL,
+        ended_at      REAL                      -- undeployed
+    );
+    CREATE UNIQUE INDEX deployments_live ON deployments(name, version) WHERE ended_at IS NULL;
+    """,
 ]
 
 

@@ -25,11 +25,13 @@ from gpuport.protocol.errors import (
     ServerError,
     status_for,
 )
+from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
 from gpuport.server.services.quotas import QuotaRecord
+from gpuport.server.services.serving import DeploymentRecord, DeploySpec
 from gpuport.server.services.sessions import CallIn, CallOut, SessionRecord, SessionSpec, Value
 from gpuport.server.services.snapshots import Entry, SnapshotRecord
 
@@ -542,6 +544,66 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
             yield pb.OutputChunk(fd=fd, offset=offset, data=data, state=state)
 
 
+def model_message(record: DeploymentRecord) -> pb.ModelInfo:
+    spec = record.spec
+
+    def tensors(specs: list[dict[str, Any]]) -> list[pb.TensorSpec]:
+        return [pb.TensorSpec(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in specs]
+
+    return pb.ModelInfo(
+        id=record.id,
+        name=record.name,
+        version=record.version,
+        owner=record.owner,
+        source=record.source,
+        format=record.format,
+        state=record.state,
+        message=record.message,
+        inputs=tensors(record.inputs),
+        outputs=tensors(record.outputs),
+        max_batch_size=spec["max_batch_size"],
+        max_queue_delay=spec["max_queue_delay"],
+        replicas=spec["replicas"],
+        gpus=spec["gpus"],
+        gpu_memory=spec["gpu_memory"],
+        jobs=record.jobs,
+        created_at=record.created_at,
+    )
+
+
+class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
+    @rpc
+    async def Deploy(self, request: pb.DeployRequest, caller: Identity) -> pb.ModelInfo:
+        spec = DeploySpec(
+            name=request.name,
+            source=request.source,
+            version=request.version,
+            format=request.format,
+            gpus=request.gpus,
+            gpu_memory=request.gpu_memory,
+            cpus=request.cpus,
+            memory=request.memory,
+            max_batch_size=request.max_batch_size,
+            max_queue_delay=request.max_queue_delay,
+            replicas=request.replicas or 1,
+        )
+        return model_message(self.app.serving.deploy(caller, spec))
+
+    @rpc
+    async def Get(self, request: pb.ModelRef, caller: Identity) -> pb.ModelInfo:
+        return model_message(self.app.serving.find(request.name, request.version))
+
+    @rpc
+    async def List(self, request: pb.Empty, caller: Identity) -> pb.ModelList:
+        return pb.ModelList(models=[model_message(d) for d in self.app.serving.list()])
+
+    @rpc
+    async def Undeploy(self, request: pb.ModelRef, caller: Identity) -> pb.ModelList:
+        return pb.ModelList(
+            models=[model_message(d) for d in self.app.serving.undeploy(caller, request.name, request.version)]
+        )
+
+
 def build_grpc_server(
     app: ServerApp, host: str, port: int, credentials: grpc.ServerCredentials | None
 ) -> tuple[grpc.aio.Server, int]:
@@ -563,6 +625,8 @@ def build_grpc_server(
     pb_grpc.add_JobsServicer_to_server(JobsServicer(app), server)
     pb_grpc.add_QuotasServicer_to_server(QuotasServicer(app), server)
     pb_grpc.add_SessionsServicer_to_server(SessionsServicer(app), server)
+    pb_grpc.add_ModelsServicer_to_server(ModelsServicer(app), server)
+    add_serving_services(server, app)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     if credentials is None:
         bound = server.add_insecure_port(address)

@@ -23,6 +23,7 @@ from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
+from gpuport.server.api.serving_http import add_serving_routes
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
@@ -155,7 +156,8 @@ def build_http_app(app: ServerApp) -> FastAPI:
     @api.middleware("http")
     async def _limit_body(request: Request, call_next: Any) -> Response:
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
+        serving = request.url.path.startswith(("/v2/", "/v1/models/"))  # predictions have their own limit
+        if length and length.isdigit() and int(length) > MAX_REST_BODY_BYTES and not serving:
             error = InvalidRequest(
                 f"request body of {length} bytes is over the limit of {MAX_REST_BODY_BYTES} — upload files with "
                 "`gpuport push`, and refer to them by name"
@@ -169,6 +171,8 @@ def build_http_app(app: ServerApp) -> FastAPI:
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return _error_response(ServerError("internal server error — the server's log has the details"))
+
+    add_serving_routes(api)
 
     @api.get("/v1/health", summary="Liveness; needs no token")
     async def health() -> dict[str, Any]:

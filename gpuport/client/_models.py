@@ -1,0 +1,62 @@
+"""Deployed models as the client sees them (``gpu.deploy``, ``gpu.models``, ``gpuport models``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuport.protocol import gpuport_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # KServe v2: FP32, INT64, BYTES, ...
+    shape: tuple[int, ...]  # -1: any size; the first dimension is the batch
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A deployment: ``state`` is loading, ready or failed (``message`` says why)."""
+
+    id: str
+    name: str
+    version: int
+    owner: str
+    source: str
+    format: str
+    state: str
+    message: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    max_batch_size: int
+    max_queue_delay: float
+    replicas: int
+    gpus: int
+    gpu_memory: int
+    jobs: list[str]
+    created_at: float
+
+    @classmethod
+    def from_message(cls, m: pb.ModelInfo) -> ModelInfo:
+        def specs(items: list[pb.TensorSpec]) -> list[TensorSpec]:
+            return [TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in items]
+
+        return cls(
+            id=m.id,
+            name=m.name,
+            version=m.version,
+            owner=m.owner,
+            source=m.source,
+            format=m.format,
+            state=m.state,
+            message=m.message,
+            inputs=specs(list(m.inputs)),
+            outputs=specs(list(m.outputs)),
+            max_batch_size=m.max_batch_size,
+            max_queue_delay=m.max_queue_delay,
+            replicas=m.replicas,
+            gpus=m.gpus,
+            gpu_memory=m.gpu_memory,
+            jobs=list(m.jobs),
+            created_at=m.created_at,
+        )

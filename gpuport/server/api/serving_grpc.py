@@ -1,0 +1,318 @@
+"""The prediction protocols over gRPC, on the server's gRPC port, behind the same Bearer tokens.
+
+``inference.GRPCInferenceService`` (KServe v2 / Triton: ServerLive, ServerReady, ServerMetadata,
+ModelReady, ModelMetadata, ModelInfer with ``raw_input_contents``) and
+``tensorflow.serving.PredictionService`` (Predict, GetModelMetadata). Their messages come from a
+private descriptor pool (``protocol/serving``), so a server that loads TensorFlow, and a process with
+tritonclient or tensorflow-serving-api in it, register nothing twice; the handlers are generic ones,
+with those messages' own (de)serializers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+
+from gpuport._version import __version__
+from gpuport.defaults import MAX_INFER_BYTES
+from gpuport.protocol.datatypes import from_tf_enum, numpy_dtype, tf_enum
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, NotFound, ServerError, status_for
+from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, kserve, tfs
+from gpuport.server.api.serving_http import PLATFORMS
+from gpuport.server.app import ServerApp
+from gpuport.server.services.serving import DeploymentRecord
+from gpuport.server.worker.model import pack_bytes, unpack_bytes
+
+log = logging.getLogger(__name__)
+
+# The typed fields of InferTensorContents, by datatype.
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+# The typed fields of TensorProto, by datatype (half_val holds FP16's bit patterns).
+_TF_VALUES = {
+    "FP32": "float_val",
+    "FP64": "double_val",
+    "INT8": "int_val",
+    "INT16": "int_val",
+    "INT32": "int_val",
+    "UINT8": "int_val",
+    "UINT16": "int_val",
+    "INT64": "int64_val",
+    "UINT32": "uint32_val",
+    "UINT64": "uint64_val",
+    "BOOL": "bool_val",
+    "BYTES": "string_val",
+    "FP16": "half_val",
+}
+
+Handler = Callable[[ServerApp, Any], Awaitable[Any]]
+
+
+def _unary(app: ServerApp, method: Handler, request_type: Any, response_type: Any) -> grpc.RpcMethodHandler:
+    @functools.wraps(method)
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            metadata = dict(context.invocation_metadata() or ())
+            app.auth.authenticate(metadata.get("authorization"))
+            return await method(app, request)
+        except Exception as e:
+            if isinstance(e, AuthenticationError):
+                log.warning("rejected a prediction call from %s: %s", context.peer(), e)
+            elif not isinstance(e, GpuportError):
+                log.exception("%s failed", method.__name__)
+                e = ServerError("internal server error — the server's log has the details")
+            code, _ = status_for(e)  # type: ignore[arg-type]
+            if "still loading" in str(e) or " failed: " in str(e):
+                code = grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(e))
+
+    return grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=request_type.FromString, response_serializer=response_type.SerializeToString
+    )
+
+
+def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
+    k, t = kserve, tfs
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                KSERVE_SERVICE,
+                {
+                    "ServerLive": _unary(app, _server_live, k.ServerLiveRequest, k.ServerLiveResponse),
+                    "ServerReady": _unary(app, _server_ready, k.ServerReadyRequest, k.ServerReadyResponse),
+                    "ServerMetadata": _unary(app, _server_metadata, k.ServerMetadataRequest, k.ServerMetadataResponse),
+                    "ModelReady": _unary(app, _model_ready, k.ModelReadyRequest, k.ModelReadyResponse),
+                    "ModelMetadata": _unary(app, _model_metadata, k.ModelMetadataRequest, k.ModelMetadataResponse),
+                    "ModelInfer": _unary(app, _model_infer, k.ModelInferRequest, k.ModelInferResponse),
+                },
+            ),
+            grpc.method_handlers_generic_handler(
+                TFS_SERVICE,
+                {
+                    "Predict": _unary(app, _predict, t.PredictRequest, t.PredictResponse),
+                    "GetModelMetadata": _unary(
+                        app, _get_model_metadata, t.GetModelMetadataRequest, t.GetModelMetadataResponse
+                    ),
+                },
+            ),
+        )
+    )
+
+
+def _version(text: str) -> int:
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise NotFound(f"model version {text[:40]!r}: versions are numbers from 1")
+    return int(text)
+
+
+# ---- KServe v2 ---------------------------------------------------------------------------------------
+
+
+async def _server_live(app: ServerApp, request: Any) -> Any:
+    return kserve.ServerLiveResponse(live=True)
+
+
+async def _server_ready(app: ServerApp, request: Any) -> Any:
+    return kserve.ServerReadyResponse(ready=True)
+
+
+async def _server_metadata(app: ServerApp, request: Any) -> Any:
+    return kserve.ServerMetadataResponse(name="gpuport", version=__version__, extensions=["binary_tensor_data"])
+
+
+async def _model_ready(app: ServerApp, request: Any) -> Any:
+    d = app.serving.find(request.name, _version(request.version))
+    return kserve.ModelReadyResponse(ready=d.state == "ready")
+
+
+async def _model_metadata(app: ServerApp, request: Any) -> Any:
+    d = app.serving.find(request.name, _version(request.version))
+    meta = kserve.ModelMetadataResponse.TensorMetadata
+    return kserve.ModelMetadataResponse(
+        name=d.name,
+        versions=[str(v) for v in app.serving.versions(d.name)],
+        platform=PLATFORMS.get(d.format, d.format),
+        inputs=[meta(name=s["name"], datatype=s["datatype"], shape=s["shape"]) for s in d.inputs],
+        outputs=[meta(name=s["name"], datatype=s["datatype"], shape=s["shape"]) for s in d.outputs],
+    )
+
+
+def _kserve_input(tensor: Any, raw: bytes | None) -> np.ndarray:
+    shape = tuple(int(n) for n in tensor.shape)
+    if any(n < 0 for n in shape):
+        raise InvalidRequest(f"input {tensor.name!r}: shape {list(shape)} has a negative dimension")
+    dtype = numpy_dtype(tensor.datatype)
+    count = int(np.prod(shape)) if shape else 1
+    if raw is not None:
+        if tensor.datatype == "BYTES":
+            array = unpack_bytes(raw, (-1,))
+        else:
+            if len(raw) != count * dtype.itemsize:
+                raise InvalidRequest(
+                    f"input {tensor.name!r}: raw_input_contents has {len(raw)} bytes; shape {list(shape)} of "
+                    f"{tensor.datatype} needs {count * dtype.itemsize}"
+                )
+            return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    else:
+        field = _CONTENTS.get(tensor.datatype)
+        if field is None:
+            raise InvalidRequest(f"input {tensor.name!r}: {tensor.datatype} travels in raw_input_contents only")
+        values = list(getattr(tensor.contents, field))
+        if tensor.datatype == "BYTES":
+            array = np.empty(len(values), dtype=object)
+            array[:] = values
+        else:
+            array = np.asarray(values, dtype=dtype)
+    if array.size != count:
+        raise InvalidRequest(f"input {tensor.name!r}: {array.size} values for shape {list(shape)} ({count} expected)")
+    return array.reshape(shape)
+
+
+async def _model_infer(app: ServerApp, request: Any) -> Any:
+    if request.ByteSize() > MAX_INFER_BYTES:
+        raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
+    d = app.serving.find(request.model_name, _version(request.model_version))
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
+    inputs = {t.name: _kserve_input(t, raw[i] if raw else None) for i, t in enumerate(request.inputs)}
+    outputs = await app.serving.infer(d.name, d.version, inputs)
+    wanted = [o.name for o in request.outputs] or list(outputs)
+    unknown = [n for n in wanted if n not in outputs]
+    if unknown:
+        raise InvalidRequest(f"unknown output {unknown[0]!r}: this model's outputs are {', '.join(outputs)}")
+    response = kserve.ModelInferResponse(model_name=d.name, model_version=str(d.version), id=request.id)
+    from gpuport.protocol.datatypes import datatype_of
+
+    for name in wanted:
+        array = np.asarray(outputs[name])
+        datatype = datatype_of(array.dtype)
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        if datatype == "BYTES":
+            response.raw_output_contents.append(pack_bytes(array))
+        else:
+            response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+    return response
+
+
+# ---- TensorFlow Serving --------------------------------------------------------------------------------
+
+
+def _from_tensor_proto(name: str, proto: Any) -> np.ndarray:
+    datatype = from_tf_enum(proto.dtype)
+    shape = tuple(int(d.size) for d in proto.tensor_shape.dim)
+    if any(n < 0 for n in shape):
+        raise InvalidRequest(f"input {name!r}: shape {list(shape)} has a negative dimension")
+    dtype = numpy_dtype(datatype)
+    count = int(np.prod(shape)) if shape else 1
+    if proto.tensor_content:
+        if datatype == "BYTES":
+            raise InvalidRequest(f"input {name!r}: strings travel in string_val, not tensor_content")
+        if len(proto.tensor_content) != count * dtype.itemsize:
+            raise InvalidRequest(
+                f"input {name!r}: tensor_content has {len(proto.tensor_content)} bytes; shape {list(shape)} of "
+                f"{datatype} needs {count * dtype.itemsize}"
+            )
+        return np.frombuffer(proto.tensor_content, dtype=dtype).reshape(shape)
+    values = list(getattr(proto, _TF_VALUES.get(datatype, "float_val")))
+    if datatype == "BYTES":
+        array = np.empty(len(values), dtype=object)
+        array[:] = values
+    elif datatype == "FP16":
+        array = np.asarray(values, dtype=np.uint16).view(np.float16)
+    else:
+        array = np.asarray(values, dtype=dtype)
+    if array.size == 1 and count != 1:
+        array = np.full(count, array[0], dtype=array.dtype)  # TensorFlow's rule: one value fills the tensor
+    if array.size != count:
+        raise InvalidRequest(f"input {name!r}: {array.size} values for shape {list(shape)} ({count} expected)")
+    return array.reshape(shape)
+
+
+def _tensor_proto(array: np.ndarray) -> Any:
+    from gpuport.protocol.datatypes import datatype_of
+
+    array = np.asarray(array)
+    datatype = datatype_of(array.dtype)
+    proto = tfs.TensorProto(dtype=tf_enum(datatype))
+    for n in array.shape:
+        proto.tensor_shape.dim.add(size=n)
+    if datatype == "BYTES":
+        proto.string_val.extend(x if isinstance(x, bytes) else str(x).encode() for x in array.reshape(-1))
+    else:
+        proto.tensor_content = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
+    return proto
+
+
+async def _predict(app: ServerApp, request: Any) -> Any:
+    if request.ByteSize() > MAX_INFER_BYTES:
+        raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
+    spec = request.model_spec
+    version = spec.version.value if spec.HasField("version") else 0
+    d = app.serving.find(spec.name, version)
+    if spec.signature_name not in ("", "serving_default"):
+        raise InvalidRequest(f"unknown signature {spec.signature_name!r}: this model has serving_default only")
+    inputs = {name: _from_tensor_proto(name, proto) for name, proto in request.inputs.items()}
+    outputs = await app.serving.infer(d.name, d.version, inputs)
+    wanted = list(request.output_filter) or list(outputs)
+    unknown = [n for n in wanted if n not in outputs]
+    if unknown:
+        raise InvalidRequest(f"unknown output {unknown[0]!r}: this model's outputs are {', '.join(outputs)}")
+    response = tfs.PredictResponse()
+    response.model_spec.name = d.name
+    response.model_spec.version.value = d.version
+    response.model_spec.signature_name = "serving_default"
+    for name in wanted:
+        response.outputs[name].CopyFrom(_tensor_proto(outputs[name]))
+    return response
+
+
+def signature_def(d: DeploymentRecord) -> Any:
+    signature = tfs.SignatureDef(method_name="tensorflow/serving/predict")
+    for specs, target in ((d.inputs, signature.inputs), (d.outputs, signature.outputs)):
+        for s in specs:
+            info = target[s["name"]]
+            info.name = s["name"]
+            info.dtype = tf_enum(s["datatype"])
+            for n in s["shape"]:
+                info.tensor_shape.dim.add(size=n)
+    return signature
+
+
+async def _get_model_metadata(app: ServerApp, request: Any) -> Any:
+    spec = request.model_spec
+    version = spec.version.value if spec.HasField("version") else 0
+    d = app.serving.find(spec.name, version)
+    fields = list(request.metadata_field)
+    if fields != ["signature_def"]:
+        raise InvalidRequest(
+            f"metadata_field must be ['signature_def'] (the one TensorFlow Serving knows), not {fields}"
+        )
+    signatures = tfs.SignatureDefMap()
+    signatures.signature_def["serving_default"].CopyFrom(signature_def(d))
+    response = tfs.GetModelMetadataResponse()
+    response.model_spec.name = d.name
+    response.model_spec.version.value = d.version
+    packed = response.metadata["signature_def"]
+    packed.type_url = any_type_url(type(signatures))
+    packed.value = signatures.SerializeToString()
+    return response

@@ -1,0 +1,502 @@
+"""Deployments: a trained model loaded by replica workers, answering predictions in dynamic batches.
+
+A deployment is a model's files (a snapshot: uploaded from a local path, named, or a job's output),
+written under ``STATE_DIR/models/<id>/files`` and loaded by ``replicas`` worker processes, each a job
+of kind "model" (``worker/model.py``): they queue, hold their GPU slice, are capped and watched like
+any job, and they outlive a server restart like any job. This service keeps what is a deployment's
+own: its name and version, its state, the connections to its replicas and the batcher in front of
+them. Every live deployment is picked up again when the server starts.
+
+Names are the server's, not a user's: ``/v2/models/digits`` has no owner in it. Anyone with a token
+can ask for predictions; the owner (or an admin) deploys new versions and undeploys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuport.defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY, MAX_SERVING_QUEUE
+from gpuport.protocol.errors import (
+    Conflict,
+    GpuportError,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    ResourceUnavailable,
+    ServerError,
+    error_from_name,
+)
+from gpuport.protocol.paths import check_path
+from gpuport.protocol.units import format_duration
+from gpuport.server.services.auth import Identity
+from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
+from gpuport.server.services.snapshots import SnapshotService
+from gpuport.server.serving.batcher import Batcher
+from gpuport.server.store import Store
+from gpuport.server.worker import wire
+from gpuport.server.worker.model import (
+    ENV_MODEL_DIR,
+    ENV_MODEL_REPLICA,
+    LOAD_FAILED,
+    decode_tensors,
+    encode_tensors,
+)
+
+log = logging.getLogger(__name__)
+
+_WORKER = [sys.executable, "-m", "gpuport.server.worker.model"]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_CONNECT_TIMEOUT = 300.0  # seconds from a replica's start to its socket accepting (a model loading)
+_WATCH_EVERY = 0.2
+_RESTARTS = 5  # a replica that crashes this many times within _RESTART_WINDOW seconds fails the deployment
+_RESTART_WINDOW = 60.0
+_MAX_REPLICAS = 64
+_MAX_BATCH = 1 << 20
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    name: str
+    source: str
+    version: int = 0  # 0: the next one
+    format: str = ""
+    gpus: int = 0
+    gpu_memory: int = 0
+    cpus: float = 0.0
+    memory: int = 0
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY
+    replicas: int = 1
+
+
+@dataclass(frozen=True)
+class DeploymentRecord:
+    id: str
+    name: str
+    version: int
+    owner: str
+    source: str
+    format: str
+    state: str  # loading, ready, failed
+    message: str
+    inputs: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+    spec: dict[str, Any]
+    jobs: list[str]
+    created_at: float
+
+
+@dataclass
+class _Replica:
+    index: int
+    job_id: str
+    link: wire.Link | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    crashes: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Deployment:
+    id: str
+    name: str
+    version: int
+    owner: str
+    source: str
+    format: str
+    spec: dict[str, Any]
+    folder: Path
+    created_at: float
+    replicas: list[_Replica]
+    state: str = "loading"
+    message: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    batcher: Batcher | None = None
+    watcher: asyncio.Task[None] | None = None
+
+
+class ServingService:
+    def __init__(self, store: Store, jobs: JobService, snapshots: SnapshotService, root: Path) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.snapshots = snapshots
+        self.root = root
+        self.root.mkdir(exist_ok=True)
+        self._live: dict[str, _Deployment] = {}  # by id
+
+    async def start(self) -> None:
+        """Pick up the deployments a previous server left: their replicas (jobs) may still run."""
+        for row in self.store.query("SELECT * FROM deployments WHERE ended_at IS NULL ORDER BY seq"):
+            spec = json.loads(row["spec"])
+            jobs = json.loads(row["jobs"])
+            d = _Deployment(
+                id=row["id"],
+                name=row["name"],
+                version=row["version"],
+                owner=row["owner"],
+                source=row["source"],
+                format=row["format"],
+                spec=spec,
+                folder=self.root / row["id"],
+                created_at=row["created_at"],
+                replicas=[_Replica(i, job_id) for i, job_id in enumerate(jobs)],
+                state="loading" if row["state"] != "failed" else "failed",
+                message=row["message"],
+                metadata=json.loads(row["metadata"] or "{}"),
+            )
+            self._live[d.id] = d
+            if d.state != "failed":
+                d.watcher = asyncio.create_task(self._watch(d))
+
+    def stop(self) -> None:
+        """Let go of the replicas (they run on, as jobs do, and the next server picks them up)."""
+        for d in self._live.values():
+            if d.watcher is not None:
+                d.watcher.cancel()
+            for r in d.replicas:
+                if r.link is not None:
+                    r.link.close()
+
+    # ---- deploying --------------------------------------------------------------------------------
+
+    def deploy(self, caller: Identity, spec: DeploySpec) -> DeploymentRecord:
+        self._check(spec)
+        snapshot, path = self._source(caller, spec.source)
+        owners = {
+            row["owner"] for row in self.store.query("SELECT owner FROM deployments WHERE name = ?", (spec.name,))
+        }
+        if owners and caller.name not in owners and not caller.admin:
+            raise PermissionDenied(f"model name {spec.name!r} is another user's: pick another name")
+        row = self.store.query_one("SELECT MAX(version) AS v FROM deployments WHERE name = ?", (spec.name,))
+        version = spec.version or ((row["v"] or 0) + 1 if row is not None else 1)
+        if self._find(spec.name, version, live_only=False) is not None:
+            raise Conflict(
+                f"model {spec.name} version {version} is deployed already: `gpuport undeploy {spec.name} "
+                f"--version {version}` first, or deploy another version"
+            )
+        deployment_id = "d-" + secrets.token_hex(4)
+        folder = self.root / deployment_id
+        stored = {
+            "gpus": spec.gpus,
+            "gpu_memory": spec.gpu_memory,
+            "cpus": spec.cpus,
+            "memory": spec.memory,
+            "max_batch_size": spec.max_batch_size,
+            "max_queue_delay": spec.max_queue_delay,
+            "replicas": spec.replicas,
+        }
+        try:
+            self.snapshots.materialize(snapshot, folder / "files", read_only=True)
+            model_path = Path("files") / path if path else Path("files")
+            if not (folder / model_path).exists():
+                raise NotFound(f"{spec.source}: no {path!r} in it")
+            (folder / "deployment.json").write_text(json.dumps({"path": str(model_path), "format": spec.format}))
+            d = _Deployment(
+                id=deployment_id,
+                name=spec.name,
+                version=version,
+                owner=caller.name,
+                source=spec.source,
+                format=spec.format,
+                spec=stored,
+                folder=folder,
+                created_at=time.time(),
+                replicas=[],
+            )
+            d.replicas = [_Replica(i, self._start_replica(d, i).id) for i in range(spec.replicas)]
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        with self.store.transaction() as db:
+            db.execute(
+                "INSERT INTO deployments (id, name, version, owner, source, snapshot_id, path, format, spec, state, "
+                "jobs, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'loading', ?, ?)",
+                (
+                    d.id,
+                    d.name,
+                    d.version,
+                    d.owner,
+                    d.source,
+                    snapshot.id,
+                    path,
+                    d.format,
+                    json.dumps(stored),
+                    json.dumps([r.job_id for r in d.replicas]),
+                    d.created_at,
+                ),
+            )
+        self._live[d.id] = d
+        d.watcher = asyncio.create_task(self._watch(d))
+        log.info("model %s v%d (%s) deploying from %s for %s", d.name, d.version, d.id, d.source, d.owner)
+        return self._record(d)
+
+    def _check(self, spec: DeploySpec) -> None:
+        if not _NAME.match(spec.name):
+            raise InvalidRequest(
+                f"model name {spec.name[:80]!r}: use letters, digits, '_', '.' and '-' (up to 128), starting with a "
+                "letter or digit"
+            )
+        if spec.version < 0:
+            raise InvalidRequest(f"version must be 1 or more, not {spec.version}")
+        if not 1 <= spec.replicas <= _MAX_REPLICAS:
+            raise InvalidRequest(f"replicas must be 1 to {_MAX_REPLICAS}, not {spec.replicas}")
+        if not 0 <= spec.max_batch_size <= _MAX_BATCH:
+            raise InvalidRequest(f"max batch size must be 0 (no batching) to {_MAX_BATCH}, not {spec.max_batch_size}")
+        if not 0 <= spec.max_queue_delay <= 10:
+            raise InvalidRequest(f"max queue delay must be 0 to 10 s, not {spec.max_queue_delay:g} s")
+
+    def _source(self, caller: Identity, source: str) -> tuple[Any, str]:
+        """The snapshot holding the model, and the model's path inside it."""
+        if source.startswith("job:"):
+            parts = source.split(":", 2)
+            if len(parts) != 3 or not parts[1]:
+                raise InvalidRequest(
+                    f"source {source!r}: write a job's output as job:<job id>:<path>, e.g. job:j-1a2b:model/"
+                )
+            job = self.jobs.get(caller, parts[1])
+            if not job.state.is_terminal():
+                raise Conflict(f"job {job.id} is {job.state.value}: deploy its output once it has ended")
+            if not job.output_snapshot_id:
+                raise NotFound(f"job {job.id} left no outputs (declare them: outputs=['model/'])")
+            snapshot = self.snapshots.resolve(caller, snapshot_id=job.output_snapshot_id, owner=job.owner)
+            path = check_path(parts[2].rstrip("/"), what="model path") if parts[2].strip("/") else ""
+            return snapshot, path
+        if source.startswith("snapshot:"):
+            _, _, rest = source.partition(":")
+            snapshot_id, _, path = rest.partition(":")
+            snapshot = self.snapshots.resolve(caller, snapshot_id=snapshot_id)
+            return snapshot, check_path(path.rstrip("/"), what="model path") if path.strip("/") else ""
+        name, _, path = source.partition(":")
+        snapshot = self.snapshots.resolve(caller, name=name)
+        return snapshot, check_path(path.rstrip("/"), what="model path") if path.strip("/") else ""
+
+    def _start_replica(self, d: _Deployment, index: int) -> JobRecord:
+        spec = d.spec
+        return self.jobs.submit(
+            Identity(d.owner, admin=False),
+            JobRequest(
+                command=list(_WORKER),
+                gpus=spec["gpus"],
+                gpu_memory=spec["gpu_memory"],
+                cpus=spec["cpus"],
+                memory=spec["memory"],
+                name=f"model {d.name} v{d.version} replica {index}",
+                kind="model",
+                internal_env={ENV_MODEL_DIR: str(d.folder), ENV_MODEL_REPLICA: str(index)},
+            ),
+        )
+
+    def undeploy(self, caller: Identity, name: str, version: int = 0) -> list[DeploymentRecord]:
+        """End the live versions of ``name`` (or just ``version``); returns them as they were."""
+        found = [d for d in self._live.values() if d.name == name and (not version or d.version == version)]
+        if not found:
+            raise NotFound(self._unknown(name, version))
+        for d in found:
+            if d.owner != caller.name and not caller.admin:
+                raise PermissionDenied(f"model {name} is {d.owner}'s: only they or an admin can undeploy it")
+        records = [self._record(d) for d in found]
+        for d in found:
+            self._end(d)
+        return records
+
+    def _end(self, d: _Deployment) -> None:
+        self._live.pop(d.id, None)
+        with self.store.transaction() as db:
+            db.execute("UPDATE deployments SET ended_at = ? WHERE id = ?", (time.time(), d.id))
+        if d.watcher is not None:
+            d.watcher.cancel()
+        if d.batcher is not None:
+            asyncio.get_running_loop().create_task(d.batcher.close())
+        for r in d.replicas:
+            if r.link is not None:
+                r.link.close()
+            with contextlib.suppress(Conflict, NotFound):
+                self.jobs.cancel(Identity(d.owner, admin=True), r.job_id)
+        shutil.rmtree(d.folder, ignore_errors=True)
+        log.info("model %s v%d undeployed", d.name, d.version)
+
+    # ---- looking up -------------------------------------------------------------------------------
+
+    def _find(self, name: str, version: int = 0, live_only: bool = True) -> _Deployment | None:
+        versions = [d for d in self._live.values() if d.name == name]
+        if version:
+            return next((d for d in versions if d.version == version), None)
+        ready = [d for d in versions if d.state == "ready"] if live_only else versions
+        return max(ready or versions, key=lambda d: d.version, default=None)
+
+    def _unknown(self, name: str, version: int) -> str:
+        what = f"model {name!r}" + (f" version {version}" if version else "")
+        return f"no {what} is deployed — `gpuport models` lists them"
+
+    def find(self, name: str, version: int = 0) -> DeploymentRecord:
+        d = self._find(name, version)
+        if d is None:
+            raise NotFound(self._unknown(name, version))
+        return self._record(d)
+
+    def versions(self, name: str) -> list[int]:
+        return sorted(d.version for d in self._live.values() if d.name == name)
+
+    def list(self) -> list[DeploymentRecord]:
+        return [self._record(d) for d in sorted(self._live.values(), key=lambda d: (d.name, d.version))]
+
+    def _record(self, d: _Deployment) -> DeploymentRecord:
+        return DeploymentRecord(
+            id=d.id,
+            name=d.name,
+            version=d.version,
+            owner=d.owner,
+            source=d.source,
+            format=d.metadata.get("format", d.format),
+            state=d.state,
+            message=d.message,
+            inputs=d.metadata.get("inputs", []),
+            outputs=d.metadata.get("outputs", []),
+            spec=d.spec,
+            jobs=[r.job_id for r in d.replicas],
+            created_at=d.created_at,
+        )
+
+    # ---- predicting -------------------------------------------------------------------------------
+
+    async def infer(self, name: str, version: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        d = self._find(name, version)
+        if d is None:
+            raise NotFound(self._unknown(name, version))
+        if d.state != "ready" or d.batcher is None:
+            if d.state == "failed":
+                raise ResourceUnavailable(f"model {name} version {d.version} failed: {d.message}")
+            raise ResourceUnavailable(f"model {name} version {d.version} is still loading; try again shortly")
+        return await d.batcher.infer(inputs)
+
+    # ---- replicas ---------------------------------------------------------------------------------
+
+    async def _watch(self, d: _Deployment) -> None:
+        """Bring the replicas up, publish the model's metadata, then restart any replica that dies."""
+        try:
+            await asyncio.gather(*(self._connect(d, r) for r in d.replicas))
+            first = d.replicas[0]
+            assert first.link is not None
+            await first.link.send({"op": "metadata"})
+            frame = await first.link.recv()
+            d.metadata = frame.header
+            d.batcher = Batcher(
+                [self._runner(d, r) for r in d.replicas],
+                max_batch_size=d.spec["max_batch_size"],
+                max_queue_delay=d.spec["max_queue_delay"],
+                max_queue=MAX_SERVING_QUEUE,
+                name=d.name,
+            )
+            d.batcher.start()
+            self._set_state(d, "ready", "")
+            log.info(
+                "model %s v%d ready (%s, %d replicas)", d.name, d.version, d.metadata.get("format"), len(d.replicas)
+            )
+            while True:
+                await asyncio.sleep(_WATCH_EVERY)
+                for r in d.replicas:
+                    job = self.jobs.get(Identity(d.owner, admin=True), r.job_id)
+                    if job.state.is_terminal():
+                        await self._restart(d, r, job)
+        except _Failed as failed:
+            self._set_state(d, "failed", str(failed))
+            log.warning("model %s v%d failed: %s", d.name, d.version, failed)
+            for r in d.replicas:
+                with contextlib.suppress(Conflict, NotFound):
+                    self.jobs.cancel(Identity(d.owner, admin=True), r.job_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("watching model %s v%d failed", d.name, d.version)
+            self._set_state(d, "failed", f"internal error: {e}")
+
+    async def _connect(self, d: _Deployment, r: _Replica) -> None:
+        """Wait for the replica's worker to load the model and listen, then connect to it."""
+        owner = Identity(d.owner, admin=True)
+        path = str(d.folder / f"replica-{r.index}.sock")
+        started: float | None = None
+        while True:
+            job = self.jobs.get(owner, r.job_id)
+            if job.state.is_terminal():
+                raise _Failed(self._why_ended(d, r, job))
+            if job.state is JobState.RUNNING:
+                started = started or time.monotonic()
+                with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
+                    r.link = await wire.Link.connect(path)
+                    return
+                if time.monotonic() - started > _CONNECT_TIMEOUT:
+                    raise _Failed(
+                        f"replica {r.index} did not load the model within {format_duration(_CONNECT_TIMEOUT)}"
+                    )
+            await asyncio.sleep(0.05 if job.state is JobState.RUNNING else 0.2)
+
+    def _why_ended(self, d: _Deployment, r: _Replica, job: JobRecord) -> str:
+        error = d.folder / f"error-{r.index}"
+        if job.exit_code == LOAD_FAILED and error.exists():
+            return f"the model did not load: {error.read_text().strip()}"
+        return f"its worker (replica {r.index}) {job.message or 'ended'}"
+
+    async def _restart(self, d: _Deployment, r: _Replica, job: JobRecord) -> None:
+        now = time.monotonic()
+        r.crashes = [t for t in r.crashes if now - t < _RESTART_WINDOW] + [now]
+        if r.link is not None:
+            r.link.close()
+            r.link = None
+        if len(r.crashes) >= _RESTARTS:
+            raise _Failed(
+                f"replica {r.index} crashed {len(r.crashes)} times in a minute; last: {self._why_ended(d, r, job)}"
+            )
+        log.warning("model %s v%d: replica %d ended (%s); restarting it", d.name, d.version, r.index, job.message)
+        r.job_id = self._start_replica(d, r.index).id
+        with self.store.transaction() as db:
+            db.execute(
+                "UPDATE deployments SET jobs = ? WHERE id = ?", (json.dumps([x.job_id for x in d.replicas]), d.id)
+            )
+        await self._connect(d, r)
+
+    def _runner(self, d: _Deployment, r: _Replica) -> Any:
+        async def run(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            async with r.lock:
+                link = r.link
+                if link is None:
+                    raise ResourceUnavailable(f"model {d.name}: replica {r.index} is restarting; try again shortly")
+                heads, buffers = encode_tensors(inputs)
+                try:
+                    await link.send({"op": "predict", "tensors": heads}, buffers)
+                    frame = await link.recv(0.001)
+                except (EOFError, OSError):
+                    link.close()
+                    r.link = None
+                    raise ServerError(
+                        f"model {d.name}: replica {r.index} crashed during this batch; it is being restarted"
+                    ) from None
+            if "error" in frame.header:
+                kind, message = frame.header["error"]
+                raise error_from_name(kind, message)
+            return decode_tensors(frame.header["tensors"], frame.buffers)
+
+        return run
+
+    def _set_state(self, d: _Deployment, state: str, message: str) -> None:
+        d.state, d.message = state, message
+        with self.store.transaction() as db:
+            db.execute(
+                "UPDATE deployments SET state = ?, message = ?, metadata = ? WHERE id = ?",
+                (state, message, json.dumps(d.metadata), d.id),
+            )
+
+
+class _Failed(GpuportError):
+    pass

@@ -1,0 +1,376 @@
+"""Dynamic batching: concurrent prediction requests coalesced into batches for a model's replicas.
+
+The model is Triton's dynamic batcher. Requests wait in one FIFO queue that the replicas share. A
+free replica takes the oldest request, then adds the next queued requests that are *compatible*
+with it (the same input names, and per name the same dtype and the same shape past the first
+dimension) while the batch's rows stay within ``max_batch_size``. It runs the batch as soon as it is
+full, or once its oldest request has waited ``max_queue_delay`` seconds since it arrived, whichever
+comes first; with a delay of 0 it runs whatever is queued at once. Requests it skipped stay queued
+in their order, and the oldest request always starts the next batch, so none starves.
+
+One replica forms a batch at a time (the others wait their turn), as Triton's single scheduler
+thread does: a second free replica starts on what the first one left in the queue.
+
+A batch is, per input name, the requests' arrays concatenated along axis 0. The replica returns a
+dict of arrays with the batch's rows as their first dimension; each caller gets its own rows of every
+output, in order. ``max_batch_size`` 0 or 1 turns batching off: each request goes to a replica alone
+and unchanged, and its result comes back unchanged (a model without a batch dimension).
+
+Example::
+
+    async def replica(inputs: Inputs) -> Inputs:
+        return {"y": inputs["x"] @ weights}
+
+    batcher = Batcher([replica], max_batch_size=64, max_queue_delay=0.002)
+    batcher.start()
+    outputs = await batcher.infer({"x": np.ones((3, 4), np.float32)})   # outputs["y"] has 3 rows
+    await batcher.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE, MAX_SERVING_QUEUE
+from gpuport.protocol.errors import GpuportError, InvalidRequest, ResourceUnavailable, ServerError
+
+__all__ = ["Batcher", "BatcherStats", "Inputs", "Replica"]
+
+log = logging.getLogger(__name__)
+
+# Named arrays; each array's first dimension is the batch (rows).
+Inputs = dict[str, np.ndarray]
+# One replica of a model: runs a batch, returns its outputs (same rows, same order).
+Replica = Callable[[Inputs], Awaitable[Inputs]]
+# What makes two requests batchable together: per input name (sorted), its dtype and trailing shape.
+_Key = tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class BatcherStats:
+    """Counters of a batcher since it was made, for metrics and benchmarks.
+
+    ``batches``, ``requests`` and ``rows`` count what was sent to replicas (failed batches included;
+    requests cancelled while queued are not); ``failed_batches`` the batches whose replica raised or
+    returned outputs without the batch dimension; ``mean_batch_size`` is rows per batch (0 before
+    the first); ``queue_length`` the requests waiting now.
+    """
+
+    batches: int
+    requests: int
+    rows: int
+    failed_batches: int
+    mean_batch_size: float
+    queue_length: int
+
+
+@dataclass(eq=False)
+class _Request:
+    inputs: Inputs
+    rows: int
+    key: _Key | None  # None when batching is off
+    arrival: float  # the loop's clock
+    future: asyncio.Future[Inputs]
+
+
+class Batcher:
+    """Coalesces concurrent ``infer`` calls into batches for ``replicas`` (see the module docstring).
+
+    ``max_batch_size`` is the most rows in one batch (0 or 1: no batching), ``max_queue_delay`` the
+    most seconds the oldest request of a batch waits for more to arrive, ``max_queue`` the most
+    requests that may wait; ``name`` names the model in error messages. Raises ``InvalidRequest``
+    for a negative size or delay or a ``max_queue`` below 1, ``ValueError`` without replicas.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        *,
+        max_batch_size: int,
+        max_queue_delay: float,
+        max_queue: int = MAX_SERVING_QUEUE,
+        name: str = "",
+    ) -> None:
+        if not replicas:
+            raise ValueError("a batcher needs at least one replica")
+        if max_batch_size < 0:
+            raise InvalidRequest(f"max_batch_size must be 0 (no batching) or more, not {max_batch_size}")
+        if max_queue_delay < 0:
+            raise InvalidRequest(f"max_queue_delay must be 0 seconds or more, not {max_queue_delay}")
+        if max_queue < 1:
+            raise InvalidRequest(f"max_queue must be 1 or more, not {max_queue}")
+        self._replicas = list(replicas)
+        self._max_batch_size = max_batch_size
+        self._batching = max_batch_size > 1
+        self._max_queue_delay = float(max_queue_delay)
+        self._max_queue = max_queue
+        self._label = f"model {name!r}" if name else "the model"
+        self._queue: list[_Request] = []  # oldest first
+        self._forming = asyncio.Lock()  # one replica forms a batch at a time
+        self._waiter: asyncio.Future[None] | None = None  # the forming replica waits on it for news
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._batches = self._requests = self._rows = self._failed = 0
+
+    # ---- the callers' side ------------------------------------------------------------------------
+
+    async def infer(self, inputs: Inputs) -> Inputs:
+        """Run ``inputs`` in the next batch that takes them; return this caller's rows of the outputs.
+
+        Raises ``InvalidRequest`` for a request that cannot be batched (no inputs, not arrays, 0 rows,
+        inputs that disagree on rows, more rows than ``max_batch_size``), ``ResourceUnavailable``
+        when ``max_queue`` requests already wait or the batcher is closed, the replica's error when it
+        is a ``GpuportError``, else ``ServerError``. Cancelling the call drops a queued request; one
+        whose batch already runs is simply not answered.
+        """
+        if self._closed:
+            raise self._closed_error()
+        rows, key = self._check(inputs) if self._batching else (_rows_or_one(inputs), None)
+        if len(self._queue) >= self._max_queue:
+            raise ResourceUnavailable(
+                f"{self._label} is overloaded: {len(self._queue)} requests already wait (max_queue "
+                f"{self._max_queue}) — retry later, or deploy it with more replicas"
+            )
+        loop = asyncio.get_running_loop()
+        request = _Request(inputs, rows, key, loop.time(), loop.create_future())
+        self._queue.append(request)
+        self._notify()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            if request in self._queue:  # still waiting: nobody will run it now
+                self._queue.remove(request)
+                self._notify()
+            raise
+
+    def _check(self, inputs: Inputs) -> tuple[int, _Key]:
+        if not isinstance(inputs, Mapping) or not inputs:
+            raise InvalidRequest("a prediction request needs at least one named input")
+        rows: dict[str, int] = {}
+        for name, array in inputs.items():
+            if not isinstance(name, str):
+                raise InvalidRequest(f"input names are strings, not {type(name).__name__} ({name!r})")
+            if not isinstance(array, np.ndarray):
+                raise InvalidRequest(f"input {name!r} is a {type(array).__name__}, not an array")
+            if array.ndim == 0:
+                raise InvalidRequest(f"input {name!r} is a scalar: {self._label} wants rows (a batch dimension)")
+            rows[name] = array.shape[0]
+        counts = set(rows.values())
+        if len(counts) > 1:
+            each = ", ".join(f"{name!r} has {n}" for name, n in rows.items())
+            raise InvalidRequest(f"the inputs disagree on their number of rows (first dimension): {each}")
+        (count,) = counts
+        if count == 0:
+            raise InvalidRequest("the request has 0 rows: send at least one")
+        if count > self._max_batch_size:
+            raise InvalidRequest(
+                f"the request has {count} rows, more than {self._label} takes in one batch "
+                f"(max_batch_size {self._max_batch_size}) — split it into requests of at most "
+                f"{self._max_batch_size} rows"
+            )
+        key = tuple(sorted((name, array.dtype, array.shape[1:]) for name, array in inputs.items()))
+        return count, key
+
+    # ---- the replicas' side -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start one task per replica on the running loop. Raises RuntimeError when started or closed."""
+        if self._tasks or self._closed:
+            raise RuntimeError("this batcher was already started" if self._tasks else "this batcher is closed")
+        self._tasks = [
+            asyncio.create_task(self._serve(index), name=f"batcher replica {index}")
+            for index in range(len(self._replicas))
+        ]
+
+    def replace(self, index: int, replica: Replica) -> None:
+        """Send the next batches of replica ``index`` to ``replica`` (a restarted worker)."""
+        if not 0 <= index < len(self._replicas):
+            raise IndexError(f"no replica {index}: this batcher has {len(self._replicas)}")
+        self._replicas[index] = replica
+
+    async def close(self, *, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
+        """Stop: queued and new requests fail with ``ResourceUnavailable`` at once; batches already
+        running get ``grace`` seconds to finish before they are cancelled (and their callers fail
+        the same way). Calling it again does no harm."""
+        self._closed = True
+        queued, self._queue = self._queue, []
+        for request in queued:
+            if not request.future.done():
+                request.future.set_exception(self._closed_error())
+        self._notify()
+        if not self._tasks:
+            return
+        _, running = await asyncio.wait(self._tasks, timeout=grace)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def stats(self) -> BatcherStats:
+        """A snapshot of the counters (``BatcherStats``)."""
+        return BatcherStats(
+            batches=self._batches,
+            requests=self._requests,
+            rows=self._rows,
+            failed_batches=self._failed,
+            mean_batch_size=self._rows / self._batches if self._batches else 0.0,
+            queue_length=len(self._queue),
+        )
+
+    async def _serve(self, index: int) -> None:
+        while True:
+            async with self._forming:
+                batch = await self._next_batch()
+            if batch is None:
+                return
+            await self._run(index, batch)
+
+    async def _next_batch(self) -> list[_Request] | None:
+        """Wait until a batch is due, take it out of the queue and return it (None once closed)."""
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            batch, full = self._select()
+            deadline = None
+            if batch:
+                deadline = batch[0].arrival + self._max_queue_delay
+                if full or loop.time() >= deadline:
+                    self._take(batch)
+                    return batch
+            await self._wait(deadline)
+        return None
+
+    def _select(self) -> tuple[list[_Request], bool]:
+        """The batch the queue holds now, and whether it is full (can grow no more)."""
+        if not self._queue:
+            return [], False
+        head = self._queue[0]
+        if not self._batching or head.rows >= self._max_batch_size:
+            return [head], True
+        batch, rows = [head], head.rows
+        for request in itertools.islice(self._queue, 1, None):
+            if request.key != head.key:
+                continue  # left for a later batch, in its place
+            if rows + request.rows > self._max_batch_size:
+                return batch, True  # FIFO among the compatible: the next one starts the next batch
+            batch.append(request)
+            rows += request.rows
+            if rows == self._max_batch_size:
+                return batch, True
+        return batch, False
+
+    def _take(self, batch: list[_Request]) -> None:
+        if self._queue[len(batch) - 1] is batch[-1]:  # a prefix of the queue, the common case
+            del self._queue[: len(batch)]
+        else:
+            taken = set(map(id, batch))
+            self._queue = [r for r in self._queue if id(r) not in taken]
+
+    async def _wait(self, deadline: float | None) -> None:
+        """Wait for a change in the queue (or the batcher), or until ``deadline`` on the loop's clock."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_at(deadline, _wake, waiter) if deadline is not None else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _notify(self) -> None:
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    async def _run(self, index: int, batch: list[_Request]) -> None:
+        batch = [r for r in batch if not r.future.done()]  # a caller may have gone in the meantime
+        if not batch:
+            return
+        rows = sum(r.rows for r in batch)
+        self._batches += 1
+        self._requests += len(batch)
+        self._rows += rows
+        try:
+            outputs = await self._replicas[index](_concatenate(batch))
+            parts = self._split(outputs, batch, rows)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            cancelling = getattr(task, "cancelling", None)  # Python 3.11+
+            if cancelling is None or cancelling():  # this task is being cancelled: close() or the loop's end
+                _fail(batch, self._closed_error)
+                raise
+            # The replica itself raised CancelledError (a cancelled call inside it): a failed batch.
+            self._failed += 1
+            _fail(batch, lambda: ServerError(f"{self._label}'s replica {index} was cancelled in a batch"))
+        except GpuportError as e:
+            self._failed += 1
+            same = e  # every caller gets the model's own error, as is
+            _fail(batch, lambda: same)
+        except Exception as e:
+            self._failed += 1
+            log.warning("%s: replica %d failed a batch of %d rows", self._label, index, rows, exc_info=True)
+            message = f"{self._label} failed: {type(e).__name__}: {e}"
+            _fail(batch, lambda: ServerError(message))
+        else:
+            for request, part in zip(batch, parts):
+                if not request.future.done():
+                    request.future.set_result(part)
+
+    def _split(self, outputs: Any, batch: list[_Request], rows: int) -> list[Inputs]:
+        """Each request's rows of the batch's outputs; ServerError when they are not per row."""
+        if not isinstance(outputs, Mapping):
+            raise ServerError(f"{self._label} returned a {type(outputs).__name__}, not a dict of named arrays")
+        arrays = {name: np.asarray(value) for name, value in outputs.items()}
+        if not self._batching:
+            return [arrays]
+        for name, array in arrays.items():
+            if array.ndim == 0 or array.shape[0] != rows:
+                raise ServerError(
+                    f"{self._label} returned output {name!r} with shape {array.shape} for a batch of {rows} "
+                    f"rows: the model does not keep the batch dimension (its outputs' first dimension "
+                    f"must be the batch) — deploy it with max_batch_size 0 to turn batching off"
+                )
+        parts, start = [], 0
+        for request in batch:
+            parts.append({name: array[start : start + request.rows] for name, array in arrays.items()})
+            start += request.rows
+        return parts
+
+    def _closed_error(self) -> GpuportError:
+        return ResourceUnavailable(
+            f"{self._label} stopped serving before answering (undeployed, or the server is shutting "
+            f"down) — retry once it is deployed again"
+        )
+
+
+def _rows_or_one(inputs: Inputs) -> int:
+    """Rows of a request when batching is off, for the counters: the common first dimension, else 1."""
+    try:
+        counts = {array.shape[0] for array in inputs.values()}
+    except (AttributeError, IndexError, TypeError):
+        return 1
+    return counts.pop() if len(counts) == 1 else 1
+
+
+def _concatenate(batch: list[_Request]) -> Inputs:
+    if len(batch) == 1:
+        return batch[0].inputs
+    return {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
+
+
+def _fail(batch: list[_Request], error: Callable[[], BaseException]) -> None:
+    for request in batch:
+        if not request.future.done():
+            request.future.set_exception(error())
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,168 @@
+"""A deployment's model worker: one process that loads the model and answers batches.
+
+Started as the command of a job of kind "model" (so it queues, holds its GPU slice, is capped and
+watched like any job): ``python -m gpuport.server.worker.model``, with ``GPUPORT_MODEL_DIR`` naming
+the deployment's folder (the model's files under ``model/``, ``deployment.json``) and
+``GPUPORT_MODEL_REPLICA`` its replica number. It loads the model (``serving/formats.py``), then
+listens on ``replica-<n>.sock`` in that folder for the server's batches (wire.py's frames):
+
+- ``{"op": "metadata"}`` → ``{"format", "inputs": [spec...], "outputs": [spec...]}``;
+- ``{"op": "predict", "tensors": [{"name", "dtype", "shape"}...]}`` and one buffer per tensor →
+  ``{"tensors": [...]}`` and the outputs' buffers, or ``{"error": [class name, message]}``.
+
+Numeric tensors travel as their raw bytes; byte strings (numpy object arrays) as the binary tensor
+format of the prediction protocols: each element a 4-byte little-endian length, then its bytes.
+A model that does not load ends the process with exit code 3 after writing the loader's message to
+``error-<n>`` in the folder, which the deployment shows as its reason for ``failed``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gpuport.protocol.errors import GpuportError
+from gpuport.server.worker import wire
+
+ENV_MODEL_DIR = "GPUPORT_MODEL_DIR"
+ENV_MODEL_REPLICA = "GPUPORT_MODEL_REPLICA"
+LOAD_FAILED = 3
+_LENGTH = struct.Struct("<I")
+
+
+def encode_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Tensor headers and buffers for a frame."""
+    heads: list[dict[str, Any]] = []
+    buffers: list[Any] = []
+    for name, array in tensors.items():
+        array = np.asarray(array)
+        if array.dtype.kind in "OSU":
+            heads.append({"name": name, "dtype": "bytes", "shape": list(array.shape)})
+            buffers.append(pack_bytes(array))
+        else:
+            array = np.ascontiguousarray(array)
+            heads.append({"name": name, "dtype": array.dtype.str, "shape": list(array.shape)})
+            buffers.append(array.data.cast("B") if array.size else b"")
+    return heads, buffers
+
+
+def decode_tensors(heads: list[dict[str, Any]], buffers: list[memoryview]) -> dict[str, np.ndarray]:
+    out = {}
+    for head, buffer in zip(heads, buffers):
+        shape = tuple(head["shape"])
+        if head["dtype"] == "bytes":
+            out[head["name"]] = unpack_bytes(buffer, shape)
+        else:
+            out[head["name"]] = np.frombuffer(buffer, dtype=np.dtype(head["dtype"])).reshape(shape)
+    return out
+
+
+def pack_bytes(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.reshape(-1):
+        data = item if isinstance(item, bytes) else str(item).encode()
+        parts += [_LENGTH.pack(len(data)), data]
+    return b"".join(parts)
+
+
+def unpack_bytes(buffer: memoryview | bytes, shape: tuple[int, ...]) -> np.ndarray:
+    items: list[bytes] = []
+    data, at = bytes(buffer), 0
+    while at < len(data):
+        (size,) = _LENGTH.unpack_from(data, at)
+        items.append(data[at + 4 : at + 4 + size])
+        at += 4 + size
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out.reshape(shape)
+
+
+class Worker:
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def handle(self, frame: wire.Frame) -> tuple[dict[str, Any], list[Any]]:
+        op = frame.header.get("op")
+        if op == "metadata":
+            return {
+                "format": self.model.format,
+                "inputs": [s.as_dict() for s in self.model.inputs],
+                "outputs": [s.as_dict() for s in self.model.outputs],
+            }, []
+        if op != "predict":
+            return {"error": ["InvalidRequest", f"unknown operation {op!r}"]}, []
+        from gpuport.server.serving import formats
+
+        try:
+            inputs = formats.check_inputs(self.model, decode_tensors(frame.header["tensors"], frame.buffers))
+            outputs = self.model.predict(inputs)
+            heads, buffers = encode_tensors(outputs)
+        except GpuportError as e:
+            return {"error": [type(e).__name__, str(e)]}, []
+        except Exception as e:  # the model's own failure: the request fails, the worker lives on
+            traceback.print_exc()
+            return {"error": ["ServerError", f"the model failed: {type(e).__name__}: {e}"]}, []
+        return {"tensors": heads}, buffers
+
+    def serve(self, listener: socket.socket) -> None:
+        """Answer the server's connection (one at a time; it reconnects after its own restart)."""
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                while True:
+                    try:
+                        frame = wire.recv(conn)
+                    except (EOFError, OSError):
+                        break
+                    header, buffers = self.handle(frame)
+                    try:
+                        wire.send(conn, header, buffers)
+                    except OSError:
+                        break
+
+
+def _listen(folder: Path, replica: int) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"replica-{replica}.sock"
+    cwd = os.getcwd()
+    os.chdir(folder)  # bound by its relative name: the folder's path may be longer than a socket's limit
+    try:
+        if os.path.exists(name + ".new"):
+            os.unlink(name + ".new")
+        listener.bind(name + ".new")
+        os.chmod(name + ".new", 0o600)
+        listener.listen(4)
+        os.replace(name + ".new", name)  # appears only once it accepts connections
+    finally:
+        os.chdir(cwd)
+    return listener
+
+
+def main() -> None:
+    folder = Path(os.environ[ENV_MODEL_DIR])
+    replica = int(os.environ.get(ENV_MODEL_REPLICA, "0"))
+    spec = json.loads((folder / "deployment.json").read_text())
+    device = "gpu" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
+    from gpuport.server.serving import formats
+
+    try:
+        model = formats.load(folder / spec["path"], spec.get("format") or None, device=device)
+    except Exception as e:
+        message = str(e) if isinstance(e, GpuportError) else f"{type(e).__name__}: {e}"
+        (folder / f"error-{replica}").write_text(message)
+        print(f"gpuport: the model did not load: {message}", file=sys.stderr, flush=True)
+        sys.exit(LOAD_FAILED)
+    print(f"gpuport: {model.format} model loaded on the {device}", file=sys.stderr, flush=True)
+    Worker(model).serve(_listen(folder, replica))
+
+
+if __name__ == "__main__":
+    main()

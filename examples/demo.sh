@@ -2,7 +2,8 @@
 # `make demo`: start a gpuport server on 127.0.0.1 with a throwaway state dir, log in to it as a
 # user would (pinning its certificate), look at its GPUs and status, make a token for a teammate,
 # then the main job: train a Keras model remotely with live logs, bring the model back and score
-# it here; then a session keeping data and a model on the server; then a quota making a job wait in the queue. Nothing outside a temporary folder is touched.
+# it here; serve it over KServe v2 and ask it for predictions; then a session keeping data and a
+# model on the server; then a quota making a job wait in the queue. Nothing outside a temporary folder is touched.
 # GPUPORT_FAKE_GPUS=2x16GiB make demo   shows what it looks like on a machine with GPUs.
 set -euo pipefail
 
@@ -60,6 +61,16 @@ step "cd examples/keras_digits && gpuport run --output model/ -- python train.py
 
 step "python evaluate.py gpuport-outputs/<job>/model/digits.keras   # the trained model, back here"
 (cd "$(dirname "$0")/keras_digits" && python evaluate.py "$work/outputs/model/digits.keras" 2>/dev/null)
+
+step "gpuport deploy digits gpuport-outputs/<job>/model/digits.keras   # served over KServe v2 and TF Serving"
+gpuport deploy digits "$work/outputs/model/digits.keras" --max-batch-size 512
+http=$(awk '$1 == "HTTP" {print $2}' "$work/server.out")
+
+step "python examples/serving/predict.py $http \$TOKEN cert.pem   # a KServe v2 REST request"
+(cd "$(dirname "$0")/serving" && python predict.py "$http" "$token" "$work/state/tls/cert.pem" 2>&1 | grep -v -e "^WARNING" -e "^I0000" -e "cpu_feature_guard" -e "rebuild TensorFlow" -e "^To enable")
+
+step "gpuport models"
+gpuport models
 
 step "python examples/sessions/keras_session.py   # a session: data put once, the model kept remote"
 (cd "$(dirname "$0")/sessions" && python keras_session.py 2>/dev/null)

@@ -6,7 +6,6 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
-
 from train import data  # noqa: E402  (the same split, from the same seed)
 
 _, x_test, _, y_test = data()

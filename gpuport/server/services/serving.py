@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -24,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,7 @@ from gpuport.protocol.units import format_duration
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
 from gpuport.server.services.snapshots import SnapshotService
+from gpuport.server.serving import formats
 from gpuport.server.serving.batcher import Batcher
 from gpuport.server.store import Store
 from gpuport.server.worker import wire
@@ -125,6 +128,12 @@ class _Deployment:
     metadata: dict[str, Any] = field(default_factory=dict)
     batcher: Batcher | None = None
     watcher: asyncio.Task[None] | None = None
+
+    @functools.cached_property
+    def signature(self) -> Any:
+        """The model's published inputs, as ``formats.check_inputs`` takes them (once it is ready)."""
+        inputs = [formats.TensorSpec(s["name"], s["datatype"], tuple(s["shape"])) for s in self.metadata["inputs"]]
+        return SimpleNamespace(inputs=inputs)
 
 
 class ServingService:
@@ -379,7 +388,8 @@ class ServingService:
             if d.state == "failed":
                 raise ResourceUnavailable(f"model {name} version {d.version} failed: {d.message}")
             raise ResourceUnavailable(f"model {name} version {d.version} is still loading; try again shortly")
-        return await d.batcher.infer(inputs)
+        # Checked here against what the model published, so that a bad request fails alone, at once.
+        return await d.batcher.infer(formats.check_inputs(d.signature, inputs))
 
     # ---- replicas ---------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ real PyTorch/JAX jobs, the framework caps and the watchdog."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,3 +151,39 @@ def test_a_sessions_gpu_slice_caps_what_its_calls_allocate(gpu: gpuport.Client) 
             s.call(_allocate, 0.2)
         assert "OutOfMemoryError" in raised.value.remote_type
         assert s.call(_allocate, 0.05) > 0  # the worker lives on, within its slice
+
+
+# ---- a deployment on the GPU ------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_torchscript_deployment_runs_its_batches_on_its_gpu_slice(
+    gpu: gpuport.Client, gpu_server: RunningServer, tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+
+    class Where(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            on_gpu = torch.full((x.shape[0], 1), float(x.is_cuda), device=x.device)
+            return x * 2, on_gpu
+
+    torch.jit.script(Where()).save(str(tmp_path / "where.pt"))
+    spec = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [
+            {"name": "y", "datatype": "FP32", "shape": [-1, 4]},
+            {"name": "on_gpu", "datatype": "FP32", "shape": [-1, 1]},
+        ],
+    }
+    (tmp_path / "gpuport-model.json").write_text(json.dumps(spec))
+    info = gpu.deploy("where", tmp_path / "where.pt", gpu_memory=_slice(gpu, 0.1))
+    try:
+        body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": list(range(8))}]}
+        reply = gpu_server.rest("POST", "/v2/models/where/infer", token=gpu_server.admin_token, json=body)
+        assert reply.status_code == 200, reply.text
+        outputs = {o["name"]: o["data"] for o in reply.json()["outputs"]}
+        assert outputs["y"] == [float(2 * v) for v in range(8)] and outputs["on_gpu"] == [1.0, 1.0]
+        held = {a.job_id: a for g in gpu.gpus() for a in g.allocations}
+        assert held[info.jobs[0]].memory == _slice(gpu, 0.1) and held[info.jobs[0]].memory_used > 0
+    finally:
+        gpu.undeploy("where")

@@ -208,3 +208,25 @@ def test_deployments_are_served_again_after_a_server_restart(tmp_path: Path) -> 
             gpu.undeploy("durable")
     finally:
         second.stop()
+
+
+def test_the_cli_deploys_lists_and_undeploys(server: RunningServer, cli: object, tmp_path: Path) -> None:
+    from tests.conftest import client_env
+
+    run = cli  # type: ignore[assignment]
+    env = client_env(server)
+    model = _doubler_file(tmp_path)
+    deployed = run("deploy", "cli-doubler", str(model), "--max-batch-size", "8", "--max-queue-delay", "1ms", **env)
+    assert deployed.code == 0, deployed.stderr
+    assert "cli-doubler version 1 ready (python)" in deployed.stderr and "input  x: FP32 [-1, 4]" in deployed.stderr
+    table = run("models", **env)
+    row = next(line for line in table.stdout.splitlines() if line.startswith("cli-doubler"))
+    assert "ready" in row and "python" in row and "8 / 1ms" in row
+    (listed,) = [m for m in json.loads(run("models", "--json", **env).stdout) if m["name"] == "cli-doubler"]
+    assert (listed["version"], listed["state"], listed["max_batch_size"]) == (1, "ready", 8)
+    missing = run("deploy", "cli-doubler", str(tmp_path / "nothing-here.keras"), **env)
+    assert missing.code != 0 and "no such file or folder" in missing.stderr
+    undeployed = run("undeploy", "cli-doubler", **env)
+    assert undeployed.code == 0 and "cli-doubler version 1 undeployed" in undeployed.stderr
+    again = run("undeploy", "cli-doubler", **env)
+    assert again.code != 0 and "gpuport models" in again.stderr

@@ -184,7 +184,10 @@ class ServingService:
         self._check(spec)
         snapshot, path = self._source(caller, spec.source)
         owners = {
-            row["owner"] for row in self.store.query("SELECT owner FROM deployments WHERE name = ?", (spec.name,))
+            row["owner"]
+            for row in self.store.query(
+                "SELECT owner FROM deployments WHERE name = ? AND ended_at IS NULL", (spec.name,)
+            )
         }
         if owners and caller.name not in owners and not caller.admin:
             raise PermissionDenied(f"model name {spec.name!r} is another user's: pick another name")

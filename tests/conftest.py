@@ -47,7 +47,9 @@ class RunningServer:
 
     def rest(self, method: str, path: str, token: str | None = None, **kw: object) -> httpx.Response:
         """Call the REST API, trusting exactly this server's certificate, as `curl --cacert` would."""
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = dict(kw.pop("headers", None) or {})  # type: ignore[call-overload]
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         trust = ssl.create_default_context(cafile=str(self.state_dir / "tls" / "cert.pem"))
         with httpx.Client(verify=trust, timeout=10) as http:
             return http.request(method, self.http_url + path, headers=headers, **kw)  # type: ignore[arg-type]

@@ -230,3 +230,25 @@ def test_the_cli_deploys_lists_and_undeploys(server: RunningServer, cli: object,
     assert undeployed.code == 0 and "cli-doubler version 1 undeployed" in undeployed.stderr
     again = run("undeploy", "cli-doubler", **env)
     assert again.code != 0 and "gpuport models" in again.stderr
+
+
+def test_compressed_bodies_are_inflated_within_the_limit(server: RunningServer, doubled: gpuport.ModelInfo) -> None:
+    import gzip
+
+    x = np.ones((1, 4), dtype=np.float32)
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": x.ravel().tolist()}]})
+    headers = {"Authorization": f"Bearer {server.admin_token}", "Content-Encoding": "gzip"}
+    reply = server.rest("POST", "/v2/models/doubler/infer", content=gzip.compress(body.encode()), headers=headers)
+    assert reply.status_code == 200 and reply.json()["outputs"][0]["data"] == [2.0] * 4
+    bomb = gzip.compress(b" " * (MAX_INFER_BYTES + 1024))  # small on the wire, over the limit once inflated
+    reply = server.rest("POST", "/v2/models/doubler/infer", content=bomb, headers=headers)
+    assert reply.status_code == 413 and str(MAX_INFER_BYTES) in reply.json()["error"]
+    headers["Content-Encoding"] = "br"
+    reply = server.rest("POST", "/v2/models/doubler/infer", content=body.encode(), headers=headers)
+    assert reply.status_code == 415 and "gzip, deflate" in reply.json()["error"]
+    classify = {
+        "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+        "outputs": [{"name": "y", "parameters": {"classification": 2}}],
+    }
+    reply = server.rest("POST", "/v2/models/doubler/infer", token=server.admin_token, json=classify)
+    assert reply.status_code == 400 and "classification" in reply.json()["error"]

@@ -8,6 +8,7 @@ each protocol has them: ``{"error": "message"}`` with 400 (bad input), 404 (unkn
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,9 @@ def _error(error: Exception) -> JSONResponse:
     if not isinstance(error, GpuportError):
         raise error
     _, status = status_for(error)
-    if isinstance(error, ResourceUnavailable) and "overloaded" not in str(error):
+    if isinstance(error, (_TooLarge, _Unsupported)):
+        status = 413 if isinstance(error, _TooLarge) else 415
+    elif isinstance(error, ResourceUnavailable) and "overloaded" not in str(error):
         status = 503  # loading, failed, restarting: not the caller's fault
     return JSONResponse({"error": str(error)}, status_code=status)
 
@@ -49,15 +52,31 @@ def _caller(request: Request) -> Identity:
 
 
 async def _body(request: Request) -> bytes:
+    """The request's body, decompressed as its Content-Encoding says (gzip, deflate: tritonclient's
+    request compression), within ``MAX_INFER_BYTES`` either way."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > MAX_INFER_BYTES:
         raise _TooLarge(int(length))
-    body = b""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise _Unsupported(f"content encoding {encoding[:40]!r}: send gzip, deflate or none")
+    inflate = zlib.decompressobj(31 if encoding == "gzip" else 15) if encoding != "identity" else None
+    body = bytearray()
     async for chunk in request.stream():
-        body += chunk
+        if inflate is None:
+            body += chunk
+        else:
+            try:
+                body += inflate.decompress(chunk, MAX_INFER_BYTES + 1 - len(body))
+            except zlib.error as e:
+                raise InvalidRequest(f"the body is not valid {encoding}: {e}") from None
         if len(body) > MAX_INFER_BYTES:
             raise _TooLarge(len(body))
-    return body
+    return bytes(body)
+
+
+class _Unsupported(InvalidRequest):
+    """Answered 415."""
 
 
 class _TooLarge(InvalidRequest):
@@ -156,10 +175,7 @@ def add_serving_routes(api: FastAPI) -> None:
             chosen = _requested(outputs, [o.name for o in parsed.outputs])
             body, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
         except GpuportError as e:
-            response = _error(e)
-            if isinstance(e, _TooLarge):
-                response.status_code = 413
-            return response
+            return _error(e)
         if length is None:
             return Response(body, media_type="application/json")
         return Response(
@@ -258,10 +274,7 @@ def add_serving_routes(api: FastAPI) -> None:
             outputs = await server.serving.infer(name, d.version, codecs.tfs_to_inputs(raw, specs))
             return Response(codecs.form_tfs_predict(outputs, style), media_type="application/json")
         except GpuportError as e:
-            response = _error(e)
-            if isinstance(e, _TooLarge):
-                response.status_code = 413
-            return response
+            return _error(e)
 
 
 def _requested(outputs: dict[str, np.ndarray], names: list[str]) -> list[tuple[str, np.ndarray]]:

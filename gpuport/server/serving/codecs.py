@@ -353,6 +353,11 @@ def _parse_outputs(raw: Any) -> list[RequestedOutput]:
             raise InvalidRequest(
                 f"output '{name}' asks for shared memory, which this server does not support: leave it out"
             )
+        if parameters.get("classification"):
+            raise InvalidRequest(
+                f"output '{name}' asks for the classification extension (class_count), which this server does not "
+                "support: ask for the raw output and take its top classes"
+            )
         binary = parameters.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidRequest(f"output '{name}': parameter 'binary_data' must be true or false, not {binary!r}")

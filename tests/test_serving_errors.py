@@ -252,3 +252,26 @@ def test_compressed_bodies_are_inflated_within_the_limit(server: RunningServer, 
     }
     reply = server.rest("POST", "/v2/models/doubler/infer", token=server.admin_token, json=classify)
     assert reply.status_code == 400 and "classification" in reply.json()["error"]
+
+
+def test_grpc_clients_get_invalid_argument_and_not_found(server: RunningServer, doubled: gpuport.ModelInfo) -> None:
+    triton_grpc = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.utils import InferenceServerException
+
+    cert = server.state_dir / "tls" / "cert.pem"
+    address = server.url.removeprefix("https://")
+    headers = {"authorization": f"Bearer {server.admin_token}"}
+    with triton_grpc.InferenceServerClient(url=address, ssl=True, root_certificates=str(cert)) as client:
+        tensor = triton_grpc.InferInput("x", [2, 3], "FP32")
+        tensor.set_data_from_numpy(np.zeros((2, 3), dtype=np.float32))
+        with pytest.raises(InferenceServerException) as raised:
+            client.infer("doubler", [tensor], headers=headers)
+        assert raised.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "[-1, 4]" in raised.value.message() and "[2, 3]" in raised.value.message()
+        tensor = triton_grpc.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+        for model, version in (("nope", ""), ("doubler", "7")):
+            with pytest.raises(InferenceServerException) as raised:
+                client.infer(model, [tensor], model_version=version, headers=headers)
+            assert raised.value.status() == "StatusCode.NOT_FOUND", (model, version)
+        assert client.infer("doubler", [tensor], headers=headers).as_numpy("y").tolist() == [[0.0] * 4]

@@ -41,6 +41,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_jobs.py
 	$(PY) bench/bench_queue.py
 	$(PY) bench/bench_sessions.py
+	$(PY) bench/bench_serving.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

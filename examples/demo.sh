@@ -72,6 +72,9 @@ step "python examples/serving/predict.py $http \$TOKEN cert.pem   # a KServe v2 
 step "gpuport models"
 gpuport models
 
+step "gpuport undeploy digits"
+gpuport undeploy digits
+
 step "python examples/sessions/keras_session.py   # a session: data put once, the model kept remote"
 (cd "$(dirname "$0")/sessions" && python keras_session.py 2>/dev/null)
 

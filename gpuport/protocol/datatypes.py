@@ -78,14 +78,20 @@ def numpy_dtype(datatype: str) -> np.dtype:
     return np.dtype(name)
 
 
+_BY_DTYPE: dict[np.dtype, str] = {np.dtype(name): datatype for datatype, name in _KSERVE.items()}
+
+
 def datatype_of(dtype: np.dtype | type | str) -> str:
     """The KServe v2 datatype of a numpy dtype (strings and bytes: BYTES)."""
     dtype = np.dtype(dtype)
+    found = _BY_DTYPE.get(dtype)
+    if found is not None:
+        return found
     if dtype.kind in "OSU":
         return "BYTES"
     if dtype.name == "bfloat16":
         return "BF16"
-    for datatype, name in _KSERVE.items():
+    for datatype, name in _KSERVE.items():  # the same type in the other byte order
         if dtype.name == name:
             return datatype
     raise InvalidRequest(f"numpy dtype {dtype.name} has no KServe v2 datatype")

@@ -56,7 +56,10 @@ class _HttpServer(uvicorn.Server):
 
 def _bind_http(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY on accepted connections only for a socket
+    # that says it is TCP. Without it, uvicorn's separate header and body writes met the client's
+    # delayed ACK (Nagle): 40 ms on every request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -488,7 +488,7 @@ class ServingService:
                 heads, buffers = encode_tensors(inputs)
                 try:
                     await link.send({"op": "predict", "tensors": heads}, buffers)
-                    frame = await link.recv(0.001)
+                    frame = await link.recv()  # no quick-reply wait: the loop takes requests meanwhile
                 except (EOFError, OSError):
                     link.close()
                     r.link = None

@@ -35,6 +35,7 @@ from gpuport.server.worker import wire
 ENV_MODEL_DIR = "GPUPORT_MODEL_DIR"
 ENV_MODEL_REPLICA = "GPUPORT_MODEL_REPLICA"
 LOAD_FAILED = 3
+_ORPHAN_CHECK = 10.0  # seconds between looks at whether the deployment still exists, while no server is connected
 _LENGTH = struct.Struct("<I")
 
 
@@ -112,10 +113,20 @@ class Worker:
             return {"error": ["ServerError", f"the model failed: {type(e).__name__}: {e}"]}, []
         return {"tensors": heads}, buffers
 
-    def serve(self, listener: socket.socket) -> None:
-        """Answer the server's connection (one at a time; it reconnects after its own restart)."""
+    def serve(self, listener: socket.socket, folder: Path) -> None:
+        """Answer the server's connection (one at a time; it reconnects after its own restart). A
+        deployment outlives a server restart; one whose folder is gone (undeployed while this worker
+        was cut off, a state dir removed) ends its worker."""
+        listener.settimeout(_ORPHAN_CHECK)
         while True:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                if not (folder / "deployment.json").exists():
+                    print("gpuport: the deployment's folder is gone: ending", file=sys.stderr, flush=True)
+                    return
+                continue
+            conn.settimeout(None)
             with conn:
                 while True:
                     try:
@@ -161,7 +172,7 @@ def main() -> None:
         print(f"gpuport: the model did not load: {message}", file=sys.stderr, flush=True)
         sys.exit(LOAD_FAILED)
     print(f"gpuport: {model.format} model loaded on the {device}", file=sys.stderr, flush=True)
-    Worker(model).serve(_listen(folder, replica))
+    Worker(model).serve(_listen(folder, replica), folder)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,702 @@
+"""Model serving with dynamic batching against without, on one gpuport server on 127.0.0.1.
+
+    .venv/bin/python bench/bench_serving.py            # 10 s per mode: about two minutes on 2 cores
+    .venv/bin/python bench/bench_serving.py --quick    # 3 s per mode: under a minute
+
+The model: a Keras MLP, Input(784) -> Dense(256, relu) -> Dense(256, relu) -> Dense(10), weights
+seeded (not trained: training changes no timing), saved as a .keras file in the temp dir by a child
+process, which also times the model alone: `predict_on_batch` of 1, 16 and 64 rows, median of 300
+after 50 warm-ups, on this machine while nothing else of the bench runs.
+
+The server: a fresh `gpuport server` (temp state dir, TLS on, 127.0.0.1, port 0), with the model
+deployed twice by `gpu.deploy(name, path)`, one replica each, on the CPU: "mlp-batched" with
+max_batch_size 64 and max_queue_delay 2 ms (--delay), and "mlp-single" with max_batch_size 0 (each
+request goes to the worker alone). The server runs through a launcher in this
+file (`--child-server`) that changes nothing in it but keeps a reference to each `Batcher` it makes
+and writes their `stats` (batches, requests, rows) to a file on SIGUSR2: the mean batch size the
+server formed is read from there, as the counters' difference over the measured window.
+
+Why 2 ms: it is gpuport's default (what a user gets), and near the model's own time for a full
+batch (1.3-1.5 ms for 64 rows), as Triton advises. With 16 callers and max_batch_size 64 no batch
+ever fills, so every batch waits out the delay from its oldest request: the delay trades latency for
+batch size. Swept once with --quick over gRPC: 0.5 ms gave batches of 2.0 rows and 1.2x; 2 ms 4.3
+rows and 1.8x; 5 ms 7.7 rows and 2.1x; 10 ms 15 rows and 2.2x with p50 up from 16 to 20 ms.
+
+The load: 16 callers (--callers), each with a tritonclient client of its own (its own connection),
+each sending 1-row requests (784 float32, the same seeded row) back to back, a closed loop: KServe
+v2 over HTTPS with `tritonclient.http` (inputs and outputs as binary data, the extension tritonclient
+uses by default for numpy), then over gRPC with `tritonclient.grpc` (`raw_input_contents`; each client
+on its own channel and connection). Both trust the server's certificate (`STATE_DIR/tls/cert.pem`)
+and send the admin token as `Authorization: Bearer`. Every caller first makes one request (its
+connection and TLS handshake), then all warm up for W s (--warmup, 2 s; 1 s with --quick) and are
+measured for D s (--duration, 10 s; 3 s with --quick): throughput is the requests that completed in
+the window over its length, latency is each of those requests' time from `infer()` called to the
+numpy result in hand, in the caller; p50 and p99 over all callers' requests. Per protocol, unbatched
+runs first, then batched; before them, one caller alone sends 50 requests to mlp-single (after 5
+unmeasured), whose median and fastest latency show what a request costs without any queue.
+
+Callers are threads of this process by default (--callers-in threads), 16 processes with
+--callers-in processes. Measured both ways on the 2-core VM (--quick, gRPC): the callers' one process
+used 22-40% of a core, so its GIL was never the bottleneck, and the figures came out alike (batched
+761 req/s with threads, 692-715 with processes), while 16 processes cost 20-40% more caller CPU per
+request, which on 2 cores is taken from the server; the callers' GIL share is printed with each run.
+On 2 cores the callers' CPU competes with the server's: the CPU seconds (user + system) of the server
+process, of the model's worker process (the replica's job) and of the callers over the window are
+printed per request, with the ceiling they set (cores / CPU per request), and the rest of the
+machine's busy time ("other work": another program, or the hypervisor's steal) beside them.
+
+The figures, each against its anchor measured in the same run: "throughput, batched vs unbatched"
+(requests/s of mlp-batched against mlp-single; goal >= 3x, Triton publishes 3.3x for its dynamic
+batcher) and "p99/p50, batched" (p99 latency of mlp-batched against its p50; goal <= 2x).
+
+Everything runs on 127.0.0.1 in a temp dir removed at the end. Caller processes are stopped by their
+pids in `finally`; the two deployments are undeployed before the server stops, and any process the
+server started that is still alive after that (a model worker, its supervisor) is named and killed by
+its pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _servers  # noqa: E402
+import bench_sessions  # noqa: E402 - its process helpers: CpuMeter, tree, track, check_left
+from _report import ROWS, Row, connect, print_table, say  # noqa: E402
+
+import gpuport  # noqa: E402
+
+FEATURES, HIDDEN, CLASSES, SEED = 784, 256, 10, 0
+MAX_BATCH = 64  # mlp-batched's max_batch_size
+MODEL_BATCHES = (1, 16, 64)  # batch sizes the model alone is timed at
+BATCHED, SINGLE = "mlp-batched", "mlp-single"
+PROTOCOLS = {"http": "tritonclient.http", "grpc": "tritonclient.grpc"}
+STATS_SIGNAL = signal.SIGUSR2  # the launcher writes the batchers' counters when it gets this
+
+
+# ---- children: the model, the server's launcher, a caller -------------------------------------------
+
+
+def _child_model(folder: str) -> None:
+    """`bench_serving.py --child-model DIR`: build and save the MLP as DIR/mlp.keras, time
+    predict_on_batch at each of MODEL_BATCHES rows, print one JSON line."""
+    import keras
+
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,), name="x"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    path = Path(folder) / "mlp.keras"
+    model.save(path)
+    rng = np.random.default_rng(SEED)
+    times = {}
+    for rows in MODEL_BATCHES:
+        x = rng.random((rows, FEATURES), dtype=np.float32)
+        for _ in range(50):
+            model.predict_on_batch(x)
+        spent = []
+        for _ in range(300):
+            start = time.perf_counter()
+            model.predict_on_batch(x)
+            spent.append(time.perf_counter() - start)
+        times[rows] = float(np.median(spent))
+    print(json.dumps({"path": str(path), "keras": keras.__version__, "predict": times}), flush=True)
+
+
+def _child_server(stats_file: str, argv: list[str]) -> None:
+    """`bench_serving.py --child-server STATS_FILE ARGS...`: `gpuport ARGS...` as `python -m gpuport`
+    runs it, with every Batcher it makes remembered and their counters written to STATS_FILE (as JSON,
+    by model name, through a temporary file renamed into place) on STATS_SIGNAL."""
+    from gpuport.server.serving.batcher import Batcher
+
+    made: list[tuple[str, Batcher]] = []
+    original = Batcher.__init__
+
+    def remember(self: Batcher, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append((str(kwargs.get("name", "")), self))
+
+    def write(signum: int, frame: object) -> None:
+        counters = {name: vars(batcher.stats) for name, batcher in made}
+        tmp = stats_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(counters, f)
+        os.replace(tmp, stats_file)
+
+    Batcher.__init__ = remember  # type: ignore[method-assign]
+    signal.signal(STATS_SIGNAL, write)
+    sys.argv = ["gpuport", *argv]
+    from gpuport.cli.main import main
+
+    main()
+
+
+@dataclass
+class Target:
+    """What a caller needs to reach a model."""
+
+    protocol: str  # a key of PROTOCOLS
+    address: str  # 127.0.0.1:PORT, HTTP or gRPC as ``protocol`` says
+    cert: str
+    token: str
+    model: str
+    input: str
+    output: str
+
+
+def make_infer(target: Target) -> Callable[[], None]:
+    """A new tritonclient client (its own connection) for ``target``, and a function that sends one
+    1-row request with it and checks the result."""
+    x = np.random.default_rng(SEED).random((1, FEATURES), dtype=np.float32)
+    headers = {"authorization": f"Bearer {target.token}"}  # lower case: gRPC metadata keys must be
+    if target.protocol == "http":
+        import tritonclient.http as triton_http
+
+        client: Any = triton_http.InferenceServerClient(
+            target.address,
+            ssl=True,
+            ssl_options={"ca_certs": target.cert},  # geventhttpclient hands it to the default context's factory
+            concurrency=1,
+        )
+        inputs: list[Any] = [triton_http.InferInput(target.input, [1, FEATURES], "FP32")]
+        inputs[0].set_data_from_numpy(x, binary_data=True)
+        outputs: list[Any] = [triton_http.InferRequestedOutput(target.output, binary_data=True)]
+    else:
+        import tritonclient.grpc as triton_grpc
+
+        client = triton_grpc.InferenceServerClient(
+            target.address,
+            ssl=True,
+            root_certificates=target.cert,
+            channel_args=[("grpc.use_local_subchannel_pool", 1)],  # a connection of its own, not a shared one
+        )
+        inputs = [triton_grpc.InferInput(target.input, [1, FEATURES], "FP32")]
+        inputs[0].set_data_from_numpy(x)
+        outputs = [triton_grpc.InferRequestedOutput(target.output)]
+
+    def infer() -> None:
+        result = client.infer(target.model, inputs, outputs=outputs, headers=headers)
+        y = result.as_numpy(target.output)
+        if y is None or y.shape != (1, CLASSES):
+            raise RuntimeError(f"{target.model} answered {None if y is None else y.shape}, not (1, {CLASSES})")
+
+    return infer
+
+
+def call_loop(infer: Callable[[], None], go: Callable[[], tuple[float, float]]) -> dict[str, Any]:
+    """Once ``go`` says when (``time.monotonic()`` times, the same clock in every process here): send
+    requests back to back until the window ends; return the latencies of those that ended inside it,
+    the errors, and the first error's text. Requests before the window are the warm-up."""
+    start_at, stop_at = go()
+    latencies: list[float] = []
+    errors, first_error = 0, ""
+    while True:
+        begin = time.monotonic()
+        if begin >= stop_at:
+            break
+        try:
+            infer()
+        except Exception as e:  # noqa: BLE001 - counted and shown: a failed request is a finding
+            errors += 1
+            first_error = first_error or f"{type(e).__name__}: {e}"[:500]
+            time.sleep(0.01)  # no tight loop of failures
+            continue
+        end = time.monotonic()
+        if start_at <= end <= stop_at:
+            latencies.append(end - begin)
+    return {"latencies": latencies, "errors": errors, "first_error": first_error}
+
+
+def _child_caller() -> None:
+    """`bench_serving.py --child-caller`: one caller in a process of its own. Reads its Target as a
+    JSON line, makes one request and answers "ready"; reads "START STOP", runs call_loop, and answers
+    its result as a JSON line."""
+    target = Target(**json.loads(sys.stdin.readline()))
+    infer = make_infer(target)
+    infer()
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+
+    def go() -> tuple[float, float]:
+        start_at, stop_at = map(float, sys.stdin.readline().split())
+        return start_at, stop_at
+
+    print(json.dumps(call_loop(infer, go)), flush=True)
+
+
+# ---- the callers, as processes or threads --------------------------------------------------------
+
+
+class Callers:
+    """``n`` callers of ``target`` as processes (``--child-caller``) or as threads of this process:
+    ``start()`` has each make its client and one request, ``go(start_at, stop_at)`` starts their
+    loops, ``results()`` waits for them. ``processes()`` are what their CPU is counted on."""
+
+    def __init__(self, n: int, target: Target, mode: str, work: Path) -> None:
+        self.n, self.target, self.mode, self.work = n, target, mode, work
+        self.children: list[subprocess.Popen[str]] = []
+        self.threads: list[threading.Thread] = []
+        self.out: list[dict[str, Any]] = []
+        self._window: tuple[float, float] | None = None
+        self._go = threading.Event()
+        self._ready = threading.Semaphore(0)
+
+    def processes(self) -> list[psutil.Process]:
+        if self.mode == "threads":
+            return [psutil.Process()]
+        found = []
+        for child in self.children:
+            with contextlib.suppress(psutil.Error):
+                found.append(psutil.Process(child.pid))
+        return found
+
+    def start(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        if self.mode == "threads":
+            for i in range(self.n):
+                thread = threading.Thread(target=self._thread, name=f"caller {i}", daemon=True)
+                thread.start()
+                self.threads.append(thread)
+            for _ in range(self.n):
+                if not self._ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"the caller threads were not ready in {timeout:g}s: {self.out}")
+            return
+        line = json.dumps(vars(self.target))
+        for i in range(self.n):
+            with open(self.work / f"caller-{i}.log", "wb") as err:
+                child = subprocess.Popen(
+                    [sys.executable, __file__, "--child-caller"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            self.children.append(child)
+            assert child.stdin is not None
+            child.stdin.write(line + "\n")
+            child.stdin.flush()
+        for i, child in enumerate(self.children):
+            self._answer(i, child, deadline)
+
+    def _answer(self, i: int, child: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        line = child.stdout.readline() if ready else ""
+        if not line:
+            tail = (self.work / f"caller-{i}.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"caller process {i} (pid {child.pid}) gave no answer:\n{tail}")
+        return dict(json.loads(line))
+
+    def _thread(self) -> None:
+        try:
+            infer = make_infer(self.target)
+            infer()
+        except Exception as e:  # noqa: BLE001 - shown by start(), which then gives up
+            self.out.append({"latencies": [], "errors": 1, "first_error": f"{type(e).__name__}: {e}"})
+            return
+        self._ready.release()
+        self.out.append(call_loop(infer, self._wait_go))
+
+    def _wait_go(self) -> tuple[float, float]:
+        self._go.wait()
+        assert self._window is not None
+        return self._window
+
+    def go(self, start_at: float, stop_at: float) -> None:
+        self._window = (start_at, stop_at)
+        self._go.set()
+        for child in self.children:
+            assert child.stdin is not None
+            child.stdin.write(f"{start_at!r} {stop_at!r}\n")
+            child.stdin.flush()
+
+    def results(self, deadline: float) -> list[dict[str, Any]]:
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for i, child in enumerate(self.children):
+            self.out.append(self._answer(i, child, deadline))
+        return self.out
+
+    def stop(self) -> None:
+        for child in self.children:
+            with contextlib.suppress(OSError):
+                if child.stdin is not None:
+                    child.stdin.close()
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=10)
+
+
+# ---- the server ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    gpuport: _servers.Gpuport
+    http_address: str  # 127.0.0.1:PORT
+    grpc_address: str
+    stats_file: Path
+
+    def batcher_stats(self, timeout: float = 10) -> dict[str, dict[str, float]]:
+        """The server's batchers' counters now, by model name (see _child_server)."""
+        self.stats_file.unlink(missing_ok=True)
+        os.kill(self.gpuport.process.pid, STATS_SIGNAL)
+        deadline = time.monotonic() + timeout
+        while not self.stats_file.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server wrote no batcher counters in {timeout:g}s")
+            time.sleep(0.002)
+        return dict(json.loads(self.stats_file.read_text()))
+
+
+def start_server(work: Path) -> Server:
+    """A gpuport server as _servers.start_gpuport starts it (fake GPUs, loopback, port 0, a fresh state
+    dir), through the launcher above; it keeps the HTTP URL, which start_gpuport does not."""
+    from gpuport.server.daemon import parse_banner
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+    env.update(PYTHONUNBUFFERED="1", GPUPORT_FAKE_GPUS="2x16GiB")
+    folder = work / "server"
+    folder.mkdir()
+    state, stats = folder / "state", folder / "batchers.json"
+    loopback = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-level", "warning"]
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--child-server", str(stats), "server", *loopback, "--state-dir", str(state)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line or line.strip() == "ready":
+            break
+        lines.append(line)
+    try:
+        banner = parse_banner("".join(lines))
+    except ValueError as e:
+        process.kill()
+        process.wait(timeout=10)
+        raise SystemExit(f"gpuport server did not start: {e}") from None
+    assert banner.fingerprint and banner.admin_token
+    served = _servers.Gpuport(process, banner.grpc_url, banner.admin_token, banner.fingerprint, state)
+    return Server(served, host_port(banner.http_url), host_port(banner.grpc_url), stats)
+
+
+def host_port(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+@contextlib.contextmanager
+def running_server(work: Path) -> Iterator[Server]:
+    server = start_server(work)
+    try:
+        yield server
+    finally:
+        for p in bench_sessions.tree(server.gpuport.process.pid)[1:]:
+            bench_sessions._STARTED[p.pid] = p  # checked by check_left once the server has stopped
+        try:
+            server.gpuport.stop()
+        finally:
+            if server.gpuport.process.poll() is None:
+                server.gpuport.process.kill()
+                server.gpuport.process.wait(timeout=10)
+
+
+def worker_of(server: Server, deployment_id: str) -> psutil.Process:
+    """The model worker process of deployment ``deployment_id`` (its one replica), tracked."""
+    for p in bench_sessions.tree(server.gpuport.process.pid):
+        with contextlib.suppress(psutil.Error):
+            if "gpuport.server.worker.model" in " ".join(p.cmdline()) and deployment_id in p.environ().get(
+                "GPUPORT_MODEL_DIR", ""
+            ):
+                bench_sessions.track(p.pid, server.gpuport.process.pid)
+                return p
+    raise RuntimeError(f"no model worker of deployment {deployment_id} below the server")
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has spent on anything but idling, all cores together, since boot."""
+    t = psutil.cpu_times()._asdict()
+    # guest and guest_nice are counted in user and nice already; steal is busy: the hypervisor's other work
+    return sum(t.get(k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+# ---- one measurement -----------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    model: str
+    protocol: str
+    requests: int
+    errors: int
+    first_error: str
+    seconds: float
+    p50: float
+    p90: float
+    p99: float
+    worst: float
+    cpu: dict[str, float]  # CPU seconds over the window: server, worker, callers, others (the rest of the machine)
+    batches: int | None  # formed by the server's batcher over the window
+    rows: int | None
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def mean_batch(self) -> float | None:
+        return self.rows / self.batches if self.batches and self.rows is not None else None
+
+
+def measure(args: argparse.Namespace, server: Server, target: Target, worker: psutil.Process, work: Path) -> Measured:
+    callers = Callers(args.callers, target, args.callers_in, work)
+    meter = bench_sessions.CpuMeter(
+        {
+            "server": lambda: [psutil.Process(server.gpuport.process.pid)],
+            "worker": lambda: [worker],
+            "callers": callers.processes,
+        }
+    )
+    try:
+        callers.start()
+        start_at = time.monotonic() + args.warmup
+        stop_at = start_at + args.duration
+        callers.go(start_at, stop_at)
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        meter.start()
+        machine = busy_seconds()
+        before = server.batcher_stats().get(target.model)
+        time.sleep(max(0.0, stop_at - time.monotonic()))
+        cpu = meter.stop()
+        cpu["others"] = max(0.0, busy_seconds() - machine - sum(cpu.values()))
+        after = server.batcher_stats().get(target.model)
+        results = callers.results(stop_at + 60)
+    finally:
+        callers.stop()
+    latencies = np.array(sorted(t for r in results for t in r["latencies"]))
+    if not len(latencies):
+        raise RuntimeError(f"{target.model} over {target.protocol}: no request succeeded: {results[0]['first_error']}")
+    batches = rows = None
+    if before is not None and after is not None:
+        batches, rows = int(after["batches"] - before["batches"]), int(after["rows"] - before["rows"])
+    return Measured(
+        model=target.model,
+        protocol=target.protocol,
+        requests=len(latencies),
+        errors=sum(r["errors"] for r in results),
+        first_error=next((r["first_error"] for r in results if r["first_error"]), ""),
+        seconds=stop_at - start_at,
+        p50=float(np.percentile(latencies, 50)),
+        p90=float(np.percentile(latencies, 90)),
+        p99=float(np.percentile(latencies, 99)),
+        worst=float(latencies[-1]),
+        cpu=cpu,
+        batches=batches,
+        rows=rows,
+    )
+
+
+def show(m: Measured, cores: int, threads: bool) -> None:
+    per = {k: v / m.requests * 1e3 for k, v in m.cpu.items()}
+    total = per["server"] + per["worker"] + per["callers"]
+    ours = m.cpu["server"] + m.cpu["worker"] + m.cpu["callers"]
+    batch = f"{m.mean_batch:.1f} rows ({m.batches:,} batches)" if m.mean_batch is not None else "-"
+    say(
+        f"  {m.model:<12} {m.throughput:7.0f} req/s   p50 {m.p50 * 1e3:6.2f} ms  p90 {m.p90 * 1e3:6.2f} ms  "
+        f"p99 {m.p99 * 1e3:6.2f} ms  max {m.worst * 1e3:6.1f} ms   mean batch {batch}"
+        + (f"   {m.errors} ERRORS, first: {m.first_error}" if m.errors else "")
+    )
+    say(
+        f"  {'':<12} CPU ms per request: server {per['server']:.3f}, worker {per['worker']:.3f}, "
+        f"callers {per['callers']:.3f}; total {total:.3f} -> at most {cores / total * 1e3:.0f} req/s on "
+        f"{cores} cores; busy: this bench {ours / m.seconds / cores:.0%} of the cores, other work "
+        f"{m.cpu['others'] / m.seconds / cores:.0%}"
+        + (f"; the callers' process (one GIL) {m.cpu['callers'] / m.seconds:.0%} of a core" if threads else "")
+    )
+
+
+def bench_protocol(
+    args: argparse.Namespace, server: Server, protocol: str, infos: dict[str, Any], workers: dict[str, Any], work: Path
+) -> None:
+    address = server.http_address if protocol == "http" else server.grpc_address
+    say(
+        f"== {PROTOCOLS[protocol]}: {args.callers} callers ({args.callers_in}), 1-row requests in a closed loop, "
+        f"{args.warmup:g} s warm-up, {args.duration:g} s measured per model"
+    )
+    cert = str(server.gpuport.state_dir / "tls" / "cert.pem")
+
+    def target(model: str) -> Target:
+        info = infos[model]
+        return Target(protocol, address, cert, server.gpuport.token, model, info.inputs[0].name, info.outputs[0].name)
+
+    alone = make_infer(target(SINGLE))
+    for _ in range(5):
+        alone()
+    times = []
+    for _ in range(50):
+        start = time.perf_counter()
+        alone()
+        times.append(time.perf_counter() - start)
+    say(f"  one caller alone, {SINGLE}: median {np.median(times) * 1e3:.2f} ms, fastest {min(times) * 1e3:.2f} ms")
+    found: dict[str, Measured] = {}
+    for model in (SINGLE, BATCHED):
+        found[model] = m = measure(args, server, target(model), workers[model], work)
+        show(m, os.cpu_count() or 1, args.callers_in == "threads")
+    batched, single = found[BATCHED], found[SINGLE]
+    label = "HTTP" if protocol == "http" else "gRPC"
+    ratio = batched.throughput / single.throughput
+    say(f"  batched / unbatched throughput {ratio:.2f}x; batched p99 / p50 {batched.p99 / batched.p50:.2f}x")
+    ROWS.append(
+        Row(
+            f"throughput, batched vs unbatched ({label})",
+            batched.throughput,
+            single.throughput,
+            "same model, max_batch_size 0",
+            ">= 3x (Triton: 3.3x)",
+            ratio >= 3,
+            unit="jobs/s",
+        )
+    )
+    ROWS.append(
+        Row(
+            f"p99/p50, batched ({label})",
+            batched.p99,
+            batched.p50,
+            "its own p50",
+            "<= 2x",
+            batched.p99 <= 2 * batched.p50,
+        )
+    )
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def build_model(work: Path) -> dict[str, Any]:
+    """Build, save and time the model in a child process (TensorFlow stays out of this one)."""
+    result = subprocess.run(
+        [sys.executable, __file__, "--child-model", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"building the model failed:\n{result.stderr[-3000:]}")
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 s measured per mode, 1 s warm-up")
+    parser.add_argument("--duration", type=float, help="seconds measured per model and protocol (default 10)")
+    parser.add_argument("--warmup", type=float, help="seconds of warm-up before each (default 2)")
+    parser.add_argument("--callers", type=int, default=16, help="concurrent callers (default 16)")
+    parser.add_argument("--callers-in", choices=["threads", "processes"], default="threads")
+    parser.add_argument("--delay", type=float, default=0.002, help="mlp-batched's max_queue_delay, s (default 0.002)")
+    parser.add_argument("--protocols", default="http,grpc", help="of http, grpc (default both)")
+    args = parser.parse_args()
+    if args.duration is None:
+        args.duration = 3.0 if args.quick else 10.0
+    if args.warmup is None:
+        args.warmup = 1.0 if args.quick else 2.0
+    protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown or not protocols:
+        raise SystemExit(f"--protocols: {', '.join(unknown) or 'none'} unknown; valid: {', '.join(PROTOCOLS)}")
+
+    import importlib.util
+    from importlib.metadata import version
+
+    missing = [m for m in ("tritonclient", "geventhttpclient", "keras") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"this bench needs {', '.join(missing)}: `make .venv/.dev` installs them (Keras via the tf extra)"
+        )
+    triton_version = version("tritonclient")
+    say(
+        f"gpuport {gpuport.__version__}, Python {platform.python_version()}, tritonclient {triton_version}, "
+        f"{os.cpu_count()} CPUs, {platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if args.quick else "")
+    )
+    say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    for key in [k for k in os.environ if k.startswith("GPUPORT_")]:
+        del os.environ[key]  # nothing of the user's own setup leaks in
+    with _servers.workdir() as tmp:
+        work = Path(tmp)
+        os.environ["GPUPORT_CONFIG_DIR"] = str(work / "config")
+        os.environ["GPUPORT_CACHE_DIR"] = str(work / "cache")
+        built = build_model(work)
+        path = Path(built["path"])
+        predict = {int(k): v for k, v in built["predict"].items()}
+        say(
+            f"== the model alone (Keras {built['keras']}, {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}): predict_on_batch "
+            + ", ".join(f"{rows} rows {t * 1e3:.2f} ms ({t / rows * 1e6:.0f} us a row)" for rows, t in predict.items())
+        )
+        try:
+            with running_server(work) as server, connect(server.gpuport) as gpu:
+                start = time.perf_counter()
+                infos = {
+                    BATCHED: gpu.deploy(BATCHED, path, max_batch_size=MAX_BATCH, max_queue_delay=args.delay),
+                    SINGLE: gpu.deploy(SINGLE, path, max_batch_size=0),
+                }
+                workers = {name: worker_of(server, info.id) for name, info in infos.items()}
+                say(
+                    f"  deployed {BATCHED} (max_batch_size {MAX_BATCH}, max_queue_delay {args.delay * 1e3:g} ms) "
+                    f"and {SINGLE} (max_batch_size 0) in {time.perf_counter() - start:.1f}s; workers "
+                    + ", ".join(f"{name} pid {w.pid}" for name, w in workers.items())
+                )
+                try:
+                    for protocol in protocols:
+                        bench_protocol(args, server, protocol, infos, workers, work)
+                finally:
+                    for name in infos:
+                        with contextlib.suppress(gpuport.GpuportError):
+                            gpu.undeploy(name)
+                    psutil.wait_procs(list(workers.values()), timeout=20)
+        finally:
+            bench_sessions.check_left()
+    say("load average at the end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print_table(
+        ("throughput, batched vs unbatched (HTTP)", "p99/p50, batched (HTTP)", "throughput", "p99/p50"),
+        width=42,
+        legend="ratio: gpuport / anchor (throughput: higher is better; p99/p50: lower is better)",
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child-model"]:
+        _child_model(sys.argv[2])
+    elif sys.argv[1:2] == ["--child-server"]:
+        _child_server(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:2] == ["--child-caller"]:
+        _child_caller()
+    else:
+        main()

@@ -33,6 +33,7 @@ dimension is the batch. Each framework is imported only when a model of its form
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import traceback
@@ -345,7 +346,7 @@ def _declare(
 # --- the loaded models ------------------------------------------------------------------------
 
 
-class _Loaded:
+class _Loaded(abc.ABC):
     """A loaded model. Subclasses load it and run it on ``_run`` (arrays in and out by the names
     the model itself uses); this class maps those to the published names and datatypes."""
 
@@ -389,8 +390,9 @@ class _Loaded:
             for public, native in zip(self.outputs, self._native_outputs)
         }
 
+    @abc.abstractmethod
     def _run(self, feed: dict[str, np.ndarray]) -> dict[str, Any]:
-        raise NotImplementedError
+        """The framework's own call: native input names in, native output names to values out."""
 
     def __repr__(self) -> str:
         return f"<{self.format} model on {self.device}: {_names(self.inputs)} → {_names(self.outputs)}>"

@@ -137,6 +137,29 @@ def _error_response(error: GpuportError) -> JSONResponse:
     return JSONResponse({"error": {"type": type(error).__name__, "message": str(error)}}, status_code=http_status)
 
 
+class _BodyLimit:
+    """Refuse a body over ``MAX_REST_BODY_BYTES`` (413) before reading it; predictions have their
+    own limit. A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``)
+    spawned a task and two memory streams per request, a third of a small prediction's cost."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith(("/v2/", "/v1/models/")):
+            length = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+            if length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
+                error = InvalidRequest(
+                    f"request body of {int(length)} bytes is over the limit of {MAX_REST_BODY_BYTES} — upload "
+                    "files with `gpuport push`, and refer to them by name"
+                )
+                response = _error_response(error)
+                response.status_code = 413
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_http_app(app: ServerApp) -> FastAPI:
     api = FastAPI(title="gpuport", version=__version__, description="GPU over IP: the gpuport server's REST API.")
     api.state.gpuport = app
@@ -153,19 +176,7 @@ def build_http_app(app: ServerApp) -> FastAPI:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         return _error_response(InvalidRequest(f"malformed request: {problems}"))
 
-    @api.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        serving = request.url.path.startswith(("/v2/", "/v1/models/"))  # predictions have their own limit
-        if length and length.isdigit() and int(length) > MAX_REST_BODY_BYTES and not serving:
-            error = InvalidRequest(
-                f"request body of {length} bytes is over the limit of {MAX_REST_BODY_BYTES} — upload files with "
-                "`gpuport push`, and refer to them by name"
-            )
-            response = _error_response(error)
-            response.status_code = 413
-            return response
-        return await call_next(request)  # type: ignore[no-any-return]
+    api.add_middleware(_BodyLimit)
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

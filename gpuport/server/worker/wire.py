@@ -29,6 +29,7 @@ from typing import Any
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
 _MAX_HEADER = 64 * 1024 * 1024
 _MAX_FDS = 16
+_GATHER = 64  # buffers handed to one sendmsg at most (the system allows 1,024)
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
 
 Buffer = bytes | bytearray | memoryview
@@ -147,16 +148,34 @@ def connect(path: str) -> socket.socket:
     return sock
 
 
-def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
-    prefix, _ = _encode(header, buffers)
-    if fds:
-        sent = sock.sendmsg([prefix], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-        if sent < len(prefix):
-            sock.sendall(prefix[sent:])
-    else:
-        sock.sendall(prefix)
+def _parts(prefix: bytes, buffers: Sequence[Buffer]) -> list[memoryview]:
+    parts = [memoryview(prefix)]
     for b in buffers:
-        sock.sendall(b)
+        view = memoryview(b)
+        if view.nbytes:
+            parts.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return parts
+
+
+def _rest(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """What is left of ``parts`` once ``sent`` bytes of them went."""
+    for i, part in enumerate(parts):
+        if sent < part.nbytes:
+            return [part[sent:], *parts[i + 1 :]]
+        sent -= part.nbytes
+    return []
+
+
+def _rights(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
+def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
+    """A frame in one gathering write where it fits (one wake-up of the other side), the rest after."""
+    parts = _parts(_encode(header, buffers)[0], buffers)
+    rest = _rest(parts, sock.sendmsg(parts[:_GATHER], _rights(fds)))
+    for part in rest:
+        sock.sendall(part)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -226,21 +245,15 @@ class Link:
             (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
 
     async def send(self, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
-        prefix, _ = _encode(header, buffers)
-        sent = 0
+        parts = _parts(_encode(header, buffers)[0], buffers)
         while True:
             try:
-                if fds:
-                    sent = self.sock.sendmsg([prefix], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
-                else:
-                    sent = self.sock.send(prefix)
+                sent = self.sock.sendmsg(parts[:_GATHER], _rights(fds))
                 break
             except BlockingIOError:
                 await self._ready(write=True)
-        if sent < len(prefix):
-            await self._loop.sock_sendall(self.sock, prefix[sent:])
-        for b in buffers:
-            await self._loop.sock_sendall(self.sock, b)
+        for part in _rest(parts, sent):
+            await self._loop.sock_sendall(self.sock, part)
 
     async def recv(self, wait: float = 0.0) -> Frame:
         """The worker's next frame. With ``wait``, first wait up to that many seconds for it without

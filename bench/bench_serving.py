@@ -623,6 +623,13 @@ def main() -> None:
     parser.add_argument("--callers-in", choices=["threads", "processes"], default="threads")
     parser.add_argument("--delay", type=float, default=0.002, help="mlp-batched's max_queue_delay, s (default 0.002)")
     parser.add_argument("--protocols", default="http,grpc", help="of http, grpc (default both)")
+    parser.add_argument(
+        "--cpus",
+        type=float,
+        default=0.0,
+        help="CPUs reserved per replica, which also sets its OMP_NUM_THREADS (default 0: the framework's own "
+        "threads; on a many-core machine PyTorch's then spin on every core)",
+    )
     args = parser.parse_args()
     if args.duration is None:
         args.duration = 3.0 if args.quick else 10.0
@@ -664,8 +671,10 @@ def main() -> None:
             with running_server(work) as server, connect(server.gpuport) as gpu:
                 start = time.perf_counter()
                 infos = {
-                    BATCHED: gpu.deploy(BATCHED, path, max_batch_size=MAX_BATCH, max_queue_delay=args.delay),
-                    SINGLE: gpu.deploy(SINGLE, path, max_batch_size=0),
+                    BATCHED: gpu.deploy(
+                        BATCHED, path, max_batch_size=MAX_BATCH, max_queue_delay=args.delay, cpus=args.cpus
+                    ),
+                    SINGLE: gpu.deploy(SINGLE, path, max_batch_size=0, cpus=args.cpus),
                 }
                 workers = {name: worker_of(server, info.id) for name, info in infos.items()}
                 say(

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +31,16 @@ class Gpuport:
     token: str
     fingerprint: str
     state_dir: Path
+    http_url: str = ""
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(timeout=20)
 
 
-def start_gpuport(workdir: Path) -> Gpuport:
+def start_gpuport(workdir: Path, launcher: Sequence[str] = ()) -> Gpuport:
+    """``gpuport server`` on 127.0.0.1 (port 0, fake GPUs, state in ``workdir/state``); ``launcher``
+    replaces ``python -m gpuport`` (a bench's own wrapper around the server's entry point)."""
     from gpuport.server.daemon import parse_banner  # here, not above: the raw server's process stays bare
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
@@ -44,7 +48,7 @@ def start_gpuport(workdir: Path) -> Gpuport:
     state = workdir / "state"
     loopback = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-level", "warning"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "gpuport", "server", *loopback, "--state-dir", str(state)],
+        [*(launcher or [sys.executable, "-m", "gpuport"]), "server", *loopback, "--state-dir", str(state)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -62,9 +66,10 @@ def start_gpuport(workdir: Path) -> Gpuport:
         banner = parse_banner("".join(lines))
     except ValueError as e:
         process.kill()
+        process.wait(timeout=10)
         raise SystemExit(f"gpuport server did not start: {e}") from None
     assert banner.fingerprint and banner.admin_token
-    return Gpuport(process, banner.grpc_url, banner.admin_token, banner.fingerprint, state)
+    return Gpuport(process, banner.grpc_url, banner.admin_token, banner.fingerprint, state, banner.http_url)
 
 
 def _serve_raw(cert: Path, key: Path) -> None:

@@ -374,39 +374,12 @@ class Server:
 
 def start_server(work: Path) -> Server:
     """A gpuport server as _servers.start_gpuport starts it (fake GPUs, loopback, port 0, a fresh state
-    dir), through the launcher above; it keeps the HTTP URL, which start_gpuport does not."""
-    from gpuport.server.daemon import parse_banner
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
-    env.update(PYTHONUNBUFFERED="1", GPUPORT_FAKE_GPUS="2x16GiB")
+    dir), through the launcher above."""
     folder = work / "server"
     folder.mkdir()
-    state, stats = folder / "state", folder / "batchers.json"
-    loopback = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-level", "warning"]
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--child-server", str(stats), "server", *loopback, "--state-dir", str(state)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
-    assert process.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line or line.strip() == "ready":
-            break
-        lines.append(line)
-    try:
-        banner = parse_banner("".join(lines))
-    except ValueError as e:
-        process.kill()
-        process.wait(timeout=10)
-        raise SystemExit(f"gpuport server did not start: {e}") from None
-    assert banner.fingerprint and banner.admin_token
-    served = _servers.Gpuport(process, banner.grpc_url, banner.admin_token, banner.fingerprint, state)
-    return Server(served, host_port(banner.http_url), host_port(banner.grpc_url), stats)
+    stats = folder / "batchers.json"
+    served = _servers.start_gpuport(folder, launcher=[sys.executable, __file__, "--child-server", str(stats)])
+    return Server(served, host_port(served.http_url), host_port(served.url), stats)
 
 
 def host_port(url: str) -> str:

@@ -71,6 +71,7 @@ _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
 # Seconds the server waits for a worker's reply before it turns to other work: most calls answer
 # within it, and then cost no extra turns of the event loop (which is blocked that long at most).
 _QUICK_REPLY = 0.001
+_KEEP_MAP_BYTES = 16 * 1024 * 1024  # uploads from this size keep the server's map for reuse (see _Live.sent)
 _STATE_EVERY = 25  # output polls between looks at a followed session's state (0.5 s)
 _REAP_EVERY = 1.0
 _STDERR_TAIL_LINES = 20
@@ -290,8 +291,9 @@ class _Live:
     maps: dict[int, mmap.mmap] = field(default_factory=dict)
 
     def sent(self, staged: Staged) -> None:
-        """An upload went to the worker: keep its map for when its memory comes back, and let it go."""
-        if staged.mapped is not None and staged.parts:
+        """An upload went to the worker: keep its map (a large one: a map costs the server little, but
+        thousands of small values would each hold one) for when its memory comes back, and let it go."""
+        if staged.mapped is not None and staged.parts and staged.size >= _KEEP_MAP_BYTES:
             with contextlib.suppress(OSError):
                 inode = os.fstat(staged.parts[0][0]).st_ino
                 with self.counting:

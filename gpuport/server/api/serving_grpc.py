@@ -20,12 +20,12 @@ import numpy as np
 
 from gpuport._version import __version__
 from gpuport.defaults import MAX_INFER_BYTES
-from gpuport.protocol.datatypes import from_tf_enum, numpy_dtype, tf_enum
-from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, NotFound, ServerError, status_for
+from gpuport.protocol.datatypes import datatype_of, from_tf_enum, numpy_dtype, tf_enum
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, kserve, tfs
 from gpuport.server.api.serving_http import PLATFORMS
 from gpuport.server.app import ServerApp
-from gpuport.server.services.serving import DeploymentRecord
+from gpuport.server.services.serving import DeploymentRecord, version_number
 from gpuport.server.worker.model import pack_bytes, unpack_bytes
 
 log = logging.getLogger(__name__)
@@ -116,14 +116,6 @@ def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
     )
 
 
-def _version(text: str) -> int:
-    if not text:
-        return 0
-    if not text.isdigit() or int(text) < 1:
-        raise NotFound(f"model version {text[:40]!r}: versions are numbers from 1")
-    return int(text)
-
-
 # ---- KServe v2 ---------------------------------------------------------------------------------------
 
 
@@ -140,12 +132,12 @@ async def _server_metadata(app: ServerApp, request: Any) -> Any:
 
 
 async def _model_ready(app: ServerApp, request: Any) -> Any:
-    d = app.serving.find(request.name, _version(request.version))
+    d = app.serving.find(request.name, version_number(request.version))
     return kserve.ModelReadyResponse(ready=d.state == "ready")
 
 
 async def _model_metadata(app: ServerApp, request: Any) -> Any:
-    d = app.serving.find(request.name, _version(request.version))
+    d = app.serving.find(request.name, version_number(request.version))
     meta = kserve.ModelMetadataResponse.TensorMetadata
     return kserve.ModelMetadataResponse(
         name=d.name,
@@ -190,7 +182,7 @@ def _kserve_input(tensor: Any, raw: bytes | None) -> np.ndarray:
 async def _model_infer(app: ServerApp, request: Any) -> Any:
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
-    d = app.serving.find(request.model_name, _version(request.model_version))
+    d = app.serving.find(request.model_name, version_number(request.model_version))
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
@@ -201,8 +193,6 @@ async def _model_infer(app: ServerApp, request: Any) -> Any:
     if unknown:
         raise InvalidRequest(f"unknown output {unknown[0]!r}: this model's outputs are {', '.join(outputs)}")
     response = kserve.ModelInferResponse(model_name=d.name, model_version=str(d.version), id=request.id)
-    from gpuport.protocol.datatypes import datatype_of
-
     for name in wanted:
         array = np.asarray(outputs[name])
         datatype = datatype_of(array.dtype)
@@ -249,8 +239,6 @@ def _from_tensor_proto(name: str, proto: Any) -> np.ndarray:
 
 
 def _tensor_proto(array: np.ndarray) -> Any:
-    from gpuport.protocol.datatypes import datatype_of
-
     array = np.asarray(array)
     datatype = datatype_of(array.dtype)
     proto = tfs.TensorProto(dtype=tf_enum(datatype))

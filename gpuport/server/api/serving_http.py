@@ -8,7 +8,10 @@ each protocol has them: ``{"error": "message"}`` with 400 (bad input), 404 (unkn
 
 from __future__ import annotations
 
+import functools
 import zlib
+from collections.abc import Awaitable, Callable
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -21,7 +24,7 @@ from gpuport.protocol.datatypes import TF_NAMES, numpy_dtype, tf_enum
 from gpuport.protocol.errors import GpuportError, InvalidRequest, NotFound, ResourceUnavailable, status_for
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.serving import DeploymentRecord
+from gpuport.server.services.serving import DeploymentRecord, version_number
 from gpuport.server.serving import codecs
 
 # What KServe's model metadata calls each format (Triton's platform names).
@@ -87,95 +90,75 @@ class _TooLarge(InvalidRequest):
         )
 
 
-def _version(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise NotFound(f"model version {text[:40]!r}: versions are numbers from 1")
-    return int(text)
+def _answered(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Authenticate the caller, then run ``handler``; a GpuportError becomes the protocol's error."""
+
+    @functools.wraps(handler)
+    async def answer(request: Request, **params: str) -> Response:
+        try:
+            _caller(request)
+            return await handler(request, **params)
+        except GpuportError as e:
+            return _error(e)
+
+    return answer
+
+
+def _server(request: Request) -> ServerApp:
+    return request.app.state.gpuport  # type: ignore[no-any-return]
+
+
+def _find(request: Request, name: str) -> DeploymentRecord:
+    """The deployment a URL names: /models/{name}[/versions/{version}]."""
+    return _server(request).serving.find(name, version_number(request.path_params.get("version", "")))
 
 
 def add_serving_routes(api: FastAPI) -> None:
+    kserve: list[str | Enum] = ["KServe v2"]
+    tfs: list[str | Enum] = ["TensorFlow Serving"]
+
     # ---- KServe v2 ------------------------------------------------------------------------------
 
-    @api.get("/v2", summary="KServe v2: server metadata", tags=["KServe v2"])
+    @api.get("/v2", summary="KServe v2: server metadata", tags=kserve)
+    @_answered
     async def server_metadata(request: Request) -> Response:
-        try:
-            _caller(request)
-        except GpuportError as e:
-            return _error(e)
         return JSONResponse({"name": "gpuport", "version": __version__, "extensions": ["binary_tensor_data"]})
 
-    @api.get("/v2/health/live", summary="KServe v2: the server is up", tags=["KServe v2"])
+    @api.get("/v2/health/live", summary="KServe v2: the server is up", tags=kserve)
+    @_answered
     async def live(request: Request) -> Response:
-        try:
-            _caller(request)
-        except GpuportError as e:
-            return _error(e)
         return JSONResponse({"live": True})
 
-    @api.get("/v2/health/ready", summary="KServe v2: the server takes predictions", tags=["KServe v2"])
+    @api.get("/v2/health/ready", summary="KServe v2: the server takes predictions", tags=kserve)
+    @_answered
     async def ready(request: Request) -> Response:
-        try:
-            _caller(request)
-        except GpuportError as e:
-            return _error(e)
         return JSONResponse({"ready": True})
 
-    @api.get("/v2/models/{name}", summary="KServe v2: model metadata", tags=["KServe v2"])
+    @api.get("/v2/models/{name}", summary="KServe v2: model metadata", tags=kserve)
+    @api.get("/v2/models/{name}/versions/{version}", summary="KServe v2: model metadata", tags=kserve)
+    @_answered
     async def model_metadata(request: Request, name: str) -> Response:
-        return _metadata(request, name, "")
+        return JSONResponse(kserve_metadata(_find(request, name), _server(request).serving.versions(name)))
 
-    @api.get("/v2/models/{name}/versions/{version}", summary="KServe v2: model metadata", tags=["KServe v2"])
-    async def version_metadata(request: Request, name: str, version: str) -> Response:
-        return _metadata(request, name, version)
-
-    @api.get("/v2/models/{name}/ready", summary="KServe v2: the model takes predictions", tags=["KServe v2"])
+    @api.get("/v2/models/{name}/ready", summary="KServe v2: the model takes predictions", tags=kserve)
+    @api.get(
+        "/v2/models/{name}/versions/{version}/ready", summary="KServe v2: the model takes predictions", tags=kserve
+    )
+    @_answered
     async def model_ready(request: Request, name: str) -> Response:
-        return _ready(request, name, "")
-
-    @api.get("/v2/models/{name}/versions/{version}/ready", summary="KServe v2", tags=["KServe v2"])
-    async def version_ready(request: Request, name: str, version: str) -> Response:
-        return _ready(request, name, version)
-
-    @api.post("/v2/models/{name}/infer", summary="KServe v2: a prediction", tags=["KServe v2"])
-    async def infer(request: Request, name: str) -> Response:
-        return await _infer(request, name, "")
-
-    @api.post("/v2/models/{name}/versions/{version}/infer", summary="KServe v2: a prediction", tags=["KServe v2"])
-    async def version_infer(request: Request, name: str, version: str) -> Response:
-        return await _infer(request, name, version)
-
-    def _metadata(request: Request, name: str, version: str) -> Response:
-        try:
-            _caller(request)
-            server: ServerApp = request.app.state.gpuport
-            d = server.serving.find(name, _version(version) if version else 0)
-            return JSONResponse(kserve_metadata(d, server.serving.versions(name)))
-        except GpuportError as e:
-            return _error(e)
-
-    def _ready(request: Request, name: str, version: str) -> Response:
-        try:
-            _caller(request)
-            server: ServerApp = request.app.state.gpuport
-            d = server.serving.find(name, _version(version) if version else 0)
-        except GpuportError as e:
-            return _error(e)
-        ok = d.state == "ready"
+        ok = _find(request, name).state == "ready"
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
 
-    async def _infer(request: Request, name: str, version: str) -> Response:
-        try:
-            _caller(request)
-            server: ServerApp = request.app.state.gpuport
-            number = _version(version) if version else 0
-            d = server.serving.find(name, number)
-            header = request.headers.get(_HEADER_LENGTH)
-            parsed = codecs.parse_kserve(await _body(request), int(header) if header and header.isdigit() else None)
-            outputs = await server.serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
-            chosen = _requested(outputs, [o.name for o in parsed.outputs])
-            body, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
-        except GpuportError as e:
-            return _error(e)
+    @api.post("/v2/models/{name}/infer", summary="KServe v2: a prediction", tags=kserve)
+    @api.post("/v2/models/{name}/versions/{version}/infer", summary="KServe v2: a prediction", tags=kserve)
+    @_answered
+    async def infer(request: Request, name: str) -> Response:
+        d = _find(request, name)
+        header = request.headers.get(_HEADER_LENGTH)
+        parsed = codecs.parse_kserve(await _body(request), int(header) if header and header.isdigit() else None)
+        outputs = await _server(request).serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
+        chosen = _requested(outputs, [o.name for o in parsed.outputs])
+        body, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
         if length is None:
             return Response(body, media_type="application/json")
         return Response(
@@ -184,51 +167,14 @@ def add_serving_routes(api: FastAPI) -> None:
 
     # ---- TensorFlow Serving REST ----------------------------------------------------------------
 
-    @api.get("/v1/models/{name}", summary="TensorFlow Serving: model status", tags=["TensorFlow Serving"])
+    @api.get("/v1/models/{name}", summary="TensorFlow Serving: model status", tags=tfs)
+    @api.get("/v1/models/{name}/versions/{version}", summary="TensorFlow Serving: model status", tags=tfs)
+    @_answered
     async def tfs_status(request: Request, name: str) -> Response:
-        return _tfs_status(request, name, "")
-
-    @api.get(
-        "/v1/models/{name}/versions/{version}", summary="TensorFlow Serving: model status", tags=["TensorFlow Serving"]
-    )
-    async def tfs_version_status(request: Request, name: str, version: str) -> Response:
-        return _tfs_status(request, name, version)
-
-    @api.get("/v1/models/{name}/metadata", summary="TensorFlow Serving: model metadata", tags=["TensorFlow Serving"])
-    async def tfs_metadata(request: Request, name: str) -> Response:
-        return _tfs_metadata(request, name, "")
-
-    @api.get(
-        "/v1/models/{name}/versions/{version}/metadata",
-        summary="TensorFlow Serving: model metadata",
-        tags=["TensorFlow Serving"],
-    )
-    async def tfs_version_metadata(request: Request, name: str, version: str) -> Response:
-        return _tfs_metadata(request, name, version)
-
-    @api.post("/v1/models/{target}", summary="TensorFlow Serving: NAME:predict", tags=["TensorFlow Serving"])
-    async def tfs_predict(request: Request, target: str) -> Response:
-        name, _, verb = target.rpartition(":")
-        return await _tfs_predict(request, name or target, "", verb)
-
-    @api.post(
-        "/v1/models/{name}/versions/{target}",
-        summary="TensorFlow Serving: VERSION:predict",
-        tags=["TensorFlow Serving"],
-    )
-    async def tfs_version_predict(request: Request, name: str, target: str) -> Response:
-        version, _, verb = target.rpartition(":")
-        return await _tfs_predict(request, name, version or target, verb)
-
-    def _tfs_status(request: Request, name: str, version: str) -> Response:
-        try:
-            _caller(request)
-            server: ServerApp = request.app.state.gpuport
-            number = _version(version) if version else 0
-            server.serving.find(name, number)
-            found = [server.serving.find(name, v) for v in server.serving.versions(name) if not number or v == number]
-        except GpuportError as e:
-            return _error(e)
+        serving = _server(request).serving
+        d = _find(request, name)  # NotFound for an unknown model or version
+        number = d.version if "version" in request.path_params else 0
+        found = [serving.find(name, v) for v in serving.versions(name) if not number or v == number]
         states = {"ready": "AVAILABLE", "loading": "LOADING", "failed": "END"}
         return JSONResponse(
             {
@@ -246,13 +192,11 @@ def add_serving_routes(api: FastAPI) -> None:
             }
         )
 
-    def _tfs_metadata(request: Request, name: str, version: str) -> Response:
-        try:
-            _caller(request)
-            server: ServerApp = request.app.state.gpuport
-            d = server.serving.find(name, _version(version) if version else 0)
-        except GpuportError as e:
-            return _error(e)
+    @api.get("/v1/models/{name}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
+    @api.get("/v1/models/{name}/versions/{version}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
+    @_answered
+    async def tfs_metadata(request: Request, name: str) -> Response:
+        d = _find(request, name)
         return JSONResponse(
             {
                 "model_spec": {"name": name, "signature_name": "", "version": str(d.version)},
@@ -260,21 +204,30 @@ def add_serving_routes(api: FastAPI) -> None:
             }
         )
 
+    # NAME:predict and VERSION:predict: the verb shares the last path segment.
+    @api.post("/v1/models/{target}", summary="TensorFlow Serving: NAME:predict", tags=tfs)
+    @_answered
+    async def tfs_predict(request: Request, target: str) -> Response:
+        name, _, verb = target.rpartition(":")
+        return await _tfs_predict(request, name or target, "", verb)
+
+    @api.post("/v1/models/{name}/versions/{target}", summary="TensorFlow Serving: VERSION:predict", tags=tfs)
+    @_answered
+    async def tfs_version_predict(request: Request, name: str, target: str) -> Response:
+        version, _, verb = target.rpartition(":")
+        return await _tfs_predict(request, name, version or target, verb)
+
     async def _tfs_predict(request: Request, name: str, version: str, verb: str) -> Response:
-        try:
-            _caller(request)
-            if verb != "predict":
-                raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
-            server: ServerApp = request.app.state.gpuport
-            d = server.serving.find(name, _version(version) if version else 0)
-            signature, raw, style = codecs.parse_tfs_predict(await _body(request))
-            if signature not in ("", "serving_default"):
-                raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")
-            specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
-            outputs = await server.serving.infer(name, d.version, codecs.tfs_to_inputs(raw, specs))
-            return Response(codecs.form_tfs_predict(outputs, style), media_type="application/json")
-        except GpuportError as e:
-            return _error(e)
+        if verb != "predict":
+            raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
+        serving = _server(request).serving
+        d = serving.find(name, version_number(version))
+        signature, raw, style = codecs.parse_tfs_predict(await _body(request))
+        if signature not in ("", "serving_default"):
+            raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")
+        specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
+        outputs = await serving.infer(name, d.version, codecs.tfs_to_inputs(raw, specs))
+        return Response(codecs.form_tfs_predict(outputs, style), media_type="application/json")
 
 
 def _requested(outputs: dict[str, np.ndarray], names: list[str]) -> list[tuple[str, np.ndarray]]:

@@ -136,6 +136,15 @@ class _Deployment:
         return SimpleNamespace(inputs=inputs)
 
 
+def version_number(text: str) -> int:
+    """A model version as a URL or request writes it: 0 (the newest ready one) when it names none."""
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise NotFound(f"model version {text[:40]!r}: versions are numbers from 1")
+    return int(text)
+
+
 class ServingService:
     def __init__(self, store: Store, jobs: JobService, snapshots: SnapshotService, root: Path) -> None:
         self.store = store

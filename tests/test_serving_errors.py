@@ -87,6 +87,35 @@ def test_a_payload_over_the_limit_is_413_with_the_limit(server: RunningServer, d
     assert str(MAX_INFER_BYTES) in reply.json()["error"]
 
 
+def test_a_client_that_hangs_up_mid_body_leaves_the_server_serving(
+    server: RunningServer, doubled: gpuport.ModelInfo
+) -> None:
+    """A prediction whose client sends part of its body and goes is answered to no one, and
+    the next request is served. Other methods on a prediction's path are refused, not served."""
+    import socket
+    import ssl
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.http_url)
+    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    with socket.create_connection((address.hostname, address.port), timeout=10) as raw:
+        with trust.wrap_socket(raw, server_hostname=address.hostname) as conn:
+            conn.sendall(
+                b"POST /v2/models/doubler/infer HTTP/1.1\r\nHost: x\r\n"
+                + f"Authorization: Bearer {server.admin_token}\r\n".encode()
+                + b"Content-Length: 100000\r\n\r\n"
+                + b'{"inputs": [{"name": "x", '
+            )
+    reply = _infer(server, "doubler", np.ones((1, 4), dtype=np.float32))
+    assert reply.status_code == 200 and reply.json()["outputs"][0]["data"] == [2.0] * 4
+    reply = server.rest("GET", "/v2/models/doubler/infer", token=server.admin_token)
+    assert reply.status_code in (404, 405)
+    reply = server.rest("PUT", "/v1/models/doubler:predict", token=server.admin_token, json={"instances": [[1] * 4]})
+    assert reply.status_code in (404, 405)
+    reply = server.rest("POST", "/v1/models/doubler:classify", token=server.admin_token, json={"instances": [[1] * 4]})
+    assert reply.status_code == 404 and ":predict" in reply.json()["error"]
+
+
 def test_a_model_that_does_not_load_shows_failed_with_the_loaders_error(
     server: RunningServer, admin: gpuport.Client, doubled: gpuport.ModelInfo, tmp_path: Path
 ) -> None:

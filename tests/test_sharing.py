@@ -269,8 +269,12 @@ def test_the_queue_order_survives_a_restart(tmp_path: Path, flag: Path) -> None:
 
 
 def test_cpus_reserve_and_set_thread_pools(admin_of: gpuport.Client) -> None:
-    job = admin_of.submit(["python", "-c", "import os; print(os.environ['OMP_NUM_THREADS'])"], workdir=None, cpus=2)
-    assert list(job.wait(30).logs()) == ["2"]
+    names = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
+    show = f"import os; print(*(os.environ.get(n) for n in {names!r}))"
+    job = admin_of.submit(["python", "-c", show], workdir=None, cpus=2)
+    assert list(job.wait(30).logs()) == ["2 2 2"]
+    job = admin_of.submit(["python", "-c", show], workdir=None, cpus=2, env={"TF_NUM_INTEROP_THREADS": "4"})
+    assert list(job.wait(30).logs()) == ["2 2 4"]  # the job's own setting wins
 
 
 @pytest.mark.parametrize("door", ["sdk", "rest"])

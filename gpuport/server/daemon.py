@@ -202,6 +202,7 @@ async def serve(
                 access_log=False,
                 lifespan="off",
                 server_header=False,
+                proxy_headers=False,  # no proxy in front by default; clients' own addresses are logged
                 ssl_certfile=str(state.cert_path) if identity else None,
                 ssl_keyfile=str(state.key_path) if identity else None,
             )

@@ -23,7 +23,7 @@ from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
-from gpuport.server.api.serving_http import add_serving_routes
+from gpuport.server.api.serving_http import Predictions, add_serving_routes
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
@@ -160,7 +160,8 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
-def build_http_app(app: ServerApp) -> FastAPI:
+def build_http_app(app: ServerApp) -> Predictions:
+    """The HTTP port's ASGI app: predictions answered by ``Predictions``, the rest by FastAPI."""
     api = FastAPI(title="gpuport", version=__version__, description="GPU over IP: the gpuport server's REST API.")
     api.state.gpuport = app
 
@@ -268,4 +269,4 @@ def build_http_app(app: ServerApp) -> FastAPI:
     async def list_snapshots(identity: Caller) -> list[dict[str, Any]]:
         return [dataclasses.asdict(s) for s in app.snapshots.named(identity)]
 
-    return api
+    return Predictions(api, app)

@@ -4,11 +4,19 @@ KServe v2 (the Open Inference Protocol, as Triton serves it) under ``/v2``, with
 binary tensor data extension; TensorFlow Serving's REST API under ``/v1/models``. Errors come out as
 each protocol has them: ``{"error": "message"}`` with 400 (bad input), 404 (unknown model or version),
 401/403, 413 (over the size limit), 503 (a model still loading or failed) or 500.
+
+The predictions themselves (``POST .../infer`` and ``POST ...:predict``) are answered by
+``Predictions``, a plain ASGI app in front of FastAPI's: a request there is a hot path, and FastAPI's
+middleware, routing and request objects cost a small prediction as much as its own decoding. The
+other routes (health, metadata, status) are FastAPI's, with its docs.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import re
 import zlib
 from collections.abc import Awaitable, Callable
 from enum import Enum
@@ -21,7 +29,15 @@ from fastapi.responses import JSONResponse
 from gpuport._version import __version__
 from gpuport.defaults import MAX_INFER_BYTES
 from gpuport.protocol.datatypes import TF_NAMES, numpy_dtype, tf_enum
-from gpuport.protocol.errors import GpuportError, InvalidRequest, NotFound, ResourceUnavailable, status_for
+from gpuport.protocol.errors import (
+    AuthenticationError,
+    GpuportError,
+    InvalidRequest,
+    NotFound,
+    ResourceUnavailable,
+    ServerError,
+    status_for,
+)
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, version_number
@@ -37,45 +53,27 @@ PLATFORMS = {
 }
 _HEADER_LENGTH = "inference-header-content-length"
 
+log = logging.getLogger(__name__)
+
+
+def _status(error: GpuportError) -> int:
+    """The HTTP status of ``error`` as the prediction protocols answer it."""
+    if isinstance(error, (_TooLarge, _Unsupported)):
+        return 413 if isinstance(error, _TooLarge) else 415
+    if isinstance(error, ResourceUnavailable) and "overloaded" not in str(error):
+        return 503  # loading, failed, restarting: not the caller's fault
+    return status_for(error)[1]
+
 
 def _error(error: Exception) -> JSONResponse:
     if not isinstance(error, GpuportError):
         raise error
-    _, status = status_for(error)
-    if isinstance(error, (_TooLarge, _Unsupported)):
-        status = 413 if isinstance(error, _TooLarge) else 415
-    elif isinstance(error, ResourceUnavailable) and "overloaded" not in str(error):
-        status = 503  # loading, failed, restarting: not the caller's fault
-    return JSONResponse({"error": str(error)}, status_code=status)
+    return JSONResponse({"error": str(error)}, status_code=_status(error))
 
 
 def _caller(request: Request) -> Identity:
     server: ServerApp = request.app.state.gpuport
     return server.auth.authenticate(request.headers.get("authorization"))
-
-
-async def _body(request: Request) -> bytes:
-    """The request's body, decompressed as its Content-Encoding says (gzip, deflate: tritonclient's
-    request compression), within ``MAX_INFER_BYTES`` either way."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_INFER_BYTES:
-        raise _TooLarge(int(length))
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "deflate"):
-        raise _Unsupported(f"content encoding {encoding[:40]!r}: send gzip, deflate or none")
-    inflate = zlib.decompressobj(31 if encoding == "gzip" else 15) if encoding != "identity" else None
-    body = bytearray()
-    async for chunk in request.stream():
-        if inflate is None:
-            body += chunk
-        else:
-            try:
-                body += inflate.decompress(chunk, MAX_INFER_BYTES + 1 - len(body))
-            except zlib.error as e:
-                raise InvalidRequest(f"the body is not valid {encoding}: {e}") from None
-        if len(body) > MAX_INFER_BYTES:
-            raise _TooLarge(len(body))
-    return bytes(body)
 
 
 class _Unsupported(InvalidRequest):
@@ -149,22 +147,6 @@ def add_serving_routes(api: FastAPI) -> None:
         ok = _find(request, name).state == "ready"
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 400)
 
-    @api.post("/v2/models/{name}/infer", summary="KServe v2: a prediction", tags=kserve)
-    @api.post("/v2/models/{name}/versions/{version}/infer", summary="KServe v2: a prediction", tags=kserve)
-    @_answered
-    async def infer(request: Request, name: str) -> Response:
-        d = _find(request, name)
-        header = request.headers.get(_HEADER_LENGTH)
-        parsed = codecs.parse_kserve(await _body(request), int(header) if header and header.isdigit() else None)
-        outputs = await _server(request).serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
-        chosen = _requested(outputs, [o.name for o in parsed.outputs])
-        body, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
-        if length is None:
-            return Response(body, media_type="application/json")
-        return Response(
-            body, media_type="application/octet-stream", headers={"Inference-Header-Content-Length": str(length)}
-        )
-
     # ---- TensorFlow Serving REST ----------------------------------------------------------------
 
     @api.get("/v1/models/{name}", summary="TensorFlow Serving: model status", tags=tfs)
@@ -204,30 +186,136 @@ def add_serving_routes(api: FastAPI) -> None:
             }
         )
 
-    # NAME:predict and VERSION:predict: the verb shares the last path segment.
-    @api.post("/v1/models/{target}", summary="TensorFlow Serving: NAME:predict", tags=tfs)
-    @_answered
-    async def tfs_predict(request: Request, target: str) -> Response:
-        name, _, verb = target.rpartition(":")
-        return await _tfs_predict(request, name or target, "", verb)
 
-    @api.post("/v1/models/{name}/versions/{target}", summary="TensorFlow Serving: VERSION:predict", tags=tfs)
-    @_answered
-    async def tfs_version_predict(request: Request, name: str, target: str) -> Response:
-        version, _, verb = target.rpartition(":")
-        return await _tfs_predict(request, name, version or target, verb)
+# ---- the predictions: a plain ASGI app in front of FastAPI's -----------------------------------------
 
-    async def _tfs_predict(request: Request, name: str, version: str, verb: str) -> Response:
+# The POST paths Predictions answers. KServe's groups: (name, version or None); TF Serving's: (name,
+# None) with ":predict" on the name, or (name, version) with it on the version.
+_KSERVE_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+_TFS_PREDICT = re.compile(r"/v1/models/([^/]+)(?:/versions/([^/]+))?")
+_Headers = list[tuple[bytes, bytes]]
+
+
+class Predictions:
+    """The ASGI app the HTTP port serves: ``POST /v2/models/{name}[/versions/{v}]/infer`` (KServe v2)
+    and ``POST /v1/models/{name}[/versions/{v}]:predict`` (TensorFlow Serving) are answered here, every
+    other request goes to ``app`` (FastAPI's). A client that hangs up while sending its body is not
+    answered."""
+
+    def __init__(self, app: Any, server: ServerApp) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        kserve = _KSERVE_INFER.fullmatch(path)
+        tfs = None if kserve else _TFS_PREDICT.fullmatch(path)
+        if kserve is None and tfs is None:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])  # ASGI's names are lower case
+        try:
+            self._authenticate(headers, scope)
+            body = await _read_body(headers, receive)
+            if body is None:
+                return  # the client is gone
+            if kserve is not None:
+                status, extra, answer = await self._infer(kserve[1], kserve[2] or "", headers, body)
+            else:
+                assert tfs is not None
+                status, extra, answer = await self._tfs_predict(tfs[1], tfs[2], body)
+        except GpuportError as e:
+            status, extra, answer = _status(e), [], _error_body(e)
+        except Exception:
+            log.exception("POST %s failed", path)
+            error = ServerError("internal server error — the server's log has the details")
+            status, extra, answer = 500, [], _error_body(error)
+        content_type = b"application/octet-stream" if extra else b"application/json"
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"content-length", str(len(answer)).encode()),
+                    *extra,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": answer})
+
+    def _authenticate(self, headers: dict[bytes, bytes], scope: dict[str, Any]) -> Identity:
+        try:
+            return self.server.auth.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+        except AuthenticationError as e:
+            client = scope.get("client") or ("?",)
+            log.warning("rejected POST %s from %s: %s", scope["path"], client[0], e)
+            raise
+
+    async def _infer(
+        self, name: str, version: str, headers: dict[bytes, bytes], body: bytes
+    ) -> tuple[int, _Headers, bytes]:
+        serving = self.server.serving
+        d = serving.find(name, version_number(version))
+        header = headers.get(_HEADER_LENGTH.encode(), b"")
+        parsed = codecs.parse_kserve(body, int(header) if header.isdigit() else None)
+        outputs = await serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
+        chosen = _requested(outputs, [o.name for o in parsed.outputs])
+        answer, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
+        extra = [] if length is None else [(b"inference-header-content-length", str(length).encode())]
+        return 200, extra, answer
+
+    async def _tfs_predict(self, name: str, target: str | None, body: bytes) -> tuple[int, _Headers, bytes]:
+        # NAME:predict and VERSION:predict: the verb shares the last path segment.
+        if target is None:
+            head, _, verb = name.rpartition(":")
+            name, version = head or name, ""
+        else:
+            head, _, verb = target.rpartition(":")
+            version = head or target
         if verb != "predict":
             raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
-        serving = _server(request).serving
+        serving = self.server.serving
         d = serving.find(name, version_number(version))
-        signature, raw, style = codecs.parse_tfs_predict(await _body(request))
+        signature, raw, style = codecs.parse_tfs_predict(body)
         if signature not in ("", "serving_default"):
             raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")
         specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
         outputs = await serving.infer(name, d.version, codecs.tfs_to_inputs(raw, specs))
-        return Response(codecs.form_tfs_predict(outputs, style), media_type="application/json")
+        return 200, [], codecs.form_tfs_predict(outputs, style)
+
+
+async def _read_body(headers: dict[bytes, bytes], receive: Any) -> bytes | None:
+    """The request's body, decompressed as its Content-Encoding says (gzip, deflate: tritonclient's
+    request compression), within ``MAX_INFER_BYTES`` either way; None when the client hung up."""
+    length = headers.get(b"content-length", b"")
+    if length.isdigit() and int(length) > MAX_INFER_BYTES:
+        raise _TooLarge(int(length))
+    encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+    if encoding not in ("identity", "gzip", "deflate"):
+        raise _Unsupported(f"content encoding {encoding[:40]!r}: send gzip, deflate or none")
+    inflate = zlib.decompressobj(31 if encoding == "gzip" else 15) if encoding != "identity" else None
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        if inflate is None:
+            body += chunk
+        else:
+            try:
+                body += inflate.decompress(chunk, MAX_INFER_BYTES + 1 - len(body))
+            except zlib.error as e:
+                raise InvalidRequest(f"the body is not valid {encoding}: {e}") from None
+        if len(body) > MAX_INFER_BYTES:
+            raise _TooLarge(len(body))
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+def _error_body(error: GpuportError) -> bytes:
+    return json.dumps({"error": str(error)}).encode()
 
 
 def _requested(outputs: dict[str, np.ndarray], names: list[str]) -> list[tuple[str, np.ndarray]]:

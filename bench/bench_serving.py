@@ -45,6 +45,13 @@ process, of the model's worker process (the replica's job) and of the callers ov
 printed per request, with the ceiling they set (cores / CPU per request), and the rest of the
 machine's busy time ("other work": another program, or the hypervisor's steal) beside them.
 
+The ceiling: after both models, per protocol, the same callers run the same way against a server
+that answers every request at once with a canned result (`--child-ceiling`: uvicorn with httptools
+and uvloop, and grpc.aio, as gpuport serves, TLS with the server's own certificate; no model, no
+batching, no token check). Its throughput over the unbatched one is the most that batching could
+show on this machine: no server that does any work per request can beat it, since the callers'
+own CPU and the protocols' do not shrink with batching. --skip-ceiling leaves it out.
+
 The figures, each against its anchor measured in the same run: "throughput, batched vs unbatched"
 (requests/s of mlp-batched against mlp-single; goal >= 3x, Triton publishes 3.3x for its dynamic
 batcher) and "p99/p50, batched" (p99 latency of mlp-batched against its p50; goal <= 2x).
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -151,6 +159,85 @@ def _child_server(stats_file: str, argv: list[str]) -> None:
     from gpuport.cli.main import main
 
     main()
+
+
+def _child_ceiling(tls_dir: str, output: str) -> None:
+    """`bench_serving.py --child-ceiling TLS_DIR OUTPUT`: a server that answers every KServe v2 infer
+    at once with the same canned result (1 x CLASSES float32 zeros as output OUTPUT, binary over HTTP,
+    raw_output_contents over gRPC), reading each request but doing nothing with it: no model, no
+    batching, no token check. Served the way gpuport serves: uvicorn (httptools, uvloop) and grpc.aio,
+    TLS with the certificate and key in TLS_DIR, on 127.0.0.1, ports picked by the kernel and printed
+    as one JSON line. What the callers reach against it is the ceiling this machine puts on any such
+    server. Ends on SIGTERM."""
+    import socket
+
+    import grpc
+    import uvicorn
+
+    from gpuport.cli.main import run_loop
+    from gpuport.protocol.serving import KSERVE_SERVICE, kserve
+
+    y = np.zeros((1, CLASSES), np.float32)
+    described = {"name": output, "datatype": "FP32", "shape": list(y.shape)}
+    head = json.dumps(
+        {
+            "model_name": "ceiling",
+            "model_version": "1",
+            "outputs": [{**described, "parameters": {"binary_data_size": y.nbytes}}],
+        }
+    ).encode()
+    answer = head + y.tobytes()
+    headers = [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(len(answer)).encode()),
+        (b"inference-header-content-length", str(len(head)).encode()),
+    ]
+
+    async def http(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        more = True
+        while more:
+            message = await receive()
+            more = message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    reply = kserve.ModelInferResponse(
+        model_name="ceiling",
+        model_version="1",
+        outputs=[kserve.ModelInferResponse.InferOutputTensor(**described)],
+        raw_output_contents=[y.tobytes()],
+    ).SerializeToString()
+
+    async def infer(request: bytes, context: Any) -> bytes:
+        return reply
+
+    async def main() -> None:
+        folder = Path(tls_dir)
+        server = grpc.aio.server()
+        handler = grpc.unary_unary_rpc_method_handler(infer)  # no (de)serializers: bytes in, bytes out
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(KSERVE_SERVICE, {"ModelInfer": handler}),)
+        )
+        key, cert = (folder / "key.pem").read_bytes(), (folder / "cert.pem").read_bytes()
+        grpc_port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+        await server.start()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(
+            http,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            server_header=False,
+            proxy_headers=False,
+            ssl_certfile=str(folder / "cert.pem"),
+            ssl_keyfile=str(folder / "key.pem"),
+        )
+        print(json.dumps({"http": sock.getsockname()[1], "grpc": grpc_port}), flush=True)
+        await uvicorn.Server(config).serve(sockets=[sock])  # until SIGTERM
+        await server.stop(None)
+
+    run_loop(main())
 
 
 @dataclass
@@ -402,6 +489,40 @@ def running_server(work: Path) -> Iterator[Server]:
                 server.gpuport.process.wait(timeout=10)
 
 
+@dataclass
+class Ceiling:
+    """The ceiling's server (see _child_ceiling): its process and its ports by protocol."""
+
+    process: psutil.Process
+    ports: dict[str, int]
+
+
+@contextlib.contextmanager
+def running_ceiling(tls_dir: Path, output: str, work: Path) -> Iterator[Ceiling]:
+    with open(work / "ceiling.log", "wb") as err:
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--child-ceiling", str(tls_dir), output],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], 60)
+        line = child.stdout.readline() if ready else ""
+        if not line:
+            tail = (work / "ceiling.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"the ceiling's server (pid {child.pid}) did not start:\n{tail}")
+        yield Ceiling(psutil.Process(child.pid), dict(json.loads(line)))
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(timeout=10)
+
+
 def worker_of(server: Server, deployment_id: str) -> psutil.Process:
     """The model worker process of deployment ``deployment_id`` (its one replica), tracked."""
     for p in bench_sessions.tree(server.gpuport.process.pid):
@@ -449,14 +570,20 @@ class Measured:
         return self.rows / self.batches if self.batches and self.rows is not None else None
 
 
-def measure(args: argparse.Namespace, server: Server, target: Target, worker: psutil.Process, work: Path) -> Measured:
+def measure(
+    args: argparse.Namespace,
+    target: Target,
+    server: psutil.Process,
+    worker: psutil.Process | None,
+    stats: Callable[[], dict[str, dict[str, float]]] | None,
+    work: Path,
+) -> Measured:
+    """``args.callers`` callers of ``target`` over a warm-up and a measured window: their latencies,
+    the CPU seconds of ``server``, ``worker`` (None: none) and the callers, and the batches formed
+    (from ``stats``: Server.batcher_stats, None where there is no batcher)."""
     callers = Callers(args.callers, target, args.callers_in, work)
     meter = bench_sessions.CpuMeter(
-        {
-            "server": lambda: [psutil.Process(server.gpuport.process.pid)],
-            "worker": lambda: [worker],
-            "callers": callers.processes,
-        }
+        {"server": lambda: [server], "worker": lambda: [worker] if worker else [], "callers": callers.processes}
     )
     try:
         callers.start()
@@ -466,11 +593,11 @@ def measure(args: argparse.Namespace, server: Server, target: Target, worker: ps
         time.sleep(max(0.0, start_at - time.monotonic()))
         meter.start()
         machine = busy_seconds()
-        before = server.batcher_stats().get(target.model)
+        before = stats().get(target.model) if stats else None
         time.sleep(max(0.0, stop_at - time.monotonic()))
         cpu = meter.stop()
         cpu["others"] = max(0.0, busy_seconds() - machine - sum(cpu.values()))
-        after = server.batcher_stats().get(target.model)
+        after = stats().get(target.model) if stats else None
         results = callers.results(stop_at + 60)
     finally:
         callers.stop()
@@ -517,7 +644,13 @@ def show(m: Measured, cores: int, threads: bool) -> None:
 
 
 def bench_protocol(
-    args: argparse.Namespace, server: Server, protocol: str, infos: dict[str, Any], workers: dict[str, Any], work: Path
+    args: argparse.Namespace,
+    server: Server,
+    ceiling: Ceiling | None,
+    protocol: str,
+    infos: dict[str, Any],
+    workers: dict[str, Any],
+    work: Path,
 ) -> None:
     address = server.http_address if protocol == "http" else server.grpc_address
     say(
@@ -540,13 +673,35 @@ def bench_protocol(
         times.append(time.perf_counter() - start)
     say(f"  one caller alone, {SINGLE}: median {np.median(times) * 1e3:.2f} ms, fastest {min(times) * 1e3:.2f} ms")
     found: dict[str, Measured] = {}
+    process = psutil.Process(server.gpuport.process.pid)
     for model in (SINGLE, BATCHED):
-        found[model] = m = measure(args, server, target(model), workers[model], work)
+        found[model] = m = measure(args, target(model), process, workers[model], server.batcher_stats, work)
         show(m, os.cpu_count() or 1, args.callers_in == "threads")
     batched, single = found[BATCHED], found[SINGLE]
     label = "HTTP" if protocol == "http" else "gRPC"
     ratio = batched.throughput / single.throughput
     say(f"  batched / unbatched throughput {ratio:.2f}x; batched p99 / p50 {batched.p99 / batched.p50:.2f}x")
+    if ceiling is not None:
+        address = f"127.0.0.1:{ceiling.ports[protocol]}"
+        unmodelled = dataclasses.replace(target(SINGLE), address=address, model="ceiling")
+        m = measure(args, unmodelled, ceiling.process, None, None, work)
+        show(m, os.cpu_count() or 1, args.callers_in == "threads")
+        say(
+            f"  the ceiling: these callers against a server that answers at once, {m.throughput:.0f} req/s, "
+            f"{m.throughput / single.throughput:.2f}x the unbatched throughput: no server could do better on "
+            "this machine"
+        )
+        ROWS.append(
+            Row(
+                f"ceiling: a server that answers at once ({label})",
+                m.throughput,
+                single.throughput,
+                "unbatched, as above",
+                "(what this machine allows)",
+                None,
+                unit="jobs/s",
+            )
+        )
     ROWS.append(
         Row(
             f"throughput, batched vs unbatched ({label})",
@@ -596,6 +751,9 @@ def main() -> None:
     parser.add_argument("--callers-in", choices=["threads", "processes"], default="threads")
     parser.add_argument("--delay", type=float, default=0.002, help="mlp-batched's max_queue_delay, s (default 0.002)")
     parser.add_argument("--protocols", default="http,grpc", help="of http, grpc (default both)")
+    parser.add_argument(
+        "--skip-ceiling", action="store_true", help="leave out the ceiling (the callers against a server doing nothing)"
+    )
     parser.add_argument(
         "--cpus",
         type=float,
@@ -656,8 +814,13 @@ def main() -> None:
                     + ", ".join(f"{name} pid {w.pid}" for name, w in workers.items())
                 )
                 try:
-                    for protocol in protocols:
-                        bench_protocol(args, server, protocol, infos, workers, work)
+                    with contextlib.ExitStack() as stack:
+                        ceiling = None
+                        if not args.skip_ceiling:
+                            tls = server.gpuport.state_dir / "tls"
+                            ceiling = stack.enter_context(running_ceiling(tls, infos[SINGLE].outputs[0].name, work))
+                        for protocol in protocols:
+                            bench_protocol(args, server, ceiling, protocol, infos, workers, work)
                 finally:
                     for name in infos:
                         with contextlib.suppress(gpuport.GpuportError):
@@ -680,5 +843,7 @@ if __name__ == "__main__":
         _child_server(sys.argv[2], sys.argv[3:])
     elif sys.argv[1:2] == ["--child-caller"]:
         _child_caller()
+    elif sys.argv[1:2] == ["--child-ceiling"]:
+        _child_ceiling(sys.argv[2], sys.argv[3])
     else:
         main()

@@ -1,7 +1,7 @@
 """Model serving with dynamic batching against without, on one gpuport server on 127.0.0.1.
 
-    .venv/bin/python bench/bench_serving.py            # 10 s per mode: about two minutes on 2 cores
-    .venv/bin/python bench/bench_serving.py --quick    # 3 s per mode: under a minute
+    .venv/bin/python bench/bench_serving.py            # 3 rounds of 5 s per model: about 4 minutes on 2 cores
+    .venv/bin/python bench/bench_serving.py --quick    # 1 round of 3 s per model: about a minute
 
 The model: a Keras MLP, Input(784) -> Dense(256, relu) -> Dense(256, relu) -> Dense(10), weights
 seeded (not trained: training changes no timing), saved as a .keras file in the temp dir by a child
@@ -29,10 +29,14 @@ uses by default for numpy), then over gRPC with `tritonclient.grpc` (`raw_input_
 on its own channel and connection). Both trust the server's certificate (`STATE_DIR/tls/cert.pem`)
 and send the admin token as `Authorization: Bearer`. Every caller first makes one request (its
 connection and TLS handshake), then all warm up for W s (--warmup, 2 s; 1 s with --quick) and are
-measured for D s (--duration, 10 s; 3 s with --quick): throughput is the requests that completed in
+measured for D s (--duration, 5 s; 3 s with --quick): throughput is the requests that completed in
 the window over its length, latency is each of those requests' time from `infer()` called to the
-numpy result in hand, in the caller; p50 and p99 over all callers' requests. Per protocol, unbatched
-runs first, then batched; before them, one caller alone sends 50 requests to mlp-single (after 5
+numpy result in hand, in the caller. Per protocol, R rounds (--rounds, 3; 1 with --quick) each
+measure both models, unbatched first in odd rounds and batched first in even ones: a model's
+throughput is the median of its rounds', its p50 and p99 are over all callers' requests of all its
+rounds. On this VM two runs of the same code differed by up to 30% in throughput (the machine has
+slow spells: the model alone then takes 0.6 ms instead of 0.5); rounds in turns put both models
+into the same spells. Before them, one caller alone sends 50 requests to mlp-single (after 5
 unmeasured), whose median and fastest latency show what a request costs without any queue.
 
 Callers are threads of this process by default (--callers-in threads), 16 processes with
@@ -560,6 +564,7 @@ class Measured:
     cpu: dict[str, float]  # CPU seconds over the window: server, worker, callers, others (the rest of the machine)
     batches: int | None  # formed by the server's batcher over the window
     rows: int | None
+    latencies: np.ndarray  # of every request that ended in the window, sorted
 
     @property
     def throughput(self) -> float:
@@ -621,7 +626,28 @@ def measure(
         cpu=cpu,
         batches=batches,
         rows=rows,
+        latencies=latencies,
     )
+
+
+@dataclass
+class Summary:
+    """A model's rounds together: the median of their throughputs, latencies over all their requests."""
+
+    throughputs: list[float]
+    p50: float
+    p99: float
+
+    @property
+    def throughput(self) -> float:
+        return float(np.median(self.throughputs))
+
+    @classmethod
+    def of(cls, rounds: list[Measured]) -> Summary:
+        latencies = np.concatenate([m.latencies for m in rounds])
+        return cls(
+            [m.throughput for m in rounds], float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99))
+        )
 
 
 def show(m: Measured, cores: int, threads: bool) -> None:
@@ -655,7 +681,7 @@ def bench_protocol(
     address = server.http_address if protocol == "http" else server.grpc_address
     say(
         f"== {PROTOCOLS[protocol]}: {args.callers} callers ({args.callers_in}), 1-row requests in a closed loop, "
-        f"{args.warmup:g} s warm-up, {args.duration:g} s measured per model"
+        f"{args.rounds} round(s) of {args.warmup:g} s warm-up and {args.duration:g} s measured per model"
     )
     cert = str(server.gpuport.state_dir / "tls" / "cert.pem")
 
@@ -672,14 +698,25 @@ def bench_protocol(
         alone()
         times.append(time.perf_counter() - start)
     say(f"  one caller alone, {SINGLE}: median {np.median(times) * 1e3:.2f} ms, fastest {min(times) * 1e3:.2f} ms")
-    found: dict[str, Measured] = {}
+    found: dict[str, list[Measured]] = {SINGLE: [], BATCHED: []}
     process = psutil.Process(server.gpuport.process.pid)
-    for model in (SINGLE, BATCHED):
-        found[model] = m = measure(args, target(model), process, workers[model], server.batcher_stats, work)
-        show(m, os.cpu_count() or 1, args.callers_in == "threads")
-    batched, single = found[BATCHED], found[SINGLE]
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            say(f"  round {i + 1} of {args.rounds}:")
+        for model in (SINGLE, BATCHED) if i % 2 == 0 else (BATCHED, SINGLE):  # each goes first in turn
+            m = measure(args, target(model), process, workers[model], server.batcher_stats, work)
+            found[model].append(m)
+            show(m, os.cpu_count() or 1, args.callers_in == "threads")
+    batched, single = Summary.of(found[BATCHED]), Summary.of(found[SINGLE])
     label = "HTTP" if protocol == "http" else "gRPC"
     ratio = batched.throughput / single.throughput
+    if args.rounds > 1:
+        for model, summary in ((SINGLE, single), (BATCHED, batched)):
+            rounds = ", ".join(f"{t:.0f}" for t in summary.throughputs)
+            say(
+                f"  {model:<12} median {summary.throughput:7.0f} req/s (rounds: {rounds}); over all rounds "
+                f"p50 {summary.p50 * 1e3:.2f} ms, p99 {summary.p99 * 1e3:.2f} ms"
+            )
     say(f"  batched / unbatched throughput {ratio:.2f}x; batched p99 / p50 {batched.p99 / batched.p50:.2f}x")
     if ceiling is not None:
         address = f"127.0.0.1:{ceiling.ports[protocol]}"
@@ -688,8 +725,8 @@ def bench_protocol(
         show(m, os.cpu_count() or 1, args.callers_in == "threads")
         say(
             f"  the ceiling: these callers against a server that answers at once, {m.throughput:.0f} req/s, "
-            f"{m.throughput / single.throughput:.2f}x the unbatched throughput: no server could do better on "
-            "this machine"
+            f"{m.throughput / single.throughput:.2f}x the unbatched throughput: no server that works per request "
+            "could beat it on this machine"
         )
         ROWS.append(
             Row(
@@ -744,8 +781,13 @@ def build_model(work: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="3 s measured per mode, 1 s warm-up")
-    parser.add_argument("--duration", type=float, help="seconds measured per model and protocol (default 10)")
+    parser.add_argument("--quick", action="store_true", help="one round, 3 s measured per model, 1 s warm-up")
+    parser.add_argument("--duration", type=float, help="seconds measured per model and round (default 5)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds per protocol, each measuring both models, in turns (default 3; 1 with --quick)",
+    )
     parser.add_argument("--warmup", type=float, help="seconds of warm-up before each (default 2)")
     parser.add_argument("--callers", type=int, default=16, help="concurrent callers (default 16)")
     parser.add_argument("--callers-in", choices=["threads", "processes"], default="threads")
@@ -763,7 +805,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.duration is None:
-        args.duration = 3.0 if args.quick else 10.0
+        args.duration = 3.0 if args.quick else 5.0
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     if args.warmup is None:
         args.warmup = 1.0 if args.quick else 2.0
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]

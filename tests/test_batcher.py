@@ -130,6 +130,33 @@ def test_the_delay_counts_from_a_requests_arrival_not_from_when_a_replica_is_fre
     run(main())
 
 
+def test_on_uvloop_a_batch_waits_out_its_delay_without_spinning() -> None:
+    """uvloop's timers may go off up to half a millisecond early (whole milliseconds): a batch whose
+    timer went off is due, rather than waited for again and again until the clock agrees."""
+    uvloop = pytest.importorskip("uvloop")
+
+    class Counting(Batcher):
+        waits = 0
+
+        async def _wait(self, deadline: float | None) -> bool:
+            Counting.waits += 1
+            return await super()._wait(deadline)
+
+    async def main() -> None:
+        batcher = Counting([Model()], max_batch_size=4, max_queue_delay=0.0025)
+        batcher.start()
+        try:
+            begin = time.monotonic()
+            for _ in range(40):
+                check(rows(1), await batcher.infer({"x": rows(1)}))
+            assert time.monotonic() - begin >= 40 * 0.0015  # each waited (about) its delay
+        finally:
+            await batcher.close()
+
+    uvloop.run(asyncio.wait_for(main(), 10))
+    assert Counting.waits <= 3 * 40 + 2  # per batch: for a request, then for the deadline
+
+
 def test_max_batch_size_1_runs_each_request_alone_and_0_passes_requests_through() -> None:
     async def main() -> None:
         model = Model()

@@ -5,7 +5,8 @@ free replica takes the oldest request, then adds the next queued requests that a
 with it (the same input names, and per name the same dtype and the same shape past the first
 dimension) while the batch's rows stay within ``max_batch_size``. It runs the batch as soon as it is
 full, or once its oldest request has waited ``max_queue_delay`` seconds since it arrived, whichever
-comes first; with a delay of 0 it runs whatever is queued at once. Requests it skipped stay queued
+comes first (as closely as the event loop's timers go: uvloop's, which the server runs on, are in
+whole milliseconds); with a delay of 0 it runs whatever is queued at once. Requests it skipped stay queued
 in their order, and the oldest request always starts the next batch, so none starves.
 
 One replica forms a batch at a time (the others wait their turn), as Triton's single scheduler
@@ -114,7 +115,7 @@ class Batcher:
         self._label = f"model {name!r}" if name else "the model"
         self._queue: list[_Request] = []  # oldest first
         self._forming = asyncio.Lock()  # one replica forms a batch at a time
-        self._waiter: asyncio.Future[None] | None = None  # the forming replica waits on it for news
+        self._waiter: asyncio.Future[bool] | None = None  # the forming replica waits on it for news
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._batches = self._requests = self._rows = self._failed = 0
@@ -235,15 +236,16 @@ class Batcher:
     async def _next_batch(self) -> list[_Request] | None:
         """Wait until a batch is due, take it out of the queue and return it (None once closed)."""
         loop = asyncio.get_running_loop()
+        due = False  # the timer for the oldest request's deadline went off
         while not self._closed:
             batch, full = self._select()
             deadline = None
             if batch:
                 deadline = batch[0].arrival + self._max_queue_delay
-                if full or loop.time() >= deadline:
+                if full or due or loop.time() >= deadline:
                     self._take(batch)
                     return batch
-            await self._wait(deadline)
+            due = await self._wait(deadline)
         return None
 
     def _select(self) -> tuple[list[_Request], bool]:
@@ -272,14 +274,17 @@ class Batcher:
             taken = set(map(id, batch))
             self._queue = [r for r in self._queue if id(r) not in taken]
 
-    async def _wait(self, deadline: float | None) -> None:
-        """Wait for a change in the queue (or the batcher), or until ``deadline`` on the loop's clock."""
+    async def _wait(self, deadline: float | None) -> bool:
+        """Wait for a change in the queue (or the batcher), or until ``deadline`` on the loop's clock;
+        True when the deadline's timer ended the wait. A loop's timers may go off early by up to their
+        resolution (uvloop's are in whole milliseconds): the timer going off is the deadline, else the
+        wait would start again and spin until the clock agrees."""
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
+        waiter: asyncio.Future[bool] = loop.create_future()
         self._waiter = waiter
-        timer = loop.call_at(deadline, _wake, waiter) if deadline is not None else None
+        timer = loop.call_at(deadline, _wake, waiter, True) if deadline is not None else None
         try:
-            await waiter
+            return await waiter
         finally:
             self._waiter = None
             if timer is not None:
@@ -287,7 +292,7 @@ class Batcher:
 
     def _notify(self) -> None:
         if self._waiter is not None:
-            _wake(self._waiter)
+            _wake(self._waiter, False)
 
     async def _run(self, index: int, batch: list[_Request]) -> None:
         batch = [r for r in batch if not r.future.done()]  # a caller may have gone in the meantime
@@ -371,6 +376,6 @@ def _fail(batch: list[_Request], error: Callable[[], BaseException]) -> None:
             request.future.set_exception(error())
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
+def _wake(waiter: asyncio.Future[bool], timed_out: bool) -> None:
     if not waiter.done():
-        waiter.set_result(None)
+        waiter.set_result(timed_out)

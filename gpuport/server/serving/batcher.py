@@ -6,8 +6,8 @@ with it (the same input names, and per name the same dtype and the same shape pa
 dimension) while the batch's rows stay within ``max_batch_size``. It runs the batch as soon as it is
 full, or once its oldest request has waited ``max_queue_delay`` seconds since it arrived, whichever
 comes first (as closely as the event loop's timers go: uvloop's, which the server runs on, are in
-whole milliseconds); with a delay of 0 it runs whatever is queued at once. Requests it skipped stay queued
-in their order, and the oldest request always starts the next batch, so none starves.
+whole milliseconds); with a delay of 0 it runs whatever is queued at once. Requests it skipped stay
+queued in their order, and the oldest request always starts the next batch, so none starves.
 
 One replica forms a batch at a time (the others wait their turn), as Triton's single scheduler
 thread does: a second free replica starts on what the first one left in the queue.

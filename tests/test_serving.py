@@ -599,6 +599,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
     rng = np.random.default_rng(7)
     inputs = [rng.normal(size=(1 + i % 3, 8)).astype(np.float32) for i in range(16)]
     expected = [keras_predict(x) for x in inputs]
+    with server.connect() as gpu:
+        before = gpu.model("mlp")
     with _triton_http(server, cert, concurrency=16) as client:
         pending = []
         for i, x in enumerate(inputs):
@@ -630,6 +632,15 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows(
             assert error is None, error
             assert result.get_response().id == str(i)
             assert np.allclose(result.as_numpy(output), expected[i], atol=ATOL), i
+
+    # The model's counters (gpu.model, `gpuport models`) count each request and row once.
+    with server.connect() as gpu:
+        after = gpu.model("mlp")
+    assert after.requests - before.requests == 32
+    assert after.rows - before.rows == 2 * sum(len(x) for x in inputs)
+    assert 1 <= after.batches - before.batches <= 32
+    assert (after.failed_batches, after.queue_length) == (before.failed_batches, 0)
+    assert after.mean_batch_size >= 1
 
     # The batch limit shows too: one request of more rows than a batch takes is refused, saying so.
     tensor = triton_http.InferInput("features", [17, 8], "FP32")

@@ -251,6 +251,10 @@ def test_the_cli_deploys_lists_and_undeploys(server: RunningServer, cli: object,
     table = run("models", **env)
     row = next(line for line in table.stdout.splitlines() if line.startswith("cli-doubler"))
     assert "ready" in row and "python" in row and "8 / 1ms" in row
+    x = np.ones((3, 4), dtype=np.float32)
+    assert _infer(server, "cli-doubler", x).status_code == 200  # 3 rows: the table counts them
+    row = next(line for line in run("models", **env).stdout.splitlines() if line.startswith("cli-doubler"))
+    assert row.split()[-2:] == ["1", "3.0"], row  # requests, rows per batch
     (listed,) = [m for m in json.loads(run("models", "--json", **env).stdout) if m["name"] == "cli-doubler"]
     assert (listed["version"], listed["state"], listed["max_batch_size"]) == (1, "ready", 8)
     missing = run("deploy", "cli-doubler", str(tmp_path / "nothing-here.keras"), **env)

@@ -90,14 +90,25 @@ def models_command(ctx: click.Context, as_json: bool) -> None:
         err.print("no models deployed — `gpuport deploy NAME SOURCE`")
         return
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("NAME", "VERSION", "STATE", "FORMAT", "OWNER", "REPLICAS", "GPU", "BATCH"):
-        table.add_column(column)
+    columns = ("NAME", "VERSION", "STATE", "FORMAT", "OWNER", "REPLICAS", "GPU", "BATCH", "REQUESTS", "ROWS/BATCH")
+    for column in columns:
+        table.add_column(column, no_wrap=column == "NAME")
     for m in models:
         gpu = format_size(m.gpu_memory) if m.gpu_memory else str(m.gpus) if m.gpus else "-"
         batch = f"{m.max_batch_size} / {format_duration(m.max_queue_delay)}" if m.max_batch_size > 1 else "off"
         state = m.state if not m.message else f"{m.state}: {m.message}"
+        requests = f"{m.requests:,}" + (f" ({m.failed_batches:,} batches failed)" if m.failed_batches else "")
         table.add_row(
-            escape(m.name), str(m.version), escape(state), m.format, escape(m.owner), str(m.replicas), gpu, batch
+            escape(m.name),
+            str(m.version),
+            escape(state),
+            m.format,
+            escape(m.owner),
+            str(m.replicas),
+            gpu,
+            batch,
+            requests,
+            f"{m.mean_batch_size:.1f}" if m.batches else "-",
         )
     out.print(table)
 

@@ -35,6 +35,18 @@ class ModelInfo:
     gpu_memory: int
     jobs: list[str]
     created_at: float
+    # What its batcher did since the server started serving it: requests and rows sent to its
+    # replicas in how many batches (failed ones among them), and the requests waiting now.
+    requests: int = 0
+    batches: int = 0
+    rows: int = 0
+    failed_batches: int = 0
+    queue_length: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Rows per batch so far (0 before the first): how well batching fills at this load."""
+        return self.rows / self.batches if self.batches else 0.0
 
     @classmethod
     def from_message(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -59,4 +71,9 @@ class ModelInfo:
             gpu_memory=m.gpu_memory,
             jobs=list(m.jobs),
             created_at=m.created_at,
+            requests=m.requests,
+            batches=m.batches,
+            rows=m.rows,
+            failed_batches=m.failed_batches,
+            queue_length=m.queue_length,
         )

@@ -737,7 +737,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at")
+    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at", "requests", "batches", "rows", "failed_batches", "queue_length")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -755,6 +755,11 @@ class ModelInfo(_message.Message):
     GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     version: int
@@ -772,7 +777,12 @@ class ModelInfo(_message.Message):
     gpu_memory: int
     jobs: _containers.RepeatedScalarFieldContainer[str]
     created_at: float
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ...) -> None: ...
+    requests: int
+    batches: int
+    rows: int
+    failed_batches: int
+    queue_length: int
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., failed_batches: _Optional[int] = ..., queue_length: _Optional[int] = ...) -> None: ...
 
 class ModelRef(_message.Message):
     __slots__ = ("name", "version")

@@ -47,7 +47,7 @@ from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.serving import formats
-from gpuport.server.serving.batcher import Batcher
+from gpuport.server.serving.batcher import Batcher, BatcherStats
 from gpuport.server.store import Store
 from gpuport.server.worker import wire
 from gpuport.server.worker.model import (
@@ -100,6 +100,7 @@ class DeploymentRecord:
     spec: dict[str, Any]
     jobs: list[str]
     created_at: float
+    stats: BatcherStats | None = None  # its batcher's counters; None while it loads (or failed)
 
 
 @dataclass
@@ -388,6 +389,7 @@ class ServingService:
             spec=d.spec,
             jobs=[r.job_id for r in d.replicas],
             created_at=d.created_at,
+            stats=d.batcher.stats if d.batcher is not None else None,
         )
 
     # ---- predicting -------------------------------------------------------------------------------

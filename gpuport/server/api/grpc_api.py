@@ -568,17 +568,11 @@ def model_message(record: DeploymentRecord) -> pb.ModelInfo:
         gpu_memory=spec["gpu_memory"],
         jobs=record.jobs,
         created_at=record.created_at,
-        **(
-            {
-                "requests": record.stats.requests,
-                "batches": record.stats.batches,
-                "rows": record.stats.rows,
-                "failed_batches": record.stats.failed_batches,
-                "queue_length": record.stats.queue_length,
-            }
-            if record.stats is not None
-            else {}
-        ),
+        requests=record.stats.requests,
+        batches=record.stats.batches,
+        rows=record.stats.rows,
+        failed_batches=record.stats.failed_batches,
+        queue_length=record.stats.queue_length,
     )
 
 

@@ -100,7 +100,10 @@ class DeploymentRecord:
     spec: dict[str, Any]
     jobs: list[str]
     created_at: float
-    stats: BatcherStats | None = None  # its batcher's counters; None while it loads (or failed)
+    stats: BatcherStats  # its batcher's counters (all 0 while it loads, or once it failed)
+
+
+_NOT_SERVING = BatcherStats(batches=0, requests=0, rows=0, failed_batches=0, mean_batch_size=0.0, queue_length=0)
 
 
 @dataclass
@@ -389,7 +392,7 @@ class ServingService:
             spec=d.spec,
             jobs=[r.job_id for r in d.replicas],
             created_at=d.created_at,
-            stats=d.batcher.stats if d.batcher is not None else None,
+            stats=d.batcher.stats if d.batcher is not None else _NOT_SERVING,
         )
 
     # ---- predicting -------------------------------------------------------------------------------

@@ -19,8 +19,12 @@ server formed is read from there, as the counters' difference over the measured 
 Why 2 ms: it is gpuport's default (what a user gets), and near the model's own time for a full
 batch (1.3-1.5 ms for 64 rows), as Triton advises. With 16 callers and max_batch_size 64 no batch
 ever fills, so every batch waits out the delay from its oldest request: the delay trades latency for
-batch size. Swept once with --quick over gRPC: 0.5 ms gave batches of 2.0 rows and 1.2x; 2 ms 4.3
-rows and 1.8x; 5 ms 7.7 rows and 2.1x; 10 ms 15 rows and 2.2x with p50 up from 16 to 20 ms.
+batch size. Swept once with --quick over gRPC (with the callers as threads, see below): 0.5 ms gave
+batches of 2.0 rows and 1.2x; 2 ms 4.3 rows and 1.8x; 5 ms 7.7 rows and 2.1x; 10 ms 15 rows and 2.2x
+with p50 up from 16 to 20 ms. Over HTTP with the callers as greenlets, --quick: 0 ms 5.5 rows and
+2.2x, 1 ms 6.5 rows and 2.4x, 2 ms 8.7 rows and 2.3x, 5 ms 15.8 rows and 2.6x; runs of the same
+settings differ by as much. --max-batch-size 16 (the callers' number) with a delay of 10 ms makes
+every batch full: it goes as soon as the last caller's request is in, 15.9 rows and 2.6x.
 
 The load: 16 callers (--callers), each with a tritonclient client of its own (its own connection),
 each sending 1-row requests (784 float32, the same seeded row) back to back, a closed loop: KServe
@@ -39,11 +43,17 @@ slow spells: the model alone then takes 0.6 ms instead of 0.5); rounds in turns 
 into the same spells. Before them, one caller alone sends 50 requests to mlp-single (after 5
 unmeasured), whose median and fastest latency show what a request costs without any queue.
 
-Callers are threads of this process by default (--callers-in threads), 16 processes with
---callers-in processes. Measured both ways on the 2-core VM (--quick, gRPC): the callers' one process
-used 22-40% of a core, so its GIL was never the bottleneck, and the figures came out alike (batched
-761 req/s with threads, 692-715 with processes), while 16 processes cost 20-40% more caller CPU per
-request, which on 2 cores is taken from the server; the callers' GIL share is printed with each run.
+The callers run in processes of bench/_callers.py, 16 split evenly among them: over HTTP as gevent
+greenlets in 2 processes (--http-callers greenlets:2), over gRPC as threads of 1 process
+(--grpc-callers threads:1). tritonclient.http is built on gevent (its own async_infer is a gevent
+pool), and as greenlets its callers cost far less: against the ceiling's server below, 16 threads
+in one process reached 1,900-2,300 req/s at 0.47 ms of caller CPU a request, with that process at
+one core, its GIL the bottleneck (the figures of earlier versions of this bench, which ran the
+callers that way, measured the callers as much as the server); 16 greenlets in one process 4,100
+req/s at 0.24 ms, in 2 processes 4,800-5,500 req/s at 0.26-0.29 ms, in 4 processes 4,900 at 0.30.
+tritonclient.grpc does its I/O in grpc's C core, outside the GIL: 16 threads in one process reached
+2,900 req/s at 0.29 ms, in 2 or 4 processes 2,450 at 0.36 ms, greenlets (grpc's gevent mode) in 2
+processes 2,400 at 0.45 ms. KIND:PROCESSES, KIND greenlets or threads, picks another way.
 On 2 cores the callers' CPU competes with the server's: the CPU seconds (user + system) of the server
 process, of the model's worker process (the replica's job) and of the callers over the window are
 printed per request, with the ceiling they set (cores / CPU per request), and the rest of the
@@ -78,7 +88,6 @@ import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -91,16 +100,39 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 import _servers  # noqa: E402
 import bench_sessions  # noqa: E402 - its process helpers: CpuMeter, tree, track, check_left
+from _callers import CLASSES, FEATURES, KINDS, SEED, Target, make_infer  # noqa: E402
 from _report import ROWS, Row, connect, print_table, say  # noqa: E402
 
 import gpuport  # noqa: E402
 
-FEATURES, HIDDEN, CLASSES, SEED = 784, 256, 10, 0
-MAX_BATCH = 64  # mlp-batched's max_batch_size
+HIDDEN = 256
+MAX_BATCH = 64  # mlp-batched's max_batch_size by default
 MODEL_BATCHES = (1, 16, 64)  # batch sizes the model alone is timed at
 BATCHED, SINGLE = "mlp-batched", "mlp-single"
 PROTOCOLS = {"http": "tritonclient.http", "grpc": "tritonclient.grpc"}
 STATS_SIGNAL = signal.SIGUSR2  # the launcher writes the batchers' counters when it gets this
+CALLERS = Path(__file__).with_name("_callers.py")
+DEFAULT_CALLERS_IN = {"http": "greenlets:2", "grpc": "threads:1"}
+
+
+@dataclass(frozen=True)
+class CallersIn:
+    """How the callers run: as ``kind`` (greenlets or threads) in ``processes`` processes."""
+
+    kind: str
+    processes: int
+
+    @classmethod
+    def parse(cls, text: str) -> CallersIn:
+        kind, _, count = text.partition(":")
+        if kind not in KINDS or not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected KIND:PROCESSES, KIND one of {', '.join(KINDS)}, e.g. greenlets:2"
+            )
+        return cls(kind, int(count))
+
+    def __str__(self) -> str:
+        return f"{self.kind} in {self.processes} process{'es' if self.processes > 1 else ''}"
 
 
 # ---- children: the model, the server's launcher, a caller -------------------------------------------
@@ -244,118 +276,21 @@ def _child_ceiling(tls_dir: str, output: str) -> None:
     run_loop(main())
 
 
-@dataclass
-class Target:
-    """What a caller needs to reach a model."""
-
-    protocol: str  # a key of PROTOCOLS
-    address: str  # 127.0.0.1:PORT, HTTP or gRPC as ``protocol`` says
-    cert: str
-    token: str
-    model: str
-    input: str
-    output: str
-
-
-def make_infer(target: Target) -> Callable[[], None]:
-    """A new tritonclient client (its own connection) for ``target``, and a function that sends one
-    1-row request with it and checks the result."""
-    x = np.random.default_rng(SEED).random((1, FEATURES), dtype=np.float32)
-    headers = {"authorization": f"Bearer {target.token}"}  # lower case: gRPC metadata keys must be
-    if target.protocol == "http":
-        import tritonclient.http as triton_http
-
-        client: Any = triton_http.InferenceServerClient(
-            target.address,
-            ssl=True,
-            ssl_options={"ca_certs": target.cert},  # geventhttpclient hands it to the default context's factory
-            concurrency=1,
-        )
-        inputs: list[Any] = [triton_http.InferInput(target.input, [1, FEATURES], "FP32")]
-        inputs[0].set_data_from_numpy(x, binary_data=True)
-        outputs: list[Any] = [triton_http.InferRequestedOutput(target.output, binary_data=True)]
-    else:
-        import tritonclient.grpc as triton_grpc
-
-        client = triton_grpc.InferenceServerClient(
-            target.address,
-            ssl=True,
-            root_certificates=target.cert,
-            channel_args=[("grpc.use_local_subchannel_pool", 1)],  # a connection of its own, not a shared one
-        )
-        inputs = [triton_grpc.InferInput(target.input, [1, FEATURES], "FP32")]
-        inputs[0].set_data_from_numpy(x)
-        outputs = [triton_grpc.InferRequestedOutput(target.output)]
-
-    def infer() -> None:
-        result = client.infer(target.model, inputs, outputs=outputs, headers=headers)
-        y = result.as_numpy(target.output)
-        if y is None or y.shape != (1, CLASSES):
-            raise RuntimeError(f"{target.model} answered {None if y is None else y.shape}, not (1, {CLASSES})")
-
-    return infer
-
-
-def call_loop(infer: Callable[[], None], go: Callable[[], tuple[float, float]]) -> dict[str, Any]:
-    """Once ``go`` says when (``time.monotonic()`` times, the same clock in every process here): send
-    requests back to back until the window ends; return the latencies of those that ended inside it,
-    the errors, and the first error's text. Requests before the window are the warm-up."""
-    start_at, stop_at = go()
-    latencies: list[float] = []
-    errors, first_error = 0, ""
-    while True:
-        begin = time.monotonic()
-        if begin >= stop_at:
-            break
-        try:
-            infer()
-        except Exception as e:  # noqa: BLE001 - counted and shown: a failed request is a finding
-            errors += 1
-            first_error = first_error or f"{type(e).__name__}: {e}"[:500]
-            time.sleep(0.01)  # no tight loop of failures
-            continue
-        end = time.monotonic()
-        if start_at <= end <= stop_at:
-            latencies.append(end - begin)
-    return {"latencies": latencies, "errors": errors, "first_error": first_error}
-
-
-def _child_caller() -> None:
-    """`bench_serving.py --child-caller`: one caller in a process of its own. Reads its Target as a
-    JSON line, makes one request and answers "ready"; reads "START STOP", runs call_loop, and answers
-    its result as a JSON line."""
-    target = Target(**json.loads(sys.stdin.readline()))
-    infer = make_infer(target)
-    infer()
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-
-    def go() -> tuple[float, float]:
-        start_at, stop_at = map(float, sys.stdin.readline().split())
-        return start_at, stop_at
-
-    print(json.dumps(call_loop(infer, go)), flush=True)
-
-
-# ---- the callers, as processes or threads --------------------------------------------------------
+# ---- the callers --------------------------------------------------------------------------------
 
 
 class Callers:
-    """``n`` callers of ``target`` as processes (``--child-caller``) or as threads of this process:
-    ``start()`` has each make its client and one request, ``go(start_at, stop_at)`` starts their
-    loops, ``results()`` waits for them. ``processes()`` are what their CPU is counted on."""
+    """``n`` callers of ``target`` in ``processes`` processes of bench/_callers.py, as ``kind``
+    (greenlets or threads), spread evenly: ``start()`` has each make its client and one request,
+    ``go(start_at, stop_at)`` starts their loops, ``results()`` waits for them. ``processes()`` are
+    what their CPU is counted on."""
 
-    def __init__(self, n: int, target: Target, mode: str, work: Path) -> None:
-        self.n, self.target, self.mode, self.work = n, target, mode, work
+    def __init__(self, n: int, target: Target, how: CallersIn, work: Path) -> None:
+        self.n, self.target, self.how, self.work = n, target, how, work
         self.children: list[subprocess.Popen[str]] = []
-        self.threads: list[threading.Thread] = []
         self.out: list[dict[str, Any]] = []
-        self._window: tuple[float, float] | None = None
-        self._go = threading.Event()
-        self._ready = threading.Semaphore(0)
 
     def processes(self) -> list[psutil.Process]:
-        if self.mode == "threads":
-            return [psutil.Process()]
         found = []
         for child in self.children:
             with contextlib.suppress(psutil.Error):
@@ -364,20 +299,12 @@ class Callers:
 
     def start(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
-        if self.mode == "threads":
-            for i in range(self.n):
-                thread = threading.Thread(target=self._thread, name=f"caller {i}", daemon=True)
-                thread.start()
-                self.threads.append(thread)
-            for _ in range(self.n):
-                if not self._ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    raise RuntimeError(f"the caller threads were not ready in {timeout:g}s: {self.out}")
-            return
-        line = json.dumps(vars(self.target))
-        for i in range(self.n):
-            with open(self.work / f"caller-{i}.log", "wb") as err:
+        k = min(self.how.processes, self.n)
+        for i in range(k):
+            count = self.n // k + (i < self.n % k)
+            with open(self.work / f"callers-{i}.log", "wb") as err:
                 child = subprocess.Popen(
-                    [sys.executable, __file__, "--child-caller"],
+                    [sys.executable, str(CALLERS), self.how.kind],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=err,
@@ -385,46 +312,29 @@ class Callers:
                 )
             self.children.append(child)
             assert child.stdin is not None
-            child.stdin.write(line + "\n")
+            child.stdin.write(json.dumps({"target": vars(self.target), "count": count}) + "\n")
             child.stdin.flush()
         for i, child in enumerate(self.children):
-            self._answer(i, child, deadline)
+            answer = self._answer(i, child, deadline)
+            if "ready" not in answer:
+                raise RuntimeError(f"caller process {i} (pid {child.pid}) could not reach the server: {answer}")
 
     def _answer(self, i: int, child: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
         assert child.stdout is not None
         ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
         line = child.stdout.readline() if ready else ""
         if not line:
-            tail = (self.work / f"caller-{i}.log").read_text(errors="replace")[-2000:]
+            tail = (self.work / f"callers-{i}.log").read_text(errors="replace")[-2000:]
             raise RuntimeError(f"caller process {i} (pid {child.pid}) gave no answer:\n{tail}")
         return dict(json.loads(line))
 
-    def _thread(self) -> None:
-        try:
-            infer = make_infer(self.target)
-            infer()
-        except Exception as e:  # noqa: BLE001 - shown by start(), which then gives up
-            self.out.append({"latencies": [], "errors": 1, "first_error": f"{type(e).__name__}: {e}"})
-            return
-        self._ready.release()
-        self.out.append(call_loop(infer, self._wait_go))
-
-    def _wait_go(self) -> tuple[float, float]:
-        self._go.wait()
-        assert self._window is not None
-        return self._window
-
     def go(self, start_at: float, stop_at: float) -> None:
-        self._window = (start_at, stop_at)
-        self._go.set()
         for child in self.children:
             assert child.stdin is not None
             child.stdin.write(f"{start_at!r} {stop_at!r}\n")
             child.stdin.flush()
 
     def results(self, deadline: float) -> list[dict[str, Any]]:
-        for thread in self.threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         for i, child in enumerate(self.children):
             self.out.append(self._answer(i, child, deadline))
         return self.out
@@ -577,16 +487,17 @@ class Measured:
 
 def measure(
     args: argparse.Namespace,
+    how: CallersIn,
     target: Target,
     server: psutil.Process,
     worker: psutil.Process | None,
     stats: Callable[[], dict[str, dict[str, float]]] | None,
     work: Path,
 ) -> Measured:
-    """``args.callers`` callers of ``target`` over a warm-up and a measured window: their latencies,
-    the CPU seconds of ``server``, ``worker`` (None: none) and the callers, and the batches formed
-    (from ``stats``: Server.batcher_stats, None where there is no batcher)."""
-    callers = Callers(args.callers, target, args.callers_in, work)
+    """``args.callers`` callers of ``target``, run as ``how`` says, over a warm-up and a measured
+    window: their latencies, the CPU seconds of ``server``, ``worker`` (None: none) and the callers,
+    and the batches formed (from ``stats``: Server.batcher_stats, None where there is no batcher)."""
+    callers = Callers(args.callers, target, how, work)
     meter = bench_sessions.CpuMeter(
         {"server": lambda: [server], "worker": lambda: [worker] if worker else [], "callers": callers.processes}
     )
@@ -650,7 +561,7 @@ class Summary:
         )
 
 
-def show(m: Measured, cores: int, threads: bool) -> None:
+def show(m: Measured, cores: int, how: CallersIn) -> None:
     per = {k: v / m.requests * 1e3 for k, v in m.cpu.items()}
     total = per["server"] + per["worker"] + per["callers"]
     ours = m.cpu["server"] + m.cpu["worker"] + m.cpu["callers"]
@@ -665,7 +576,7 @@ def show(m: Measured, cores: int, threads: bool) -> None:
         f"callers {per['callers']:.3f}; total {total:.3f} -> at most {cores / total * 1e3:.0f} req/s on "
         f"{cores} cores; busy: this bench {ours / m.seconds / cores:.0%} of the cores, other work "
         f"{m.cpu['others'] / m.seconds / cores:.0%}"
-        + (f"; the callers' process (one GIL) {m.cpu['callers'] / m.seconds:.0%} of a core" if threads else "")
+        + f"; the callers' processes {m.cpu['callers'] / m.seconds / how.processes:.0%} of a core each"
     )
 
 
@@ -679,8 +590,9 @@ def bench_protocol(
     work: Path,
 ) -> None:
     address = server.http_address if protocol == "http" else server.grpc_address
+    how: CallersIn = getattr(args, f"{protocol}_callers")
     say(
-        f"== {PROTOCOLS[protocol]}: {args.callers} callers ({args.callers_in}), 1-row requests in a closed loop, "
+        f"== {PROTOCOLS[protocol]}: {args.callers} callers ({how}), 1-row requests in a closed loop, "
         f"{args.rounds} round(s) of {args.warmup:g} s warm-up and {args.duration:g} s measured per model"
     )
     cert = str(server.gpuport.state_dir / "tls" / "cert.pem")
@@ -704,9 +616,9 @@ def bench_protocol(
         if args.rounds > 1:
             say(f"  round {i + 1} of {args.rounds}:")
         for model in (SINGLE, BATCHED) if i % 2 == 0 else (BATCHED, SINGLE):  # each goes first in turn
-            m = measure(args, target(model), process, workers[model], server.batcher_stats, work)
+            m = measure(args, how, target(model), process, workers[model], server.batcher_stats, work)
             found[model].append(m)
-            show(m, os.cpu_count() or 1, args.callers_in == "threads")
+            show(m, os.cpu_count() or 1, how)
     batched, single = Summary.of(found[BATCHED]), Summary.of(found[SINGLE])
     label = "HTTP" if protocol == "http" else "gRPC"
     ratio = batched.throughput / single.throughput
@@ -721,8 +633,8 @@ def bench_protocol(
     if ceiling is not None:
         address = f"127.0.0.1:{ceiling.ports[protocol]}"
         unmodelled = dataclasses.replace(target(SINGLE), address=address, model="ceiling")
-        m = measure(args, unmodelled, ceiling.process, None, None, work)
-        show(m, os.cpu_count() or 1, args.callers_in == "threads")
+        m = measure(args, how, unmodelled, ceiling.process, None, None, work)
+        show(m, os.cpu_count() or 1, how)
         say(
             f"  the ceiling: these callers against a server that answers at once, {m.throughput:.0f} req/s, "
             f"{m.throughput / single.throughput:.2f}x the unbatched throughput: no server that works per request "
@@ -790,8 +702,19 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=float, help="seconds of warm-up before each (default 2)")
     parser.add_argument("--callers", type=int, default=16, help="concurrent callers (default 16)")
-    parser.add_argument("--callers-in", choices=["threads", "processes"], default="threads")
+    for protocol, default in DEFAULT_CALLERS_IN.items():
+        parser.add_argument(
+            f"--{protocol}-callers",
+            type=CallersIn.parse,
+            default=CallersIn.parse(default),
+            metavar="KIND:PROCESSES",
+            help=f"how the {PROTOCOLS[protocol]} callers run: greenlets or threads, in how many processes "
+            f"(default {default})",
+        )
     parser.add_argument("--delay", type=float, default=0.002, help="mlp-batched's max_queue_delay, s (default 0.002)")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=MAX_BATCH, help=f"mlp-batched's max_batch_size (default {MAX_BATCH})"
+    )
     parser.add_argument("--protocols", default="http,grpc", help="of http, grpc (default both)")
     parser.add_argument(
         "--skip-ceiling", action="store_true", help="leave out the ceiling (the callers against a server doing nothing)"
@@ -847,15 +770,15 @@ def main() -> None:
                 start = time.perf_counter()
                 infos = {
                     BATCHED: gpu.deploy(
-                        BATCHED, path, max_batch_size=MAX_BATCH, max_queue_delay=args.delay, cpus=args.cpus
+                        BATCHED, path, max_batch_size=args.max_batch_size, max_queue_delay=args.delay, cpus=args.cpus
                     ),
                     SINGLE: gpu.deploy(SINGLE, path, max_batch_size=0, cpus=args.cpus),
                 }
                 workers = {name: worker_of(server, info.id) for name, info in infos.items()}
                 say(
-                    f"  deployed {BATCHED} (max_batch_size {MAX_BATCH}, max_queue_delay {args.delay * 1e3:g} ms) "
-                    f"and {SINGLE} (max_batch_size 0) in {time.perf_counter() - start:.1f}s; workers "
-                    + ", ".join(f"{name} pid {w.pid}" for name, w in workers.items())
+                    f"  deployed {BATCHED} (max_batch_size {args.max_batch_size}, max_queue_delay "
+                    f"{args.delay * 1e3:g} ms) and {SINGLE} (max_batch_size 0) in {time.perf_counter() - start:.1f}s; "
+                    "workers " + ", ".join(f"{name} pid {w.pid}" for name, w in workers.items())
                 )
                 try:
                     with contextlib.ExitStack() as stack:
@@ -893,8 +816,6 @@ if __name__ == "__main__":
         _child_model(sys.argv[2])
     elif sys.argv[1:2] == ["--child-server"]:
         _child_server(sys.argv[2], sys.argv[3:])
-    elif sys.argv[1:2] == ["--child-caller"]:
-        _child_caller()
     elif sys.argv[1:2] == ["--child-ceiling"]:
         _child_ceiling(sys.argv[2], sys.argv[3])
     else:

@@ -15,7 +15,7 @@ gevent's loop rather than block the process; tritonclient.grpc then needs grpc's
 is set up too. Threads, on the other hand, suit tritonclient.grpc, whose C core does the I/O outside
 the GIL.
 
-This file is also imported by bench_serving.py (Target, make_infer, call_loop), unpatched.
+bench_serving.py imports this file too (Target, make_infer and the constants), unpatched.
 """
 
 from __future__ import annotations

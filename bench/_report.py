@@ -1,9 +1,12 @@
 """What the benchmarks share: the result rows and their table, printing and formatting, alternated
-timing, and a fresh gpuport server (from _servers.py) to measure, with a client connected to it."""
+timing, the opening lines and the temp dir of a run, and a fresh gpuport server (from _servers.py)
+to measure, with a client connected to it."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import platform
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +42,30 @@ ROWS: list[Row] = []  # what a benchmark found, appended as it goes; print_table
 
 def say(text: str = "") -> None:
     print(text, flush=True)
+
+
+def banner(versions: str, quick: bool) -> None:
+    """A run's first lines: what measures (gpuport, Python, ``versions`` of the peers), on what
+    machine, and the load already there (two cores leave no room for anyone else: a load shows in
+    every figure)."""
+    say(
+        f"gpuport {gpuport.__version__}, Python {platform.python_version()}, {versions}, {os.cpu_count()} CPUs, "
+        f"{platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if quick else "")
+    )
+    say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+@contextlib.contextmanager
+def isolated_workdir() -> Iterator[Path]:
+    """A temp dir, removed at the end, that holds the client's config and cache dirs; nothing of the
+    user's own setup (GPUPORT_* variables) leaks into the run."""
+    for key in [k for k in os.environ if k.startswith("GPUPORT_")]:
+        del os.environ[key]
+    with _servers.workdir() as tmp:
+        work = Path(tmp)
+        os.environ["GPUPORT_CONFIG_DIR"] = str(work / "config")
+        os.environ["GPUPORT_CACHE_DIR"] = str(work / "cache")
+        yield work
 
 
 def median(values: list[float]) -> float:

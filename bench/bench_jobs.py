@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -50,7 +49,19 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
 import _servers  # noqa: E402
-from _report import ROWS, Row, connect, gpuport_server, median, ms, print_table, rotate, say  # noqa: E402
+from _report import (  # noqa: E402
+    ROWS,
+    Row,
+    banner,
+    connect,
+    gpuport_server,
+    isolated_workdir,
+    median,
+    ms,
+    print_table,
+    rotate,
+    say,
+)
 
 import gpuport  # noqa: E402
 
@@ -517,16 +528,8 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
 
-    say(
-        f"gpuport {gpuport.__version__}, Python {platform.python_version()}, grpcio {grpc.__version__}, "
-        f"{os.cpu_count()} CPUs, {platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if args.quick else "")
-    )
-    for key in [k for k in os.environ if k.startswith("GPUPORT_")]:
-        del os.environ[key]  # nothing of the user's own setup leaks in
-    with _servers.workdir() as tmp:
-        work = Path(tmp)
-        os.environ["GPUPORT_CONFIG_DIR"] = str(work / "config")
-        os.environ["GPUPORT_CACHE_DIR"] = str(work / "cache")
+    banner(f"grpcio {grpc.__version__}", args.quick)
+    with isolated_workdir() as work:
         say(fs_note(work))
         cli_s = None
         if "sync" not in args.skip:  # first, on a filesystem no part of this run has churned yet

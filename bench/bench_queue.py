@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -49,7 +48,20 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _servers  # noqa: E402
-from _report import MB, ROWS, Row, connect, gpuport_server, median, ms, print_table, rotate, say  # noqa: E402
+from _report import (  # noqa: E402
+    MB,
+    ROWS,
+    Row,
+    banner,
+    connect,
+    gpuport_server,
+    isolated_workdir,
+    median,
+    ms,
+    print_table,
+    rotate,
+    say,
+)
 
 import gpuport  # noqa: E402
 from gpuport.protocol import gpuport_pb2 as pb  # noqa: E402
@@ -330,19 +342,9 @@ def main() -> None:
     if args.jobs is None:
         args.jobs = 200 if args.quick else 1000
 
-    say(
-        f"gpuport {gpuport.__version__}, Python {platform.python_version()}, grpcio {grpc.__version__}, "
-        f"{os.cpu_count()} CPUs, {platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if args.quick else "")
-    )
-    # Two cores leave no room for anyone else: a load already there shows in every figure.
-    say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    for key in [k for k in os.environ if k.startswith("GPUPORT_")]:
-        del os.environ[key]  # nothing of the user's own setup leaks in
+    banner(f"grpcio {grpc.__version__}", args.quick)
     failed = 0
-    with _servers.workdir() as tmp:
-        work = Path(tmp)
-        os.environ["GPUPORT_CONFIG_DIR"] = str(work / "config")
-        os.environ["GPUPORT_CACHE_DIR"] = str(work / "cache")
+    with isolated_workdir() as work:
         with gpuport_server(work, "idle-server") as server:
             bench_idle(server)
             bench_latency(args, server)

@@ -83,7 +83,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import select
 import signal
 import subprocess
@@ -101,7 +100,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _servers  # noqa: E402
 import bench_sessions  # noqa: E402 - its process helpers: CpuMeter, tree, track, check_left
 from _callers import CLASSES, FEATURES, KINDS, SEED, Target, make_infer  # noqa: E402
-from _report import ROWS, Row, connect, print_table, say  # noqa: E402
+from _report import ROWS, Row, banner, connect, isolated_workdir, print_table, say  # noqa: E402
 
 import gpuport  # noqa: E402
 
@@ -746,18 +745,8 @@ def main() -> None:
         raise SystemExit(
             f"this bench needs {', '.join(missing)}: `make .venv/.dev` installs them (Keras via the tf extra)"
         )
-    triton_version = version("tritonclient")
-    say(
-        f"gpuport {gpuport.__version__}, Python {platform.python_version()}, tritonclient {triton_version}, "
-        f"{os.cpu_count()} CPUs, {platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if args.quick else "")
-    )
-    say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    for key in [k for k in os.environ if k.startswith("GPUPORT_")]:
-        del os.environ[key]  # nothing of the user's own setup leaks in
-    with _servers.workdir() as tmp:
-        work = Path(tmp)
-        os.environ["GPUPORT_CONFIG_DIR"] = str(work / "config")
-        os.environ["GPUPORT_CACHE_DIR"] = str(work / "cache")
+    banner(f"tritonclient {version('tritonclient')}", args.quick)
+    with isolated_workdir() as work:
         built = build_model(work)
         path = Path(built["path"])
         predict = {int(k): v for k, v in built["predict"].items()}

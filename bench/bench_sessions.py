@@ -77,7 +77,20 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
 import _servers  # noqa: E402
-from _report import MB, ROWS, Row, connect, gpuport_server, median, ms, print_table, rotate, say  # noqa: E402
+from _report import (  # noqa: E402
+    MB,
+    ROWS,
+    Row,
+    banner,
+    connect,
+    gpuport_server,
+    isolated_workdir,
+    median,
+    ms,
+    print_table,
+    rotate,
+    say,
+)
 
 import gpuport  # noqa: E402
 from gpuport.protocol import gpuport_pb2 as pb  # noqa: E402
@@ -715,17 +728,8 @@ def main() -> None:
         raise SystemExit(f"gpuport {gpuport.__version__} has no sessions (Client.session): nothing to measure")
 
     ray = f"ray {_peers.ray_version()}" if _peers.ray_cli() else "no ray"
-    say(
-        f"gpuport {gpuport.__version__}, Python {platform.python_version()}, grpcio {grpc.__version__}, {ray}, "
-        f"{os.cpu_count()} CPUs, {platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if args.quick else "")
-    )
-    say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    for key in [k for k in os.environ if k.startswith("GPUPORT_")]:
-        del os.environ[key]  # nothing of the user's own setup leaks in
-    with _servers.workdir() as tmp:
-        work = Path(tmp)
-        os.environ["GPUPORT_CONFIG_DIR"] = str(work / "config")
-        os.environ["GPUPORT_CACHE_DIR"] = str(work / "cache")
+    banner(f"grpcio {grpc.__version__}, {ray}", args.quick)
+    with isolated_workdir() as work:
         try:
             with gpuport_server(work, "server") as server, tracked(server), connect(server) as gpu:
                 if "calls" not in args.skip:

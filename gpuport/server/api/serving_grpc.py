@@ -182,7 +182,7 @@ def _kserve_input(tensor: Any, raw: bytes | None) -> np.ndarray:
 async def _model_infer(app: ServerApp, request: Any) -> Any:
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
-    d = app.serving.find(request.model_name, version_number(request.model_version))
+    d = app.serving.endpoint(request.model_name, version_number(request.model_version))
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
@@ -256,7 +256,7 @@ async def _predict(app: ServerApp, request: Any) -> Any:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
     spec = request.model_spec
     version = spec.version.value if spec.HasField("version") else 0
-    d = app.serving.find(spec.name, version)
+    d = app.serving.endpoint(spec.name, version)
     if spec.signature_name not in ("", "serving_default"):
         raise InvalidRequest(f"unknown signature {spec.signature_name!r}: this model has serving_default only")
     inputs = {name: _from_tensor_proto(name, proto) for name, proto in request.inputs.items()}

@@ -256,7 +256,7 @@ class Predictions:
         self, name: str, version: str, headers: dict[bytes, bytes], body: bytes
     ) -> tuple[int, _Headers, bytes]:
         serving = self.server.serving
-        d = serving.find(name, version_number(version))
+        d = serving.endpoint(name, version_number(version))
         header = headers.get(_HEADER_LENGTH.encode(), b"")
         parsed = codecs.parse_kserve(body, int(header) if header.isdigit() else None)
         outputs = await serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
@@ -276,7 +276,7 @@ class Predictions:
         if verb != "predict":
             raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
         serving = self.server.serving
-        d = serving.find(name, version_number(version))
+        d = serving.endpoint(name, version_number(version))
         signature, raw, style = codecs.parse_tfs_predict(body)
         if signature not in ("", "serving_default"):
             raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")

@@ -103,6 +103,16 @@ class DeploymentRecord:
     stats: BatcherStats  # its batcher's counters (all 0 while it loads, or once it failed)
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a prediction goes: a deployed model's name and version (a number, never 0), and its
+    inputs as it published them. What the prediction paths look up, lighter than a record."""
+
+    name: str
+    version: int
+    inputs: list[dict[str, Any]]
+
+
 _NOT_SERVING = BatcherStats(batches=0, requests=0, rows=0, failed_batches=0, mean_batch_size=0.0, queue_length=0)
 
 
@@ -370,6 +380,14 @@ class ServingService:
         if d is None:
             raise NotFound(self._unknown(name, version))
         return self._record(d)
+
+    def endpoint(self, name: str, version: int = 0) -> Endpoint:
+        """The deployment a prediction for ``name`` goes to (``version`` 0: the newest ready one), as
+        ``find`` finds it; raises the same NotFound."""
+        d = self._find(name, version)
+        if d is None:
+            raise NotFound(self._unknown(name, version))
+        return Endpoint(d.name, d.version, d.metadata.get("inputs", []))
 
     def versions(self, name: str) -> list[int]:
         return sorted(d.version for d in self._live.values() if d.name == name)

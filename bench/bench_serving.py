@@ -98,7 +98,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _servers  # noqa: E402
-import bench_sessions  # noqa: E402 - its process helpers: CpuMeter, tree, track, check_left
+import bench_sessions  # noqa: E402 - its process helpers: Child, CpuMeter, tree, track, check_left
 from _callers import CLASSES, FEATURES, KINDS, SEED, Target, make_infer  # noqa: E402
 from _report import ROWS, Row, banner, connect, isolated_workdir, print_table, say  # noqa: E402
 
@@ -286,68 +286,37 @@ class Callers:
 
     def __init__(self, n: int, target: Target, how: CallersIn, work: Path) -> None:
         self.n, self.target, self.how, self.work = n, target, how, work
-        self.children: list[subprocess.Popen[str]] = []
-        self.out: list[dict[str, Any]] = []
+        self.children: list[bench_sessions.Child] = []
 
     def processes(self) -> list[psutil.Process]:
         found = []
         for child in self.children:
             with contextlib.suppress(psutil.Error):
-                found.append(psutil.Process(child.pid))
+                found.append(psutil.Process(child.process.pid))
         return found
 
     def start(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         k = min(self.how.processes, self.n)
-        for i in range(k):
-            count = self.n // k + (i < self.n % k)
-            with open(self.work / f"callers-{i}.log", "wb") as err:
-                child = subprocess.Popen(
-                    [sys.executable, str(CALLERS), self.how.kind],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    text=True,
-                )
+        for i in range(k):  # all start at once, then each answers
+            child = bench_sessions.Child([self.how.kind], self.work / f"callers-{i}.log", script=str(CALLERS))
             self.children.append(child)
-            assert child.stdin is not None
-            child.stdin.write(json.dumps({"target": vars(self.target), "count": count}) + "\n")
-            child.stdin.flush()
+            child.tell(json.dumps({"target": vars(self.target), "count": self.n // k + (i < self.n % k)}))
         for i, child in enumerate(self.children):
-            answer = self._answer(i, child, deadline)
+            answer = child.ask(timeout=max(0.0, deadline - time.monotonic()))
             if "ready" not in answer:
-                raise RuntimeError(f"caller process {i} (pid {child.pid}) could not reach the server: {answer}")
-
-    def _answer(self, i: int, child: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
-        assert child.stdout is not None
-        ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        line = child.stdout.readline() if ready else ""
-        if not line:
-            tail = (self.work / f"callers-{i}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"caller process {i} (pid {child.pid}) gave no answer:\n{tail}")
-        return dict(json.loads(line))
+                raise RuntimeError(f"caller process {i} (pid {child.process.pid}) could not reach the server: {answer}")
 
     def go(self, start_at: float, stop_at: float) -> None:
         for child in self.children:
-            assert child.stdin is not None
-            child.stdin.write(f"{start_at!r} {stop_at!r}\n")
-            child.stdin.flush()
+            child.tell(f"{start_at!r} {stop_at!r}")
 
     def results(self, deadline: float) -> list[dict[str, Any]]:
-        for i, child in enumerate(self.children):
-            self.out.append(self._answer(i, child, deadline))
-        return self.out
+        return [child.ask(timeout=max(0.0, deadline - time.monotonic())) for child in self.children]
 
     def stop(self) -> None:
         for child in self.children:
-            with contextlib.suppress(OSError):
-                if child.stdin is not None:
-                    child.stdin.close()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(timeout=10)
+            child.stop()
 
 
 # ---- the server ----------------------------------------------------------------------------------

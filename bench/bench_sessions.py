@@ -200,14 +200,14 @@ def _child_ray(address: str) -> None:
 
 
 class Child:
-    """A child process of this script (``--child-...``) spoken to by lines on stdin and stdout; its
-    stderr goes to a log file, whose tail is shown when it fails."""
+    """A child process of ``script`` (by default this one, with ``--child-...``) spoken to by lines on
+    stdin and stdout; its stderr goes to a log file, whose tail is shown when it fails."""
 
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None, script: str = __file__) -> None:
         self.log, self.what = log, argv[0]
         with open(log, "wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, __file__, *argv],
+                [sys.executable, script, *argv],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -215,13 +215,18 @@ class Child:
                 env=env,
             )
 
+    def tell(self, line: str) -> None:
+        """Send ``line`` without waiting for an answer."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
     def ask(self, line: str | None = None, timeout: float = 600) -> Any:
         """Send ``line`` (if any), return the JSON of the child's next line (one line per request)."""
-        stdin, stdout = self.process.stdin, self.process.stdout
-        assert stdin is not None and stdout is not None
         if line is not None:
-            stdin.write(line + "\n")
-            stdin.flush()
+            self.tell(line)
+        stdout = self.process.stdout
+        assert stdout is not None
         ready, _, _ = select.select([stdout], [], [], timeout)
         answer = stdout.readline() if ready else ""
         if not answer:

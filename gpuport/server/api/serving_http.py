@@ -51,7 +51,7 @@ PLATFORMS = {
     "onnx": "onnxruntime_onnx",
     "python": "python",
 }
-_HEADER_LENGTH = "inference-header-content-length"
+_HEADER_LENGTH = b"inference-header-content-length"  # as ASGI gives header names: lower case
 
 log = logging.getLogger(__name__)
 
@@ -257,12 +257,12 @@ class Predictions:
     ) -> tuple[int, _Headers, bytes]:
         serving = self.server.serving
         d = serving.endpoint(name, version_number(version))
-        header = headers.get(_HEADER_LENGTH.encode(), b"")
+        header = headers.get(_HEADER_LENGTH, b"")
         parsed = codecs.parse_kserve(body, int(header) if header.isdigit() else None)
         outputs = await serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
         chosen = _requested(outputs, [o.name for o in parsed.outputs])
         answer, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
-        extra = [] if length is None else [(b"inference-header-content-length", str(length).encode())]
+        extra = [] if length is None else [(_HEADER_LENGTH, str(length).encode())]
         return 200, extra, answer
 
     async def _tfs_predict(self, name: str, target: str | None, body: bytes) -> tuple[int, _Headers, bytes]:

@@ -13,6 +13,7 @@ import click
 from rich.markup import escape
 
 import gpuport
+from gpuport._packages import missing_package
 from gpuport.cli._common import client as _client
 from gpuport.cli._common import json_option
 from gpuport.cli._jobs import JOB_COMMANDS
@@ -82,6 +83,11 @@ def cli(ctx: click.Context, profile: str | None) -> None:
 @click.option(
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
+@click.option(
+    "--print-systemd-unit",
+    is_flag=True,
+    help="Print a systemd unit that runs the server with these options as a service, and exit.",
+)
 def server(
     host: str,
     port: int,
@@ -91,19 +97,27 @@ def server(
     insecure: bool,
     new_admin_token: bool,
     log_level: str,
+    print_systemd_unit: bool,
 ) -> None:
     """Run the gpuport daemon on this (GPU) machine.
 
     The first start creates the state dir, a self-signed TLS certificate and an admin token, which
     is printed once. Stop it with Ctrl-C or SIGTERM.
     """
+    if print_systemd_unit:
+        from gpuport.server.systemd import systemd_unit
+
+        options = ["--host", host, "--port", str(port), "--http-port", str(http_port)]
+        options += ["--data-port", str(data_port)] if data_port is not None else []
+        options += ["--insecure"] if insecure else []
+        options += ["--log-level", log_level] if log_level != "info" else []
+        print(systemd_unit(options, state_dir), end="")
+        return
     try:
         from gpuport.server.daemon import serve
         from gpuport.server.state import default_state_dir
     except ImportError as e:
-        raise click.ClickException(
-            f"the server needs more packages ({e.name} is missing): pip install 'gpuport[server]'"
-        ) from None
+        raise click.ClickException(missing_package(e, "`gpuport server`")) from None
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

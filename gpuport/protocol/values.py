@@ -57,6 +57,7 @@ from typing import Any
 
 import cloudpickle
 
+from gpuport._packages import missing_package
 from gpuport.protocol import refs
 from gpuport.protocol.errors import InvalidRequest
 
@@ -329,7 +330,9 @@ def _encode_pickle(value: object) -> Encoded:
             f"made from (a path, a URL, a config) and open them on the other side"
         ) from exc
     meta = {"kind": "pickle", "python": platform.python_version(), "cloudpickle": cloudpickle.__version__}
-    return Encoded(_header(meta), [stream.getbuffer(), *out_of_band])
+    # getvalue(), not getbuffer(): it hands over BytesIO's own bytes without a copy, and a view kept
+    # alive (a module constant) would make Python 3.13 print a BufferError when the BytesIO is freed.
+    return Encoded(_header(meta), [memoryview(stream.getvalue()), *out_of_band])
 
 
 def _describe(value: object) -> str:
@@ -365,9 +368,7 @@ def _import(library: str) -> ModuleType:
     try:
         return importlib.import_module(library)
     except ImportError as exc:
-        raise InvalidRequest(
-            f"the value is a {library} array, but {library} is not installed here — pip install {library}"
-        ) from exc
+        raise InvalidRequest(missing_package(exc, f"receiving a {library} array")) from exc
 
 
 def _one_buffer(meta: dict[str, Any], buffers: Sequence[Buffer], count: int = 1) -> Sequence[Buffer]:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuport._packages import missing_package
 from gpuport.defaults import ENV_FAKE_GPUS
 from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.protocol.units import parse_size
@@ -175,8 +176,8 @@ def detect_inventory() -> Inventory:
         return FakeInventory.parse(fake)
     try:
         import pynvml
-    except ImportError:
-        return CpuInventory("no GPU support: nvidia-ml-py is not installed (pip install 'gpuport[server]')")
+    except ImportError as e:
+        return CpuInventory(f"no GPU support: {missing_package(e, 'reading the GPUs')}")
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gpuport._packages import missing_package
 from gpuport.protocol.datatypes import datatype_of, numpy_dtype
 from gpuport.protocol.errors import InvalidRequest, RemoteError
 
@@ -187,7 +188,10 @@ def load(path: Path, format: str | None = None, *, device: str = "cpu") -> Model
     path, format = _locate(Path(path), format)
     declared = _read_spec_file(path)
     loader: Callable[[Path, _Declared, str], _Loaded] = _LOADERS[format]
-    return loader(path, declared, device)
+    try:
+        return loader(path, declared, device)
+    except ImportError as e:  # the framework itself, imported by the loader
+        raise InvalidRequest(missing_package(e, f"serving a {format} model", where="where the server runs")) from None
 
 
 def check_inputs(model: Model, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,0 +1,76 @@
+"""The systemd unit that runs ``gpuport server`` as a service on a shared GPU machine.
+
+``gpuport server [OPTIONS] --print-systemd-unit`` prints it, with the same options, this Python
+environment's interpreter and the state dir the unit manages (``/var/lib/gpuport`` unless given).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+# The service user's home, made by systemd's StateDirectory= (0700, owned by User=); jobs find their
+# HOME there (framework caches: ~/.keras, ~/.cache/torch), beside the server's state, not in it.
+DEFAULT_SERVICE_HOME = Path("/var/lib/gpuport")
+DEFAULT_SERVICE_STATE_DIR = DEFAULT_SERVICE_HOME / "state"
+# The system account the unit runs the daemon as (created by the commands in the unit's comment).
+DEFAULT_SERVICE_USER = "gpuport"
+
+_UNIT = """\
+# gpuport server as a systemd service. Install it (as root) with:
+#   useradd --system --home-dir {home} --shell /usr/sbin/nologin {user}
+#   {print_command} > /etc/systemd/system/gpuport.service
+#   systemctl daemon-reload && systemctl enable --now gpuport
+#   journalctl -u gpuport          # the URL, fingerprint and (first start only) the admin token
+# {user} must be able to read this Python environment: {prefix}
+[Unit]
+Description=gpuport server: GPU over IP for Python deep learning
+Documentation=https://github.com/gpuport/gpuport#readme
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=exec
+User={user}
+Group={user}
+ExecStart={exec_start}
+{state_directory}Environment=PYTHONUNBUFFERED=1
+# Jobs and sessions run detached (their own process session, a supervisor writing their log and exit
+# status), so that a restart of the daemon does not end them: stop only the daemon itself.
+KillMode=process
+TimeoutStopSec=30
+Restart=on-failure
+RestartSec=5
+LimitNOFILE=65536
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def systemd_unit(server_args: list[str], state_dir: Path | None) -> str:
+    """The unit's text: ``gpuport server SERVER_ARGS --state-dir STATE_DIR`` run by this interpreter.
+
+    ``server_args`` are the server's options as given, without ``--state-dir`` (added here) and
+    without ``--print-systemd-unit``. The folder under /var/lib that holds the state dir is made
+    by systemd (mode 0700, owned by the service's user); a state dir elsewhere must exist and
+    belong to that user.
+    """
+    given = ["--state-dir", str(state_dir)] if state_dir else []
+    state_dir = (state_dir or DEFAULT_SERVICE_STATE_DIR).absolute()
+    interpreter = os.path.abspath(sys.executable)  # not resolved: a venv's python is a symlink out of it
+    command = [interpreter, "-m", "gpuport", "server", *server_args, "--state-dir", str(state_dir)]
+    var_lib = Path("/var/lib")
+    managed = state_dir.is_relative_to(var_lib) and state_dir != var_lib
+    top = state_dir.relative_to(var_lib).parts[0] if managed else ""
+    state_directory = f"StateDirectory={top}\nStateDirectoryMode=0700\n" if managed else ""
+    return _UNIT.format(
+        user=DEFAULT_SERVICE_USER,
+        home=DEFAULT_SERVICE_HOME,
+        prefix=sys.prefix,
+        print_command=shlex.join(["gpuport", "server", *server_args, *given, "--print-systemd-unit"]),
+        exec_start=shlex.join(command),
+        state_directory=state_directory,
+    )

@@ -36,6 +36,8 @@ def test_bad_token_requests_change_nothing(admin: gpuport.Client) -> None:
     before = admin.tokens(include_revoked=True)
     with pytest.raises(gpuport.InvalidRequest, match="invalid token name"):
         admin.create_token("no spaces please")
+    with pytest.raises(gpuport.InvalidRequest, match="invalid token name"):
+        admin.create_token("mallory\n")  # a name that would end a line of a log or a listing
     with pytest.raises(gpuport.InvalidRequest):
         admin.create_token("")
     admin.create_token("erin")

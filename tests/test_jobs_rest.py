@@ -202,6 +202,7 @@ def test_malformed_requests_say_what_is_wrong(server: RunningServer, admin: gpup
         ({}, "either `command` or `script`"),
         ({"command": ["true"], "gpus": "many"}, "gpus"),
         ({"script": "../up.py"}, "contains '..'"),
+        ({"script": "-c", "hyperparameters": {"x": 1}}, "would read as an option"),
         ({"command": ["true"], "env": {"GPUPORT_JOB_ID": "x"}}, "set by gpuport"),
         ({"command": ["true"], "project": "nope"}, "no snapshot named 'nope'"),
     ]:

@@ -116,6 +116,14 @@ def test_a_client_that_hangs_up_mid_body_leaves_the_server_serving(
     assert reply.status_code == 404 and ":predict" in reply.json()["error"]
 
 
+def test_model_names_that_do_not_fit_a_url_are_refused(admin: gpuport.Client, tmp_path: Path) -> None:
+    before = [(m.name, m.version) for m in admin.models()]
+    for name in ("doubler\n", "two words", "-dash", "a/b"):
+        with pytest.raises(gpuport.InvalidRequest, match="model name"):
+            admin.deploy(name, _doubler_file(tmp_path))
+    assert [(m.name, m.version) for m in admin.models()] == before
+
+
 def test_a_model_that_does_not_load_shows_failed_with_the_loaders_error(
     server: RunningServer, admin: gpuport.Client, doubled: gpuport.ModelInfo, tmp_path: Path
 ) -> None:

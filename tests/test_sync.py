@@ -47,6 +47,24 @@ def test_links_inside_pass() -> None:
     assert check_link("sub/link", "../data.txt") == "../data.txt"
 
 
+@pytest.mark.parametrize(
+    ("links", "problem"),
+    [
+        ({"b": ".", "c": "b/b/../../etc"}, "leads outside the workdir"),  # lexically 'etc', on disk ../etc
+        ({"sub/b": "..", "sub/c": "b/sub/b/../../x"}, "leads outside the workdir"),  # lexically sub/b/x
+        ({"a": "b", "b": "a"}, "loops"),
+    ],
+)
+def test_links_are_followed_through_other_links(links: dict[str, str], problem: str) -> None:
+    with pytest.raises(InvalidRequest, match=problem):
+        check_entries([Entry(path, "", 0, 0o777, link=target) for path, target in links.items()])
+
+
+def test_chains_of_links_that_stay_inside_pass() -> None:
+    links = {"b": ".", "c": "b/b/data", "d/e": "../c", "d/f": "../b/d/e"}
+    check_entries([*(Entry(p, "", 0, 0o777, link=t) for p, t in links.items()), Entry("data", "a" * 64, 1, 0o644)])
+
+
 def test_nothing_may_sit_below_a_symlink() -> None:
     entries = [
         Entry("d", "", 0, 0o777, link="real"),

@@ -391,7 +391,8 @@ def place(
                             f"blob {part.blob} arrived damaged (its hash does not match) — download again"
                         )
                     group = by_blob.pop(part.blob)
-                    for e in group[1:]:
+                    for e in group[1:]:  # the same content at other paths, maybe in other folders
+                        (dest / e.path).parent.mkdir(parents=True, exist_ok=True)
                         shutil.copyfile(temp, dest / e.path)
                         os.chmod(dest / e.path, e.mode & 0o777)
                     os.chmod(temp, group[0].mode & 0o777)

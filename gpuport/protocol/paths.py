@@ -2,8 +2,9 @@
 
 A snapshot path is relative, '/'-separated and normalized: no leading '/', no '.' or '..'
 component, no empty component, no NUL. A symlink's target is relative too and, read from the
-link's folder, stays inside the snapshot. Nothing may sit below a symlink (the server would write
-through it).
+link's folder, stays inside the snapshot, followed as the kernel follows it: through the other
+links of the manifest (``b -> .`` makes ``b/b/../..`` leave the root, which ``normpath`` would not
+see). Nothing may sit below a symlink (the server would write through it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,34 @@ def check_link(path: str, target: str) -> str:
     return target
 
 
+_MAX_LINK_HOPS = 40  # the kernel's own limit on symlinks followed in one path lookup (ELOOP)
+
+
+def _resolve_link(path: str, target: str, links: dict[str, str]) -> None:
+    """Follow ``target`` from the folder of the link at ``path`` through ``links`` (path → target),
+    one component at a time; raise ``InvalidRequest`` where it leaves the snapshot or loops."""
+    where = path.split("/")[:-1]
+    todo = target.split("/")
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not where:
+                raise InvalidRequest(f"symlink {path!r} points to {target!r}, which leads outside the workdir")
+            where.pop()
+            continue
+        where.append(part)
+        inner = links.get("/".join(where))
+        if inner is not None:
+            hops += 1
+            if hops > _MAX_LINK_HOPS:
+                raise InvalidRequest(f"symlink {path!r} points to {target!r}, which loops through other links")
+            where.pop()
+            todo = inner.split("/") + todo
+
+
 class _Entry(Protocol):
     @property
     def path(self) -> str: ...
@@ -60,7 +89,7 @@ class _Entry(Protocol):
 def check_entries(entries: Iterable[_Entry]) -> None:
     """Check every entry of a manifest: valid paths and links, no duplicates, nothing below a symlink."""
     seen: set[str] = set()
-    links: set[str] = set()
+    links: dict[str, str] = {}
     for entry in entries:
         path = check_path(entry.path)
         if path != entry.path:
@@ -69,8 +98,9 @@ def check_entries(entries: Iterable[_Entry]) -> None:
             raise InvalidRequest(f"path {path!r} appears twice in the manifest")
         seen.add(path)
         if entry.link:
-            check_link(path, entry.link)
-            links.add(path)
+            links[path] = check_link(path, entry.link)
+    for path, target in links.items():
+        _resolve_link(path, target, links)
     if links:
         for path in seen:
             parent = posixpath.dirname(path)

@@ -78,7 +78,10 @@ def job_request(body: JobCreate) -> JobRequest:
     command: list[str] = []
     shell = ""
     if body.script is not None:
-        command = ["python", check_path(body.script, what="script")]
+        script = check_path(body.script, what="script")
+        if script.startswith("-"):  # python would read it as its own option (-c CODE, -m MODULE)
+            raise InvalidRequest(f"script {script!r} starts with '-', which python would read as an option: rename it")
+        command = ["python", script]
         for key, value in (body.hyperparameters or {}).items():
             command += [f"--{key}", _flag_value(value)]
     elif isinstance(body.command, str):

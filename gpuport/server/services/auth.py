@@ -24,7 +24,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.server.store import Store
 
-_NAME_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._@-]{{0,{MAX_NAME_LENGTH - 1}}}$")
+_NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._@-]{{0,{MAX_NAME_LENGTH - 1}}}")
 # The name of the admin token made on first start.
 FIRST_ADMIN = "admin"
 
@@ -107,7 +107,7 @@ class AuthService:
     def create(self, caller: Identity, name: str, admin: bool) -> tuple[TokenRecord, str]:
         """Make a token for user ``name``; returns its record and the token, which is never shown again."""
         caller.require_admin("creating tokens")
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):  # not match(): its $ also matches before a final newline
             raise InvalidRequest(
                 f"invalid token name {name!r}: use 1 to {MAX_NAME_LENGTH} letters, digits, '.', '_', '@' or '-', "
                 "starting with a letter or digit"

@@ -61,7 +61,7 @@ from gpuport.server.worker.model import (
 log = logging.getLogger(__name__)
 
 _WORKER = [sys.executable, "-m", "gpuport.server.worker.model"]
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _CONNECT_TIMEOUT = 300.0  # seconds from a replica's start to its socket accepting (a model loading)
 _WATCH_EVERY = 0.2
 _RESTARTS = 5  # a replica that crashes this many times within _RESTART_WINDOW seconds fails the deployment
@@ -278,7 +278,7 @@ class ServingService:
         return self._record(d)
 
     def _check(self, spec: DeploySpec) -> None:
-        if not _NAME.match(spec.name):
+        if not _NAME.fullmatch(spec.name):  # not match(): its $ also matches before a final newline
             raise InvalidRequest(
                 f"model name {spec.name[:80]!r}: use letters, digits, '_', '.' and '-' (up to 128), starting with a "
                 "letter or digit"

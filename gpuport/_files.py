@@ -1,11 +1,15 @@
-"""File helpers used by both the client and the server: writes a crash cannot leave half done, file hashes."""
+"""File helpers used by both the client and the server: writes a crash cannot leave half done, file
+hashes, and reading what a job wrote without following its symlinks."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
@@ -36,3 +40,46 @@ def sha256_file(path: Path | str) -> tuple[str, int]:
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
+
+
+_NOFOLLOW = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO does not hang the open
+
+
+def open_beneath(root: Path, relative: str) -> int | None:
+    """Open ``root/relative`` (a file or a folder) without following a symlink at any component of
+    ``relative``; returns the fd, or None where it is missing, a symlink, or neither a file nor a
+    folder. For what a job wrote, which may hold links to anywhere (``a -> /`` in ``a/b``)."""
+    parts = relative.split("/")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for index, part in enumerate(parts):
+            try:
+                inner = os.open(part, _NOFOLLOW, dir_fd=fd)
+            except OSError:  # missing, or a symlink (ELOOP)
+                return None
+            os.close(fd)
+            fd = inner
+            kind = os.fstat(fd).st_mode
+            if not (stat.S_ISDIR(kind) or index == len(parts) - 1 and stat.S_ISREG(kind)):
+                return None
+        opened, fd = fd, -1
+        return opened
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def files_beneath(folder_fd: int) -> Iterator[tuple[str, BinaryIO]]:
+    """(path relative to the folder, open file) for every regular file below the folder open at
+    ``folder_fd``, never following a symlink; the caller closes each file."""
+    for top, _, names, top_fd in os.fwalk(".", dir_fd=folder_fd, follow_symlinks=False):
+        for name in names:
+            try:
+                fd = os.open(name, _NOFOLLOW, dir_fd=top_fd)
+            except OSError:  # a symlink, or gone
+                continue
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                continue
+            os.set_blocking(fd, True)
+            yield os.path.normpath(os.path.join(top, name)), os.fdopen(fd, "rb", buffering=0)

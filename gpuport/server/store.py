@@ -124,6 +124,19 @@ MIGRATIONS: list[str] = [
     );
     CREATE UNIQUE INDEX deployments_live ON deployments(name, version) WHERE ended_at IS NULL;
     """,
+    # 7: who may use which blob. The store keeps a content once for everyone, but a user counts as
+    # having it only after sending its bytes, or through a snapshot of theirs (an output of their
+    # job): a hash alone neither tells whether someone else has that content nor hands it out.
+    """
+    CREATE TABLE blob_holders (
+        owner   TEXT NOT NULL,
+        blob    TEXT NOT NULL,
+        PRIMARY KEY (owner, blob)
+    ) WITHOUT ROWID;
+    INSERT OR IGNORE INTO blob_holders (owner, blob)
+        SELECT s.owner, json_extract(e.value, '$[1]') FROM snapshots s, json_each(s.manifest) e
+        WHERE json_extract(e.value, '$[1]') != '';
+    """,
 ]
 
 

@@ -212,8 +212,7 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             raise InvalidRequest(f"{len(request.blobs)} blobs asked about at once; the limit is {MAX_SNAPSHOT_FILES}")
         for blob in request.blobs:
             check_hash(blob)
-        sizes = self.app.blobs.sizes(request.blobs)
-        return pb.BlobList(blobs=[blob for blob, size in sizes.items() if size is None])
+        return pb.BlobList(blobs=self.app.snapshots.missing(caller, request.blobs))
 
     @rpc
     async def Get(self, request: pb.SnapshotRef, caller: Identity) -> pb.Snapshot:
@@ -250,7 +249,9 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             receiver.cancel()
             writer.abort()
             raise
-        return pb.UploadReply(blobs=writer.blobs, bytes=writer.bytes)
+        finally:  # the blobs whose bytes arrived whole are the caller's, even from a stream cut short
+            await asyncio.to_thread(self.app.snapshots.hold, caller.name, writer.placed)
+        return pb.UploadReply(blobs=len(writer.placed), bytes=writer.bytes)
 
     @stream_rpc
     async def Download(self, request: pb.DownloadRequest, caller: Identity) -> AsyncIterator[pb.BlobBatch]:

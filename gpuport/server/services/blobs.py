@@ -20,12 +20,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from gpuport._files import sha256_file
 from gpuport.defaults import MAX_BLOB_BYTES
 from gpuport.protocol.errors import InvalidRequest
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _KNOWN_SIZES = 1_000_000
+_STAGING = "incoming"  # where a job's output is copied before its hash, and so its folder, is known
 
 
 def check_hash(blob: str) -> str:
@@ -56,13 +56,17 @@ class BlobStore:
                             if entry.stat().st_mtime < started:
                                 os.unlink(entry.path)
 
-    def temp_file(self, blob: str) -> tuple[int, str]:
-        """A new hidden file (fd, path) beside where ``blob`` goes, to receive its bytes."""
+    def _folder(self, blob: str) -> str:
+        """The folder ``blob`` goes in, made if needed."""
         folder = f"{self.root}/{blob[:2]}"
         if folder not in self._folders:
             os.makedirs(folder, exist_ok=True)
             self._folders.add(folder)
-        return tempfile.mkstemp(dir=folder, prefix=f".{blob[2:10]}.", suffix=".part")
+        return folder
+
+    def temp_file(self, blob: str) -> tuple[int, str]:
+        """A new hidden file (fd, path) beside where ``blob`` goes, to receive its bytes."""
+        return tempfile.mkstemp(dir=self._folder(blob), prefix=f".{blob[2:10]}.", suffix=".part")
 
     def path(self, blob: str) -> Path:
         return self.root / blob[:2] / blob[2:]
@@ -95,22 +99,28 @@ class BlobStore:
     def writer(self) -> BlobWriter:
         return BlobWriter(self)
 
-    def ingest(self, path: Path) -> tuple[str, int]:
-        """Add the file at ``path`` to the store (a hard link when it is new); return its hash and size."""
-        blob, size = sha256_file(path)
-        if self.sizes([blob])[blob] is None:
-            fd, temp = self.temp_file(blob)
-            os.close(fd)
-            try:
-                os.unlink(temp)
-                try:
-                    os.link(path, temp)
-                except OSError:
-                    shutil.copyfile(path, temp)
+    def ingest(self, source: BinaryIO) -> tuple[str, int]:
+        """Add the content of ``source`` (a job's output, open) to the store; return its hash and size.
+
+        Copied while hashed, in one pass, never hard-linked: the file's inode is the job's, which it
+        (or a link to it kept elsewhere) could change after the blob was checked."""
+        staging = self.root / _STAGING
+        staging.mkdir(exist_ok=True)
+        fd, temp = tempfile.mkstemp(dir=staging, prefix=".ingest.", suffix=".part")
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as copy:
+                while chunk := source.read(1 << 20):
+                    copy.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+            blob = digest.hexdigest()
+            if self.sizes([blob])[blob] is None:
+                self._folder(blob)
                 self._place(temp, blob)
-            except BaseException:
-                Path(temp).unlink(missing_ok=True)
-                raise
+        finally:
+            Path(temp).unlink(missing_ok=True)
         return blob, size
 
     def open(self, blob: str) -> BinaryIO:
@@ -137,7 +147,7 @@ class BlobWriter:
 
     def __init__(self, store: BlobStore) -> None:
         self.store = store
-        self.blobs = 0
+        self.placed: list[str] = []  # the blobs received whole and checked, in order
         self.bytes = 0
         self._blob: str | None = None  # the blob being received
         self._offset = 0
@@ -182,7 +192,7 @@ class BlobWriter:
         self.store._place(self._temp, blob)
         self._temp = ""
         self._blob = None
-        self.blobs += 1
+        self.placed.append(blob)
         self.bytes += self._offset
 
     def abort(self) -> None:

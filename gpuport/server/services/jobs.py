@@ -26,16 +26,18 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import psutil
 
+from gpuport._files import files_beneath, open_beneath
 from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
     ENV_DATASETS_DIR,
@@ -819,29 +821,38 @@ class JobService:
         self._schedule_soon()
 
     def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:
-        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found."""
+        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found.
+
+        Nothing the job wrote is trusted as a path: every component is opened without following a
+        symlink (an output ``a/b`` with ``a -> /`` is not found, rather than read from outside)."""
         job_dir = self.root / row["id"]
-        files: dict[str, Path] = {}
+        files: dict[str, BinaryIO] = {}
         missing = []
-        roots = [(job_dir / "out", "")]
-        for declared in json.loads(row["outputs"]):
-            path = job_dir / "work" / declared
-            if path.is_symlink() or not path.exists():
-                missing.append(declared)
-            elif path.is_file():
-                files[declared] = path
-            else:
-                roots.append((path, declared + "/"))
-        for root, prefix in roots:
-            for folder, _, names in os.walk(root):
-                for name in names:
-                    file = Path(folder) / name
-                    if file.is_file() and not file.is_symlink():
-                        files.setdefault(prefix + file.relative_to(root).as_posix(), file)
-        if not files and not json.loads(row["outputs"]):
-            return "", missing
-        record = self.snapshots.ingest_folder(row["owner"], sorted(files.items()))
-        return record.id, missing
+        folders = [(os.open(job_dir / "out", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), "")]
+        try:
+            for declared in json.loads(row["outputs"]):
+                fd = open_beneath(job_dir / "work", declared)
+                if fd is None:
+                    missing.append(declared)
+                elif stat.S_ISREG(os.fstat(fd).st_mode):
+                    files.setdefault(declared, os.fdopen(fd, "rb", buffering=0))
+                else:
+                    folders.append((fd, declared + "/"))
+            for fd, prefix in folders:
+                for path, file in files_beneath(fd):
+                    if prefix + path in files:
+                        file.close()
+                    else:
+                        files[prefix + path] = file
+            if not files and not json.loads(row["outputs"]):
+                return "", missing
+            record = self.snapshots.ingest_folder(row["owner"], sorted(files.items()))
+            return record.id, missing
+        finally:
+            for fd, _ in folders:
+                os.close(fd)
+            for file in files.values():
+                file.close()
 
     def pids(self, job_id: str) -> list[int]:
         """The pids of a running job's processes (every rank's, and their descendants)."""

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from gpuport.defaults import MAX_BLOB_BYTES, MAX_NAME_LENGTH, MAX_SNAPSHOT_FILES
 from gpuport.protocol.errors import InvalidRequest, NotFound
@@ -27,6 +28,7 @@ from gpuport.server.store import Store
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CACHED_MANIFESTS = 64
+_SQL_CHUNK = 500  # blobs per `IN (...)` query: under SQLite's limit on bound parameters
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class SnapshotService:
         row = self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, caller.name))
         if row is None:
             sizes = self.blobs.sizes(e.blob for e in entries if e.blob)
-            missing = sorted(blob for blob, size in sizes.items() if size is None)
+            missing = self.missing(caller, sizes)
             if missing:
                 return None, missing
             # The blob's size is the truth; a manifest that lies about it would mislead downloads.
@@ -114,8 +116,35 @@ class SnapshotService:
                 )
         return self._record(sid, caller.name, name), []
 
+    def missing(self, caller: Identity, blobs: Iterable[str] | dict[str, int | None]) -> list[str]:
+        """The blobs ``caller`` must upload: those the store lacks, and those it has from someone else.
+
+        Answered per user, so that a hash tells nobody whether another user has that content, and a
+        manifest cannot claim another user's file by its hash: a user holds a blob once they sent
+        its bytes (``hold``) or a snapshot of theirs has it.
+        """
+        sizes = blobs if isinstance(blobs, dict) else self.blobs.sizes(blobs)
+        present = [blob for blob, size in sizes.items() if size is not None]
+        held: set[str] = set()
+        for start in range(0, len(present), _SQL_CHUNK):
+            chunk = present[start : start + _SQL_CHUNK]
+            rows = self.store.query(
+                f"SELECT blob FROM blob_holders WHERE owner = ? AND blob IN ({','.join('?' * len(chunk))})",
+                (caller.name, *chunk),
+            )
+            held.update(row["blob"] for row in rows)
+        return sorted(blob for blob in sizes if blob not in held)
+
+    def hold(self, owner: str, blobs: Iterable[str]) -> None:
+        """Record that ``owner`` has these blobs (they sent the bytes, or their job made them)."""
+        with self.store.transaction() as db:
+            db.executemany(
+                "INSERT OR IGNORE INTO blob_holders (owner, blob) VALUES (?, ?)", ((owner, b) for b in blobs)
+            )
+
     def _insert(self, owner: str, sid: str, entries: list[Entry]) -> None:
         manifest = json.dumps([[e.path, e.blob, e.size, e.mode, e.link] for e in entries], separators=(",", ":"))
+        self.hold(owner, {e.blob for e in entries if e.blob})
         with self.store.transaction() as db:
             db.execute(
                 "INSERT OR IGNORE INTO snapshots (id, owner, created_at, files, bytes, manifest) "
@@ -123,12 +152,14 @@ class SnapshotService:
                 (sid, owner, time.time(), len(entries), sum(e.size for e in entries), manifest),
             )
 
-    def ingest_folder(self, owner: str, files: Iterable[tuple[str, Path]]) -> SnapshotRecord:
-        """Make a snapshot from files on the server's disk (a job's outputs): (snapshot path, file) pairs."""
+    def ingest_folder(self, owner: str, files: Iterable[tuple[str, BinaryIO]]) -> SnapshotRecord:
+        """Make a snapshot from files on the server's disk (a job's outputs): (snapshot path, open
+        file) pairs, each read and closed here."""
         entries = []
         for path, file in files:
-            blob, size = self.blobs.ingest(file)
-            entries.append(Entry(path, blob, size, os.stat(file).st_mode & 0o777))
+            with file:
+                blob, size = self.blobs.ingest(file)
+                entries.append(Entry(path, blob, size, os.fstat(file.fileno()).st_mode & 0o777))
         entries = check_manifest(entries)
         sid = snapshot_id(entries)
         self._insert(owner, sid, entries)

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test bench proto clean
+.PHONY: demo test bench proto clean sandbox
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,23 @@ $(VENV)/.dev: pyproject.toml | $(PY)
 	$(PIP) --no-deps tritonclient==2.73.0 tensorflow-serving-api==2.21.0
 	touch $@
 
-demo: $(VENV)/.demo
+# The jobs' sandbox: bubblewrap, and slirp4netns for their network's way out, from Debian. Installed
+# when missing and root; otherwise said, and the server runs without isolation (admin tokens only).
+SANDBOX_TOOLS := bwrap:bubblewrap slirp4netns:slirp4netns
+sandbox:
+	@missing=""; for tool in $(SANDBOX_TOOLS); do command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing (the jobs' sandbox)"; \
+		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
+	else \
+		echo "not installed:$$missing — jobs run without a sandbox, and tests that need other users skip (sudo apt-get install$$missing)"; \
+	fi
+
+demo: $(VENV)/.demo sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev sandbox
 	$(PY) -m pytest
 
 # The peers: Ray from the bench extra; rsync from Debian (sync figures are skipped without it).
@@ -42,6 +55,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_queue.py
 	$(PY) bench/bench_sessions.py
 	$(PY) bench/bench_serving.py
+	$(PY) bench/bench_isolation.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

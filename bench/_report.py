@@ -105,7 +105,7 @@ def rotate(n: int, calls: Mapping[str, Callable[[], float | None]]) -> dict[str,
 
 
 @contextlib.contextmanager
-def gpuport_server(work: Path, name: str) -> Iterator[_servers.Gpuport]:
+def gpuport_server(work: Path, name: str, options: Sequence[str] = ()) -> Iterator[_servers.Gpuport]:
     """A fresh gpuport server (empty state dir) under ``work/name``, stopped after.
 
     Its state stays until the whole temp dir goes at the end: deleting thousands of files between
@@ -113,7 +113,7 @@ def gpuport_server(work: Path, name: str) -> Iterator[_servers.Gpuport]:
     """
     folder = work / name
     folder.mkdir()
-    server = _servers.start_gpuport(folder)
+    server = _servers.start_gpuport(folder, options=options)
     try:
         yield server
     finally:

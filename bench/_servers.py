@@ -38,9 +38,10 @@ class Gpuport:
         self.process.wait(timeout=20)
 
 
-def start_gpuport(workdir: Path, launcher: Sequence[str] = ()) -> Gpuport:
+def start_gpuport(workdir: Path, launcher: Sequence[str] = (), options: Sequence[str] = ()) -> Gpuport:
     """``gpuport server`` on 127.0.0.1 (port 0, fake GPUs, state in ``workdir/state``); ``launcher``
-    replaces ``python -m gpuport`` (a bench's own wrapper around the server's entry point)."""
+    replaces ``python -m gpuport`` (a bench's own wrapper around the server's entry point);
+    ``options`` are more of the server's options."""
     from gpuport.server.daemon import parse_banner  # here, not above: the raw server's process stays bare
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
@@ -48,7 +49,7 @@ def start_gpuport(workdir: Path, launcher: Sequence[str] = ()) -> Gpuport:
     state = workdir / "state"
     loopback = ["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--log-level", "warning"]
     process = subprocess.Popen(
-        [*(launcher or [sys.executable, "-m", "gpuport"]), "server", *loopback, "--state-dir", str(state)],
+        [*(launcher or [sys.executable, "-m", "gpuport"]), "server", *loopback, *options, "--state-dir", str(state)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -46,14 +46,19 @@ step "gpuport status"
 gpuport status
 
 step "gpuport token create alice       # a token for a teammate"
-alice=$(gpuport token create alice 2>/dev/null)
-echo "${alice:0:12}... (shown once)"
+# A server that cannot isolate jobs (no bubblewrap) makes admin tokens only: then alice's part is skipped.
+if alice=$(gpuport token create alice 2>"$work/token.err"); then
+  echo "${alice:0:12}... (shown once)"
 
-step "GPUPORT_TOKEN=<alice's> gpuport status --json   # alice sees the server, as a user"
-GPUPORT_TOKEN="$alice" gpuport status --json | python3 -c 'import json,sys; s=json.load(sys.stdin); print({k: s[k] for k in ("user","admin","hostname","inventory")})'
+  step "GPUPORT_TOKEN=<alice's> gpuport status --json   # alice sees the server, as a user"
+  GPUPORT_TOKEN="$alice" gpuport status --json | python3 -c 'import json,sys; s=json.load(sys.stdin); print({k: s[k] for k in ("user","admin","hostname","inventory")})'
 
-step "GPUPORT_TOKEN=<alice's> gpuport token list      # but may not manage tokens"
-GPUPORT_TOKEN="$alice" gpuport token list 2>&1 || true
+  step "GPUPORT_TOKEN=<alice's> gpuport token list      # but may not manage tokens"
+  GPUPORT_TOKEN="$alice" gpuport token list 2>&1 || true
+else
+  cat "$work/token.err"
+  alice=""
+fi
 
 step "cd examples/keras_digits && gpuport run --output model/ -- python train.py --epochs 15"
 (cd "$(dirname "$0")/keras_digits" &&
@@ -78,13 +83,15 @@ gpuport undeploy digits
 step "python examples/sessions/keras_session.py   # a session: data put once, the model kept remote"
 (cd "$(dirname "$0")/sessions" && python keras_session.py 2>/dev/null)
 
-step "gpuport quota set alice --jobs 1; alice runs two jobs at once; gpuport queue"
-gpuport quota set alice --jobs 1
-mkdir -p "$work/empty"
-first=$(GPUPORT_TOKEN="$alice" gpuport run -d -w "$work/empty" -- sleep 2 2>/dev/null)
-second=$(GPUPORT_TOKEN="$alice" gpuport run -d -w "$work/empty" -- echo second 2>/dev/null)
-gpuport queue
-GPUPORT_TOKEN="$alice" gpuport wait "$second"
+if [ -n "$alice" ]; then
+  step "gpuport quota set alice --jobs 1; alice runs two jobs at once; gpuport queue"
+  gpuport quota set alice --jobs 1
+  mkdir -p "$work/empty"
+  first=$(GPUPORT_TOKEN="$alice" gpuport run -d -w "$work/empty" -- sleep 2 2>/dev/null)
+  second=$(GPUPORT_TOKEN="$alice" gpuport run -d -w "$work/empty" -- echo second 2>/dev/null)
+  gpuport queue
+  GPUPORT_TOKEN="$alice" gpuport wait "$second"
+fi
 
 step "gpuport jobs --all   # everyone's, for an admin"
 gpuport jobs --all

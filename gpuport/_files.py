@@ -69,6 +69,17 @@ def open_beneath(root: Path, relative: str) -> int | None:
             os.close(fd)
 
 
+def open_nofollow(path: Path) -> BinaryIO:
+    """Open the regular file at ``path`` for reading, where its last component must not be a symlink
+    (a file in a folder a job may write); raises OSError otherwise (ELOOP for a link)."""
+    fd = os.open(path, _NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def files_beneath(folder_fd: int) -> Iterator[tuple[str, BinaryIO]]:
     """(path relative to the folder, open file) for every regular file below the folder open at
     ``folder_fd``, never following a symlink; the caller closes each file."""

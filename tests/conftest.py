@@ -3,6 +3,8 @@ the CLI run as a real subprocess against it."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import ssl
@@ -20,6 +22,7 @@ import pytest
 
 import gpuport
 from gpuport.server.daemon import parse_banner
+from gpuport.server.isolation import Sandbox, detect
 
 READY_TIMEOUT = 60.0
 # A server on loopback, on ports the kernel picks.
@@ -150,9 +153,23 @@ def admin(server: RunningServer) -> Iterator[gpuport.Client]:
         yield client
 
 
+@functools.cache
+def _sandbox() -> Sandbox:
+    return detect()
+
+
+def needs_users() -> None:
+    """Skip a test that needs tokens other than admin tokens where the server could not make them:
+    without a sandbox for jobs, every token is an admin token (``make test`` installs bubblewrap as root)."""
+    sandbox = _sandbox()
+    if not sandbox.isolated:
+        pytest.skip(f"jobs cannot be isolated here, so there are only admin tokens: {sandbox.why}")
+
+
 @pytest.fixture
 def user_token(admin: gpuport.Client) -> str:
     """A fresh non-admin token."""
+    needs_users()
     return admin.create_token(f"user-{uuid.uuid4().hex[:8]}").token
 
 
@@ -197,6 +214,48 @@ def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str =
             return value
         time.sleep(0.02)
     raise AssertionError(f"{what} not met within {timeout}s")
+
+
+def touch_in_job(state_dir: Path, job_id: str, name: str) -> None:
+    """Make the file ``name`` in a running job's working folder: the one folder of the server's disk
+    that its sandbox shows it (the test's own tmp_path is not there), so a test's way to signal a job.
+    A job that has ended has no folder left: nothing to signal."""
+    folder = state_dir / "jobs" / job_id / "work"
+    if folder.is_dir():
+        (folder / name).touch()
+
+
+class JobFlag:
+    """A file named ``name`` that holding jobs wait for in their working folder. Once ``touch()``ed,
+    it is made in the folder of every job of the server: those running and, until ``close()``, those
+    that start later (jobs released by it free GPUs for queued ones, which must see it too)."""
+
+    def __init__(self, state_dir: Path, name: str = "go") -> None:
+        self.state_dir, self.name = state_dir, name
+        self._raised = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._spread, daemon=True)
+        self._thread.start()
+
+    def __str__(self) -> str:
+        return self.name
+
+    def touch(self) -> None:
+        self._raised.set()
+
+    def _spread(self) -> None:
+        self._raised.wait()
+        while not self._closed.wait(0.02):
+            for work in (self.state_dir / "jobs").glob("*/work"):
+                with contextlib.suppress(OSError):  # a job that ended meanwhile
+                    (work / self.name).touch()
+
+    def close(self) -> None:
+        """Raise it (so that a failed test leaves no job holding GPUs for the next) and stop."""
+        self.touch()
+        time.sleep(0.1)
+        self._closed.set()
+        self._thread.join(5)
 
 
 def client_env(server: RunningServer, token: str | None = None) -> dict[str, str]:

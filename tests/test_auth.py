@@ -9,10 +9,11 @@ import pytest
 
 import gpuport
 
-from .conftest import RunningServer
+from .conftest import RunningServer, needs_users
 
 
 def test_admin_creates_lists_and_revokes_tokens(admin: gpuport.Client, server: RunningServer) -> None:
+    needs_users()
     new = admin.create_token("dana")
     assert new.token.startswith("gp_") and len(new.token) >= 43 and not new.admin
     assert "token=" not in repr(new)
@@ -33,6 +34,7 @@ def test_admin_creates_lists_and_revokes_tokens(admin: gpuport.Client, server: R
 
 
 def test_bad_token_requests_change_nothing(admin: gpuport.Client) -> None:
+    needs_users()
     before = admin.tokens(include_revoked=True)
     with pytest.raises(gpuport.InvalidRequest, match="invalid token name"):
         admin.create_token("no spaces please")
@@ -50,6 +52,7 @@ def test_bad_token_requests_change_nothing(admin: gpuport.Client) -> None:
 
 
 def test_the_last_admin_token_cannot_be_revoked(admin: gpuport.Client, server: RunningServer) -> None:
+    needs_users()
     with pytest.raises(gpuport.Conflict, match="last admin token"):
         admin.revoke_token("admin")
     second = admin.create_token("admin2", admin=True)

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 import gpuport
-from tests.conftest import RunningServer, start_server, wait_for
+from tests.conftest import RunningServer, start_server, touch_in_job, wait_for
 
 
 def _free_port() -> int:
@@ -20,7 +20,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# Prints a numbered line every 20 ms until the flag file appears, then 5 more, then exits with 7.
+# Prints a numbered line every 20 ms until the flag file appears in its folder, then 5 more, then
+# exits with 7.
 COUNTER = textwrap.dedent(
     """
     import os, sys, time
@@ -46,14 +47,13 @@ def test_a_server_killed_with_sigkill_finds_its_jobs_again(tmp_path: Path) -> No
     state = tmp_path / "state"
     port, http_port = _free_port(), _free_port()
     first = _start(state, port, http_port)
-    flag = tmp_path / "finish"
     (tmp_path / "counter.py").write_text(COUNTER)
     token, fingerprint = first.admin_token, first.fingerprint
     lines: list[str] = []
     follower_error: list[BaseException] = []
     try:
         with first.connect() as gpu:
-            running = gpu.submit(["python", "counter.py", str(flag)], workdir=tmp_path, gpus=2, name="long")
+            running = gpu.submit(["python", "counter.py", "finish"], workdir=tmp_path, gpus=2, name="long")
             queued = [gpu.submit(["python", "-c", f"print('queued {n}')"], workdir=None, gpus=1) for n in range(2)]
             wait_for(lambda: running.refresh().log_bytes > 200, what="the running job's first lines")
             assert [q.status for q in queued] == ["queued", "queued"]
@@ -79,7 +79,7 @@ def test_a_server_killed_with_sigkill_finds_its_jobs_again(tmp_path: Path) -> No
         with gpuport.connect(second.url, token, fingerprint=fingerprint) as gpu:
             job = gpu.job(running.id)
             assert job.status == "running"
-            flag.touch()
+            touch_in_job(state, job.id, "finish")
             assert job.wait(60).exit_code == 7
             assert job.info.state == "failed" and job.info.message == "exited with code 7"
             for q in queued:
@@ -93,7 +93,7 @@ def test_a_server_killed_with_sigkill_finds_its_jobs_again(tmp_path: Path) -> No
         assert full_log == [f"line {i}" for i in range(count)] and count > 10
         assert lines == full_log  # the follower lost nothing and repeated nothing across the restart
     finally:
-        flag.touch()
+        touch_in_job(state, running.id, "finish")
         second.stop()
 
 
@@ -101,15 +101,14 @@ def test_a_job_that_ends_while_the_server_is_down_is_recorded(tmp_path: Path) ->
     state = tmp_path / "state"
     first = start_server(state)
     token, fingerprint = first.admin_token, first.fingerprint
-    flag = tmp_path / "finish"
     (tmp_path / "counter.py").write_text(COUNTER)
     try:
         with first.connect() as gpu:
-            job = gpu.submit(["python", "counter.py", str(flag)], workdir=tmp_path)
+            job = gpu.submit(["python", "counter.py", "finish"], workdir=tmp_path)
             wait_for(lambda: job.refresh().log_bytes > 0, what="the job's first line")
     finally:
         first.stop(signal.SIGKILL)
-    flag.touch()
+    touch_in_job(state, job.id, "finish")
     wait_for(lambda: (state / "jobs" / job.id / "exit.json").exists(), what="the job's exit status")
     second = start_server(state)
     try:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
 import gpuport
@@ -48,9 +47,14 @@ def _add(a: Any, b: Any) -> Any:
     return a + b
 
 
-def _slow_pid(x: int, delay: float) -> tuple[int, int]:
+def _slow_pid(x: int, delay: float) -> tuple[int, str]:
     time.sleep(delay)
-    return x * 10, os.getpid()
+    return x * 10, _worker()
+
+
+def _worker() -> str:
+    """Which worker runs the call: its job's id (its pid is 2 or so, inside its sandbox)."""
+    return os.environ["GPUPORT_JOB_ID"]
 
 
 def _gpu_env() -> dict[str, str | None]:
@@ -61,11 +65,9 @@ def _refuse(reason: str) -> None:
     raise Refused(reason)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def _gone(client: gpuport.Client, worker: str) -> bool:
+    """Whether the worker's job has ended: its supervisor records that once every process is gone."""
+    return client.job(worker).status not in ("queued", "running")
 
 
 @pytest.fixture
@@ -125,7 +127,7 @@ def test_spawn_returns_a_future(remote: Any) -> None:
     future = slow.spawn(4, delay=0.2)
     assert isinstance(future, Future)
     value, pid = future.result(timeout=60)
-    assert value == 40 and pid != os.getpid()
+    assert value == 40 and pid.startswith("j-")  # a worker's
     failing = remote()(lambda: 1 / 0).spawn()
     assert isinstance(failing.exception(timeout=60), ZeroDivisionError)
 
@@ -168,11 +170,11 @@ def test_a_function_gets_the_gpu_slice_it_asks_for(admin: gpuport.Client, remote
 
 
 def test_close_and_interpreter_exit_end_the_workers(server: RunningServer, admin: gpuport.Client) -> None:
-    where = admin.function()(os.getpid)
+    where = admin.function()(_worker)
     pid = where()
-    assert not _gone(pid)
+    assert not _gone(admin, pid)
     where.close()
-    wait_for(lambda: _gone(pid), timeout=END_TIMEOUT, what="the closed function's worker gone")
+    wait_for(lambda: _gone(admin, pid), timeout=END_TIMEOUT, what="the closed function's worker gone")
     child = subprocess.run(
         [sys.executable, str(SCRIPTS / "exit_without_close.py")],
         capture_output=True,
@@ -181,5 +183,5 @@ def test_close_and_interpreter_exit_end_the_workers(server: RunningServer, admin
         env={**os.environ, **client_env(server)},
     )
     assert child.returncode == 0, child.stderr
-    pid = json.loads(child.stdout.splitlines()[-1])["pid"]
-    wait_for(lambda: _gone(pid), timeout=END_TIMEOUT, what="the exited process's worker gone")
+    pid = json.loads(child.stdout.splitlines()[-1])["worker"]
+    wait_for(lambda: _gone(admin, pid), timeout=END_TIMEOUT, what="the exited process's worker gone")

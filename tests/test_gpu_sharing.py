@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import gpuport
-from tests.conftest import RunningServer, server_env, start_server, wait_for
+from tests.conftest import RunningServer, server_env, start_server, touch_in_job, wait_for
 
 pytestmark = pytest.mark.gpu
 
@@ -54,26 +54,28 @@ def _slice(gpu: gpuport.Client, fraction: float) -> int:
     return int(gpu.gpus()[0].memory_total * fraction)
 
 
-def test_two_torch_jobs_with_40_percent_slices_run_on_one_gpu_at_once(gpu: gpuport.Client, tmp_path: Path) -> None:
+def test_two_torch_jobs_with_40_percent_slices_run_on_one_gpu_at_once(
+    gpu_server: RunningServer, gpu: gpuport.Client, tmp_path: Path
+) -> None:
     pytest.importorskip("torch")
     (tmp_path / "alloc.py").write_text(TORCH_ALLOC)
-    flag = tmp_path / "go"
     size = _slice(gpu, 0.4)
-    jobs = [gpu.submit(["python", "alloc.py", "0.3", str(flag)], workdir=tmp_path, gpu_memory=size) for _ in range(2)]
+    jobs = [gpu.submit(["python", "alloc.py", "0.3", "go"], workdir=tmp_path, gpu_memory=size) for _ in range(2)]
     for job in jobs:
         wait_for(lambda job=job: "allocated 0.3" in "\n".join(job.logs()), timeout=120, what=f"{job.id} allocating")
     assert jobs[0].info.gpu_indices == jobs[1].info.gpu_indices
     held = {a.job_id: a for g in gpu.gpus() for a in g.allocations}
     assert {held[j.id].memory for j in jobs} == {size}
     wait_for(lambda: all({a.job_id: a for g in gpu.gpus() for a in g.allocations}[j.id].memory_used for j in jobs))
-    flag.touch()
+    for job in jobs:
+        touch_in_job(gpu_server.state_dir, job.id, "go")
     assert [j.wait(60).info.state for j in jobs] == ["succeeded", "succeeded"]
 
 
 def test_the_torch_cap_stops_an_allocation_past_the_slice(gpu: gpuport.Client, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     (tmp_path / "alloc.py").write_text(TORCH_ALLOC)
-    job = gpu.submit(["python", "alloc.py", "0.2", str(tmp_path / "go")], workdir=tmp_path, gpu_memory=_slice(gpu, 0.1))
+    job = gpu.submit(["python", "alloc.py", "0.2", "go"], workdir=tmp_path, gpu_memory=_slice(gpu, 0.1))
     info = job.wait(120).info
     assert info.state == "failed" and info.exit_code == 3
     assert any(line.startswith("OutOfMemoryError") for line in job.logs())
@@ -83,7 +85,7 @@ def test_a_job_that_lifts_its_cap_and_allocates_past_its_slice_is_killed(gpu: gp
     pytest.importorskip("torch")
     (tmp_path / "alloc.py").write_text(TORCH_ALLOC)
     size = _slice(gpu, 0.1)
-    command = ["python", "alloc.py", "0.2", str(tmp_path / "never"), "uncapped"]
+    command = ["python", "alloc.py", "0.2", "never", "uncapped"]
     info = gpu.submit(command, workdir=tmp_path, gpu_memory=size).wait(120).info
     assert info.state == "killed"
     assert info.message.startswith(f"exceeded its GPU memory slice of {gpuport.format_size(size)} (used ")

@@ -334,7 +334,7 @@ def test_the_systemd_unit_runs_the_server_as_a_service(tmp_path: Path) -> None:
     unit.optionxform = str  # type: ignore[assignment,method-assign]
     unit.read_string(printed.stdout)
     service = unit["Service"]
-    assert service["User"] == "gpuport" and service["StateDirectory"] == "gpuport"
+    assert service["User"] == "root" and service["StateDirectory"] == "gpuport"  # root: a uid per user's jobs
     assert service["KillMode"] == "process" and service["Restart"] == "on-failure"
     assert shlex.split(service["ExecStart"]) == [
         os.path.abspath(sys.executable), "-m", "gpuport", "server", "--host", "0.0.0.0", "--port", "7600",

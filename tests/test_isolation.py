@@ -1,30 +1,38 @@
 """Attacks by a user with an ordinary token, each asserted by what it could not do.
 
-What holds today: the blob store answers per user (a hash is no oracle and no key), and outputs are
-collected without following a job's symlinks and copied into the store, never hard-linked.
+The blob store answers per user (a hash is no oracle and no key); outputs are collected without
+following a job's symlinks and copied into the store, never hard-linked; and every job runs in a
+bubblewrap sandbox, as a uid of its owner's when the server is root (as here, in CI): it sees neither
+the state dir nor other processes, and its ports are in a network namespace of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import socket
+import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, server_env, start_server
 
 
 @pytest.fixture
-def alice(admin: gpuport.Client, server: RunningServer) -> gpuport.Client:
+def alice(admin: gpuport.Client, server: RunningServer) -> Iterator[gpuport.Client]:
     with server.connect(admin.create_token(f"alice-{uuid.uuid4().hex[:8]}").token) as client:
         yield client
 
 
 @pytest.fixture
-def bob(admin: gpuport.Client, server: RunningServer) -> gpuport.Client:
+def bob(admin: gpuport.Client, server: RunningServer) -> Iterator[gpuport.Client]:
     with server.connect(admin.create_token(f"bob-{uuid.uuid4().hex[:8]}").token) as client:
         yield client
 
@@ -75,21 +83,157 @@ open(out + "/kept.txt", "w").write("kept")
     assert sorted(p.relative_to(tmp_path).as_posix() for p in files) == ["kept.txt", "results/real.txt"]
 
 
-def test_an_output_enters_the_store_as_a_copy_the_job_cannot_change_later(
+def test_an_output_enters_the_store_as_a_copy_of_the_servers_own(
     server: RunningServer, admin: gpuport.Client, tmp_path: Path
 ) -> None:
-    keep = tmp_path / "kept-link"
-    script = f"""
-import os
-path = os.environ["GPUPORT_OUTPUT_DIR"] + "/weights.bin"
-open(path, "w").write("trained weights {uuid.uuid4()}")
-os.link(path, {str(keep)!r})                    # a second name for the same inode, outside the job
-"""
+    """A hard link would make the blob the job's own inode (its uid's, which a later job of the same
+    user could change, wherever it kept another link to it)."""
+    content = f"trained weights {uuid.uuid4()}"
+    script = f"import os\nopen(os.environ['GPUPORT_OUTPUT_DIR'] + '/weights.bin', 'w').write({content!r})"
     job = admin.submit(["python", "-c", script], workdir=None).wait(60)
     assert job.exit_code == 0, list(job.logs())
-    original = keep.read_text()
-    keep.write_text("poisoned")  # the inode the job made, changed after the job ended
     (downloaded,) = job.download(tmp_path / "out", ".")
-    assert downloaded.read_text() == original
-    blob = hashlib.sha256(original.encode()).hexdigest()
-    assert (server.state_dir / "blobs" / blob[:2] / blob[2:]).read_text() == original
+    assert downloaded.read_text() == content
+    blob = hashlib.sha256(content.encode()).hexdigest()
+    stored = (server.state_dir / "blobs" / blob[:2] / blob[2:]).stat()
+    assert stored.st_uid == os.getuid() and stored.st_nlink == 1 and stored.st_mode & 0o777 == 0o444
+
+
+# ---- the sandbox: what a job of one user cannot reach -------------------------------------------
+
+PROBE = r"""
+import json, os, socket, sys
+state = sys.argv[1]
+seen = {"uid": os.getuid(), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}
+seen["state"] = sorted(os.listdir(state)) if os.path.isdir(state) else []
+seen["jobs"] = sorted(os.listdir(state + "/jobs")) if os.path.isdir(state + "/jobs") else []
+for name, path in (("key", state + "/tls/key.pem"), ("db", state + "/gpuport.db")):
+    try:
+        open(path, "rb").close()
+        seen[name] = "readable"
+    except OSError as e:
+        seen[name] = type(e).__name__
+seen["home"] = os.path.exists(os.path.expanduser("~root/.ssh"))
+print(json.dumps(seen))
+"""
+
+
+def _last_json(job: gpuport.Job) -> dict:
+    import json
+
+    lines = list(job.logs())
+    return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"log": lines}
+
+
+def test_a_job_sees_neither_the_state_dir_nor_other_processes(
+    server: RunningServer, alice: gpuport.Client, bob: gpuport.Client
+) -> None:
+    first = alice.submit(["python", "-c", PROBE, str(server.state_dir)], workdir=None).wait(60)
+    second = bob.submit(["python", "-c", PROBE, str(server.state_dir)], workdir=None).wait(60)
+    for job, seen in ((first, _last_json(first)), (second, _last_json(second))):
+        # Of the state dir, only the way to its own folders is there (made for the sandbox's mounts).
+        assert set(seen["state"]) <= {"jobs", "fake-gpus"} and seen["jobs"] == [job.id], seen
+        assert seen["key"] == seen["db"] == "FileNotFoundError", seen
+        assert len(seen["pids"]) <= 3, seen  # its supervisor, itself (and a shell): nothing of the host's
+        assert not seen["home"]
+    if os.geteuid() == 0:  # a uid per user, neither the server's nor each other's
+        uids = {_last_json(first)["uid"], _last_json(second)["uid"]}
+        assert len(uids) == 2 and 0 not in uids, uids
+
+
+def _job_pid(server: RunningServer, job: gpuport.Job) -> int:
+    """The host pid of the job's first process, as the server knows it."""
+    import json
+
+    info = json.loads((server.state_dir / "jobs" / job.id / "supervisor.json").read_text())
+    return int(psutil.Process(info["child"]).children(recursive=True)[-1].pid)
+
+
+def test_a_job_cannot_signal_or_connect_to_another_users_job(
+    server: RunningServer, alice: gpuport.Client, bob: gpuport.Client
+) -> None:
+    listener = (
+        "import socket, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    victim = alice.submit(["python", "-c", listener], workdir=None)
+    lines = victim.logs(follow=True)
+    port = int(next(lines))
+    pid = _job_pid(server, victim)
+    attack = (
+        "import os, signal, socket, sys\n"
+        "pid, port = map(int, sys.argv[1:])\n"
+        "try:\n    os.kill(pid, signal.SIGKILL); print('killed')\n"
+        "except OSError as e:\n    print('kill', type(e).__name__)\n"
+        "try:\n    socket.create_connection(('127.0.0.1', port), timeout=2); print('connected')\n"
+        "except OSError as e:\n    print('connect', type(e).__name__)\n"
+    )
+    attacker = bob.submit(["python", "-c", attack, str(pid), str(port)], workdir=None).wait(60)
+    said = list(attacker.logs())
+    assert said == ["kill ProcessLookupError", "connect ConnectionRefusedError"], said
+    # Nor can anyone on the host: the port is in the job's own network namespace.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+    assert victim.status == "running"
+    victim.cancel()
+    assert victim.wait(30).info.state == "cancelled"
+
+
+def test_a_dataset_stays_as_it_was_pushed_whatever_a_job_does(
+    alice: gpuport.Client, bob: gpuport.Client, tmp_path: Path
+) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "labels.csv").write_text("cat,dog\n")
+    alice.push(tmp_path / "data", "labels")
+    vandal = (
+        "import os\n"
+        "path = os.environ['GPUPORT_DATASETS_DIR'] + '/labels/labels.csv'\n"
+        "for attempt in (lambda: os.chmod(path, 0o666), lambda: open(path, 'w').write('poisoned'),\n"
+        "                lambda: os.unlink(path)):\n"
+        "    try:\n        attempt(); print('done')\n"
+        "    except OSError as e:\n        print(type(e).__name__)\n"
+    )
+    job = alice.submit(["python", "-c", vandal], workdir=None, datasets=["labels"]).wait(60)
+    assert "done" not in list(job.logs()), list(job.logs())
+    reader = "import os; print(open(os.environ['GPUPORT_DATASETS_DIR'] + '/labels/labels.csv').read().strip())"
+    assert list(alice.submit(["python", "-c", reader], workdir=None, datasets=["labels"]).wait(60).logs()) == [
+        "cat,dog"
+    ]
+
+
+def test_without_a_sandbox_every_token_is_an_admin_token(tmp_path: Path) -> None:
+    """A server that finds no bubblewrap says so, and refuses to make a token that is not an admin's."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = server_env(GPUPORT_FAKE_GPUS="1x1GiB", PATH=f"{empty}{os.pathsep}{Path(sys.executable).parent}")
+    running = start_server(tmp_path / "state", env=env)
+    try:
+        assert "isolation    none: bubblewrap is not installed" in running.banner
+        with running.connect() as admin:
+            with pytest.raises(gpuport.InvalidRequest, match="cannot isolate jobs"):
+                admin.create_token("carol")
+            assert admin.create_token("dave", admin=True).admin
+    finally:
+        running.stop()
+
+
+def test_a_job_reaches_neither_the_servers_ports_nor_the_machines_loopback(
+    server: RunningServer, alice: gpuport.Client
+) -> None:
+    port = int(server.url.rsplit(":", 1)[1])
+    probe = (
+        "import socket, sys\n"
+        "port = int(sys.argv[1])\n"
+        "for host in ('127.0.0.1', '10.0.2.2'):  # its own loopback; slirp4netns's gateway to the host\n"
+        "    try:\n        socket.create_connection((host, port), timeout=3); print(host, 'connected')\n"
+        "    except OSError as e:\n        print(host, type(e).__name__)\n"
+        "routes = open('/proc/net/route').read().split('\\n')[1:]\n"
+        "print('default route', any(r.split()[1:2] == ['00000000'] for r in routes if r.strip()))\n"
+    )
+    said = list(alice.submit(["python", "-c", probe, str(port)], workdir=None).wait(60).logs())
+    assert said[0] == "127.0.0.1 ConnectionRefusedError", said
+    assert "connected" not in said[1], said
+    # With slirp4netns the job has a way out (a default route); without, loopback only.
+    assert said[2] == f"default route {bool(shutil.which('slirp4netns'))}", said

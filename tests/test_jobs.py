@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import gpuport
-from tests.conftest import RunningServer, client_env, wait_for
+from tests.conftest import RunningServer, client_env, touch_in_job, wait_for
 
 TRAIN = textwrap.dedent(
     """
@@ -104,9 +104,8 @@ def test_a_job_gets_its_gpus_job_id_output_dir_and_datasets(admin: gpuport.Clien
     assert job.info.gpu_indices == (0, 1)
 
 
-def test_gpu_jobs_queue_first_come_and_show_in_gpus(admin: gpuport.Client, tmp_path: Path) -> None:
-    flag = tmp_path / "go"
-    hold = f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.02)"
+def test_gpu_jobs_queue_first_come_and_show_in_gpus(server: RunningServer, admin: gpuport.Client) -> None:
+    hold = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.02)"
     big = admin.submit(["python", "-c", hold], workdir=None, gpus=2)
     wait_for(lambda: big.status == "running", what="the 2-GPU job running")
     small = admin.submit(["python", "-c", "pass"], workdir=None, gpus=1)
@@ -114,7 +113,7 @@ def test_gpu_jobs_queue_first_come_and_show_in_gpus(admin: gpuport.Client, tmp_p
     assert [g.jobs for g in admin.gpus()] == [(big.id,), (big.id,)]
     cpu = admin.submit(["python", "-c", "pass"], workdir=None).wait(30)
     assert cpu.info.state == "succeeded"  # needs no GPU: not held up
-    flag.touch()
+    touch_in_job(server.state_dir, big.id, "go")
     assert small.wait(30).exit_code == 0 and big.wait(30).exit_code == 0
     assert small.info.started_at >= big.info.ended_at - 0.5
 
@@ -276,13 +275,12 @@ def _reap(process: subprocess.Popen[str]) -> None:
     process.communicate()
 
 
-def test_python_output_is_live_and_in_order_without_flushes(admin: gpuport.Client, tmp_path: Path) -> None:
-    flag = tmp_path / "go"
+def test_python_output_is_live_and_in_order_without_flushes(server: RunningServer, admin: gpuport.Client) -> None:
     script = textwrap.dedent(
-        f"""
+        """
         import os, sys, time
         print("first")                  # no flush: the bootstrap keeps it live
-        while not os.path.exists({str(flag)!r}):
+        while not os.path.exists("go"):
             time.sleep(0.02)
         print("out 1"); print("err", file=sys.stderr); print("out 2")
         """
@@ -291,7 +289,7 @@ def test_python_output_is_live_and_in_order_without_flushes(admin: gpuport.Clien
     lines = job.logs(follow=True)
     assert next(lines) == "first"  # while the job still runs
     assert job.status == "running"
-    flag.touch()
+    touch_in_job(server.state_dir, job.id, "go")
     assert list(lines) == ["out 1", "err", "out 2"]
 
 

@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 
 import gpuport
-from tests.conftest import RunningServer, client_env, wait_for
+from tests.conftest import RunningServer, client_env, touch_in_job, wait_for
 
 GiB = 2**30
 SCRIPTS = Path(__file__).parent / "_sessions"
@@ -172,11 +171,14 @@ def _live(client: gpuport.Client) -> dict[str, gpuport.SessionInfo]:
     return {info.id: info for info in client.sessions()}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+def _worker() -> str:
+    """Which worker runs the call: its job's id (its pid is 2 or so, inside its sandbox)."""
+    return os.environ["GPUPORT_JOB_ID"]
+
+
+def _gone(client: gpuport.Client, worker: str) -> bool:
+    """Whether the worker's job has ended: its supervisor records that once every process is gone."""
+    return client.job(worker).status not in ("queued", "running")
 
 
 # ---- Values -----------------------------------------------------------------------------------------
@@ -332,13 +334,13 @@ def test_a_value_the_worker_cannot_rebuild_is_refused_and_the_worker_lives_on(
     monkeypatch.setitem(sys.modules, name, module)
     session = open_session()
     kept = session.put(np.arange(3), name="kept")
-    pid = session.call(os.getpid)
+    pid = session.call(_worker)
     with pytest.raises((gpuport.InvalidRequest, gpuport.RemoteError), match=name):
         session.call(len, [module.Local(2)])
-    assert session.call(os.getpid) == pid
+    assert session.call(_worker) == pid
     with pytest.raises(gpuport.InvalidRequest, match=name):
         session.put(module.Local(1))
-    assert session.call(os.getpid) == pid and session.info().state == "running"
+    assert session.call(_worker) == pid and session.info().state == "running"
     assert [r.id for r in session.refs()] == [kept.id]
 
 
@@ -346,14 +348,14 @@ def test_a_result_that_cannot_travel_back_is_an_error_and_can_be_kept_instead(
     open_session: Callable[..., gpuport.Session],
 ) -> None:
     session = open_session()
-    pid = session.call(os.getpid)
+    pid = session.call(_worker)
     with pytest.raises(gpuport.GpuportError, match="keep=True"):
         session.call(threading.Lock)
     lock = session.call(threading.Lock, keep="lock")
     assert lock.name == "lock" and "lock" in lock.type
     with pytest.raises(gpuport.GpuportError, match="pickle"):
         session.get(lock)
-    assert session.call(os.getpid) == pid and [r.id for r in session.refs()] == [lock.id]
+    assert session.call(_worker) == pid and [r.id for r in session.refs()] == [lock.id]
 
 
 def test_a_keras_model_fitted_once_is_evaluated_by_later_calls_through_refs_only(shared: gpuport.Session) -> None:
@@ -379,7 +381,7 @@ def test_a_keras_model_fitted_once_is_evaluated_by_later_calls_through_refs_only
 
 
 def test_remote_prints_show_locally_as_they_happen_stdout_and_stderr_apart(
-    open_session: Callable[..., gpuport.Session], capsys: pytest.CaptureFixture[str], tmp_path: Path
+    server: RunningServer, open_session: Callable[..., gpuport.Session], capsys: pytest.CaptureFixture[str]
 ) -> None:
     session = open_session()
     assert session.call(print, "hello from the worker") is None
@@ -395,15 +397,14 @@ def test_remote_prints_show_locally_as_they_happen_stdout_and_stderr_apart(
         out.append(captured.out)
         err.append(captured.err)
 
-    flag = tmp_path / "go"
     with ThreadPoolExecutor(1) as pool:
-        call = pool.submit(session.call, _chatty, str(flag))
+        call = pool.submit(session.call, _chatty, "go")  # in the worker's folder: see touch_in_job
         wait_for(
             lambda: read() or ("first line" in "".join(out) and "first warning" in "".join(err)),
             what="the first lines shown while the call still runs",
         )
         assert not call.done()
-        flag.touch()
+        touch_in_job(server.state_dir, session.info().job_id, "go")
         assert call.result(timeout=60) == 7
     read()  # right after call() returned: everything is there already
     stdout, stderr = "".join(out), "".join(err)
@@ -423,7 +424,7 @@ def test_a_named_session_is_found_from_another_process_listed_and_closed(
     session = open_session(name=name)
     assert session.name == name and session.id.startswith("s-")
     session.put(np.arange(6, dtype=np.float32).reshape(2, 3), name="weights")
-    pid = session.call(os.getpid)
+    pid = session.call(_worker)
     again = admin.session(name=name)  # the same session, values intact
     assert again.id == session.id and [r.name for r in again.refs()] == ["weights"]
     again.detach()
@@ -462,7 +463,7 @@ def test_a_named_session_is_found_from_another_process_listed_and_closed(
     closed = cli("sessions", "close", name, **client_env(server))
     assert closed.code == 0, closed.stderr
     wait_for(lambda: session.id not in _live(admin), timeout=END_TIMEOUT, what="the session ended")
-    wait_for(lambda: _gone(pid), timeout=END_TIMEOUT, what="its worker process gone")
+    wait_for(lambda: _gone(admin, pid), timeout=END_TIMEOUT, what="its worker process gone")
     with pytest.raises(gpuport.NotFound):
         session.ref("weights")
     gone = cli("sessions", "close", name, **client_env(server))
@@ -502,10 +503,10 @@ def test_leaving_the_with_block_closes_an_unnamed_session(admin: gpuport.Client)
     with admin.session(cpus=1, memory="2GiB", idle_timeout="90s") as session:
         info = session.info()
         assert (info.cpus, info.memory, info.idle_timeout, info.name) == (1, 2 * GiB, 90, "")
-        pid = session.call(os.getpid)
+        pid = session.call(_worker)
         assert session.id in _live(admin)
     assert session.id not in _live(admin)
-    wait_for(lambda: _gone(pid), timeout=END_TIMEOUT, what="its worker process gone")
+    wait_for(lambda: _gone(admin, pid), timeout=END_TIMEOUT, what="its worker process gone")
     assert admin.job(info.job_id).wait(END_TIMEOUT).info.state not in ("queued", "running")
 
 
@@ -556,7 +557,7 @@ def test_a_worker_that_exits_or_crashes_raises_worker_died_and_restart_gives_a_f
 ) -> None:
     session = open_session()
     lost = session.put(np.arange(3), name="lost")
-    first = session.call(os.getpid)
+    first = session.call(_worker)
     with pytest.raises(gpuport.WorkerDied) as died:
         session.call(_exit, 3)
     assert (died.value.exit_code, died.value.signal) == (3, None)
@@ -570,7 +571,7 @@ def test_a_worker_that_exits_or_crashes_raises_worker_died_and_restart_gives_a_f
         session.get(lost)
     with pytest.raises(gpuport.NotFound):
         session.ref("lost")
-    second = session.call(os.getpid)
+    second = session.call(_worker)
     assert second != first and session.call(_divide, 1, 4) == 0.25
 
     with pytest.raises(gpuport.WorkerDied) as crashed:
@@ -579,21 +580,21 @@ def test_a_worker_that_exits_or_crashes_raises_worker_died_and_restart_gives_a_f
     assert "about to crash" in crashed.value.stderr_tail
     assert session.info().state == "died"
     session.restart()
-    assert session.call(os.getpid) not in (first, second)
+    assert session.call(_worker) not in (first, second)
 
 
 def test_a_call_past_its_timeout_raises_call_timeout_and_the_worker_is_stopped(
-    open_session: Callable[..., gpuport.Session],
+    admin: gpuport.Client, open_session: Callable[..., gpuport.Session]
 ) -> None:
     session = open_session()
     assert session.call(time.sleep, 0.05, timeout=30) is None  # within its time: fine
-    pid = session.call(os.getpid)
+    pid = session.call(_worker)
     start = time.monotonic()
     with pytest.raises(gpuport.CallTimeout) as caught:
         session.call(time.sleep, 60, timeout=1)
     assert time.monotonic() - start < 20
     assert isinstance(caught.value, gpuport.WorkerDied) and isinstance(caught.value, TimeoutError)
-    wait_for(lambda: _gone(pid), timeout=END_TIMEOUT, what="the worker stopped")
+    wait_for(lambda: _gone(admin, pid), timeout=END_TIMEOUT, what="the worker stopped")
     assert session.info().state == "died"
     session.restart()
     assert session.call(_divide, 3, 1) == 3.0
@@ -604,14 +605,14 @@ def test_an_argument_that_cannot_be_pickled_is_refused_locally_and_the_session_g
 ) -> None:
     session = open_session()
     kept = session.put(np.arange(3))
-    pid = session.call(os.getpid)
+    pid = session.call(_worker)
     with socket.socket() as sock:
         for bad in (threading.Lock(), sock):
             with pytest.raises(gpuport.InvalidRequest, match="pickle"):
                 session.call(len, [bad])
             with pytest.raises(gpuport.InvalidRequest, match="pickle"):
                 session.put({"inside": bad})
-    assert session.call(np.sum, kept) == 3 and session.call(os.getpid) == pid
+    assert session.call(np.sum, kept) == 3 and session.call(_worker) == pid
     assert [r.id for r in session.refs()] == [kept.id]
 
 

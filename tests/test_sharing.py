@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 import gpuport
-from tests.conftest import RunningServer, client_env, start_server, wait_for
+from tests.conftest import JobFlag, RunningServer, client_env, needs_users, start_server, wait_for
 
 GiB = 2**30
-# Holds until the flag file named by argv[1] appears.
+# Holds until the flag file named by argv[1] appears in its folder (see JobFlag).
 HOLD = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.02)"
 # "Allocates" fake GPU memory: declares argv[1] bytes on its GPU to the fake inventory, then holds.
 USE_GPU = textwrap.dedent(
@@ -41,12 +41,12 @@ def sharing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]
 
 
 @pytest.fixture
-def flag(tmp_path: Path) -> Iterator[Path]:
+def flag(sharing: RunningServer) -> Iterator[JobFlag]:
     """A file whose appearance lets the test's holding jobs end; it is made at teardown too, so that a
     failed test leaves no job holding GPUs for the next."""
-    path = tmp_path / "go"
-    yield path
-    path.touch()
+    raised = JobFlag(sharing.state_dir)
+    yield raised
+    raised.close()
 
 
 @pytest.fixture
@@ -56,12 +56,13 @@ def admin_of(sharing: RunningServer) -> Iterator[gpuport.Client]:
 
 
 def _user(server: RunningServer, admin: gpuport.Client, name: str) -> gpuport.Client:
+    needs_users()
     names = {t.name for t in admin.tokens()}
     token = admin.create_token(f"{name}-{len(names)}").token
     return server.connect(token)
 
 
-def _hold(gpu: gpuport.Client, flag: Path, **request: object) -> gpuport.Job:
+def _hold(gpu: gpuport.Client, flag: JobFlag, **request: object) -> gpuport.Job:
     return gpu.submit(["python", "-c", HOLD, str(flag)], workdir=None, **request)  # type: ignore[arg-type]
 
 
@@ -103,7 +104,7 @@ def test_only_admins_may_raise_a_priority(sharing: RunningServer, admin_of: gpup
 
 
 def test_the_queue_is_fair_between_users_and_explains_each_wait(
-    sharing: RunningServer, admin_of: gpuport.Client, flag: Path, cli: object
+    sharing: RunningServer, admin_of: gpuport.Client, flag: JobFlag, cli: object
 ) -> None:
     with _user(sharing, admin_of, "alice") as alice, _user(sharing, admin_of, "bob") as bob:
         first = [_hold(alice, flag, gpus=1) for _ in range(2)]
@@ -128,7 +129,7 @@ def test_the_queue_is_fair_between_users_and_explains_each_wait(
 
 
 def test_slices_share_a_gpu_with_their_caps_and_show_in_gpus(
-    sharing: RunningServer, admin_of: gpuport.Client, tmp_path: Path, flag: Path, cli: object
+    sharing: RunningServer, admin_of: gpuport.Client, tmp_path: Path, flag: JobFlag, cli: object
 ) -> None:
     env_dump = (
         "import json, os, sys\n"
@@ -179,13 +180,13 @@ def test_slices_share_a_gpu_with_their_caps_and_show_in_gpus(
 
 
 def test_a_job_past_its_slice_is_killed_with_the_reason_in_status_and_log(
-    admin_of: gpuport.Client, tmp_path: Path, flag: Path
+    admin_of: gpuport.Client, tmp_path: Path, flag: JobFlag
 ) -> None:
     work = tmp_path / "work"
     work.mkdir()
     (work / "use.py").write_text(USE_GPU)
     used = int(9.1 * GiB)
-    job = admin_of.submit(["python", "use.py", str(used), str(tmp_path / "never")], workdir=work, gpu_memory="8GiB")
+    job = admin_of.submit(["python", "use.py", str(used), "never"], workdir=work, gpu_memory="8GiB")
     info = job.wait(30).info
     assert info.state == "killed"
     assert info.message == "exceeded its GPU memory slice of 8GiB (used 9.1GiB)"
@@ -204,7 +205,7 @@ def test_a_job_past_its_memory_limit_is_killed(admin_of: gpuport.Client) -> None
 
 
 def test_quotas_make_jobs_wait_and_only_admins_set_them(
-    sharing: RunningServer, admin_of: gpuport.Client, flag: Path, cli: object
+    sharing: RunningServer, admin_of: gpuport.Client, flag: JobFlag, cli: object
 ) -> None:
     with _user(sharing, admin_of, "dave") as dave:
         with pytest.raises(gpuport.PermissionDenied):
@@ -241,8 +242,10 @@ def test_quotas_make_jobs_wait_and_only_admins_set_them(
         assert result.code == 1 and "no quota for" in result.stderr
 
 
-def test_the_queue_order_survives_a_restart(tmp_path: Path, flag: Path) -> None:
+def test_the_queue_order_survives_a_restart(tmp_path: Path) -> None:
+    needs_users()
     state = tmp_path / "state"
+    flag = JobFlag(state)
     first = start_server(state)
     try:
         with first.connect() as admin:
@@ -265,6 +268,7 @@ def test_the_queue_order_survives_a_restart(tmp_path: Path, flag: Path) -> None:
             for job in [*holders, *queued]:
                 assert admin.job(job.id).wait(60).info.state == "succeeded"
     finally:
+        flag.close()
         again.stop()
 
 

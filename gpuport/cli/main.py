@@ -84,6 +84,17 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
 )
 @click.option(
+    "--job-uids",
+    default="61000-61999",
+    show_default=True,
+    help="As root: the Unix uids that users' jobs run as, one per gpuport user (kept in the state dir).",
+)
+@click.option(
+    "--no-sandbox",
+    is_flag=True,
+    help="Run jobs as the server's own user, unisolated (a box of one user): every token is then an admin token.",
+)
+@click.option(
     "--print-systemd-unit",
     is_flag=True,
     help="Print a systemd unit that runs the server with these options as a service, and exit.",
@@ -97,6 +108,8 @@ def server(
     insecure: bool,
     new_admin_token: bool,
     log_level: str,
+    job_uids: str,
+    no_sandbox: bool,
     print_systemd_unit: bool,
 ) -> None:
     """Run the gpuport daemon on this (GPU) machine.
@@ -111,10 +124,13 @@ def server(
         options += ["--data-port", str(data_port)] if data_port is not None else []
         options += ["--insecure"] if insecure else []
         options += ["--log-level", log_level] if log_level != "info" else []
+        options += ["--job-uids", job_uids] if job_uids != "61000-61999" else []
+        options += ["--no-sandbox"] if no_sandbox else []
         print(systemd_unit(options, state_dir), end="")
         return
     try:
         from gpuport.server.daemon import serve
+        from gpuport.server.isolation import parse_uid_range
         from gpuport.server.state import default_state_dir
     except ImportError as e:
         raise click.ClickException(missing_package(e, "`gpuport server`")) from None
@@ -130,6 +146,8 @@ def server(
             state_dir=state_dir or default_state_dir(),
             insecure=insecure,
             new_admin_token=new_admin_token,
+            job_uids=parse_uid_range(job_uids),
+            sandbox=not no_sandbox,
             say=lambda text: print(text, flush=True),
         )
     )

@@ -16,6 +16,7 @@ import psutil
 from gpuport._version import __version__
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
+from gpuport.server.isolation import Sandbox
 from gpuport.server.services.auth import AuthService, Identity
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
@@ -61,10 +62,13 @@ class ServerStatus:
 
 
 class ServerApp:
-    def __init__(self, state: StateDir, inventory: Inventory, executor: Executor | None = None) -> None:
+    def __init__(
+        self, state: StateDir, inventory: Inventory, sandbox: Sandbox, executor: Executor | None = None
+    ) -> None:
         self.state = state
+        self.sandbox = sandbox
         self.store = Store(state.db_path)
-        self.auth = AuthService(self.store)
+        self.auth = AuthService(self.store, "" if sandbox.isolated else sandbox.why)
         self.inventory = inventory
         self.blobs = BlobStore(state.blobs_dir)
         self.snapshots = SnapshotService(self.store, self.blobs)
@@ -73,7 +77,7 @@ class ServerApp:
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
         self.jobs = JobService(
-            self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor(), self.quotas
+            self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor(), self.quotas, sandbox
         )
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)

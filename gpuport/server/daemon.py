@@ -26,6 +26,7 @@ from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
+from gpuport.server import isolation
 from gpuport.server.api.data_port import DataPort
 from gpuport.server.api.grpc_api import build_grpc_server
 from gpuport.server.api.http_api import build_http_app
@@ -112,6 +113,7 @@ def _banner(
     data_port: int,
     identity: TLSIdentity | None,
     inventory: Inventory,
+    sandbox: isolation.Sandbox,
     new_token: str | None,
 ) -> str:
     """What every start prints: where to reach the server, what to pin, what it has; then ``ready``."""
@@ -126,6 +128,7 @@ def _banner(
         f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
         if gpus
         else f"  GPUs         none: {inventory.note}",
+        f"  isolation    {sandbox.describe()}",
     ]
     if new_token:
         lines += [
@@ -145,13 +148,16 @@ async def serve(
     data_port: int | None = None,
     insecure: bool = False,
     new_admin_token: bool = False,
+    job_uids: tuple[int, int] = isolation.DEFAULT_JOB_UIDS,
+    sandbox: bool = True,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
 
     The first start prints the first admin token; ``new_admin_token`` prints one more admin token
     on any start (for when every admin token is lost). ``data_port`` (None: the gRPC port + 2, or any
-    free port when that is 0) carries sessions' large values (see api/data_port.py).
+    free port when that is 0) carries sessions' large values (see api/data_port.py). ``job_uids``
+    and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -171,7 +177,8 @@ async def serve(
                 state.tls_dir,
             )
     inventory = detect_inventory()
-    app = ServerApp(state, inventory)
+    isolated = isolation.detect(job_uids) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
+    app = ServerApp(state, inventory, isolated)
     data: DataPort | None = None
     try:
         credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
@@ -231,6 +238,7 @@ async def serve(
             data.port,
             identity,
             inventory,
+            isolated,
             new_token,
         )
         # Everything imported and built so far lives as long as the server: move it out of the

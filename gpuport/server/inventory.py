@@ -114,6 +114,9 @@ class FakeInventory(Inventory):
             return []
         declared = []
         for file in self.usage_dir.iterdir():
+            if file.is_dir():  # a sandboxed job's, whose files are named by pids of its own namespace
+                declared += _declared_in_sandbox(file)
+                continue
             try:
                 pid = int(file.name)
                 os.kill(pid, 0)
@@ -125,6 +128,34 @@ class FakeInventory(Inventory):
                 continue  # not one of ours, or half written
             declared.append((pid, index, used))
         return declared
+
+
+def _declared_in_sandbox(folder: Path) -> list[tuple[int, int, int]]:
+    """(host pid, GPU index, bytes) declared in a sandboxed job's folder: its supervisor wrote the
+    job's pid namespace to ``.pidns``, where each process's NSpid maps its inner pid to the host's."""
+    try:
+        namespace = (folder / ".pidns").read_text()
+    except OSError:
+        return []
+    hosts = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.readlink(proc / "ns" / "pid") != namespace:
+                continue
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("NSpid:"):
+                    hosts[int(line.split()[-1])] = int(proc.name)
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+    declared = []
+    for file in folder.iterdir():
+        try:
+            host = hosts[int(file.name)]
+            index, used = map(int, file.read_text().split())
+        except (KeyError, ValueError, OSError):
+            continue  # a dotfile, a process that ended, a file half written
+        declared.append((host, index, used))
+    return declared
 
 
 class NvmlInventory(Inventory):

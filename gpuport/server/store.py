@@ -137,6 +137,13 @@ MIGRATIONS: list[str] = [
         SELECT s.owner, json_extract(e.value, '$[1]') FROM snapshots s, json_each(s.manifest) e
         WHERE json_extract(e.value, '$[1]') != '';
     """,
+    # 8: the Unix uid each user's work runs as, when the server runs as root (server/isolation.py)
+    """
+    CREATE TABLE unix_users (
+        owner   TEXT PRIMARY KEY,
+        uid     INTEGER NOT NULL UNIQUE
+    );
+    """,
 ]
 
 

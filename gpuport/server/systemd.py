@@ -11,20 +11,17 @@ import shlex
 import sys
 from pathlib import Path
 
-# The service user's home, made by systemd's StateDirectory= (0700, owned by User=); jobs find their
-# HOME there (framework caches: ~/.keras, ~/.cache/torch), beside the server's state, not in it.
-DEFAULT_SERVICE_HOME = Path("/var/lib/gpuport")
-DEFAULT_SERVICE_STATE_DIR = DEFAULT_SERVICE_HOME / "state"
-# The system account the unit runs the daemon as (created by the commands in the unit's comment).
-DEFAULT_SERVICE_USER = "gpuport"
+# Made by systemd's StateDirectory= (0700, root's).
+DEFAULT_SERVICE_STATE_DIR = Path("/var/lib/gpuport/state")
 
 _UNIT = """\
 # gpuport server as a systemd service. Install it (as root) with:
-#   useradd --system --home-dir {home} --shell /usr/sbin/nologin {user}
 #   {print_command} > /etc/systemd/system/gpuport.service
 #   systemctl daemon-reload && systemctl enable --now gpuport
 #   journalctl -u gpuport          # the URL, fingerprint and (first start only) the admin token
-# {user} must be able to read this Python environment: {prefix}
+# The server runs as root so that each user's jobs run as a uid of their own (--job-uids), in a
+# sandbox (bubblewrap: apt-get install bubblewrap slirp4netns); the Python environment it runs,
+# {prefix}, is shown to jobs read-only.
 [Unit]
 Description=gpuport server: GPU over IP for Python deep learning
 Documentation=https://github.com/gpuport/gpuport#readme
@@ -33,8 +30,7 @@ Wants=network-online.target
 
 [Service]
 Type=exec
-User={user}
-Group={user}
+User=root
 ExecStart={exec_start}
 {state_directory}Environment=PYTHONUNBUFFERED=1
 # Jobs and sessions run detached (their own process session, a supervisor writing their log and exit
@@ -55,8 +51,7 @@ def systemd_unit(server_args: list[str], state_dir: Path | None) -> str:
 
     ``server_args`` are the server's options as given, without ``--state-dir`` (added here) and
     without ``--print-systemd-unit``. The folder under /var/lib that holds the state dir is made
-    by systemd (mode 0700, owned by the service's user); a state dir elsewhere must exist and
-    belong to that user.
+    by systemd (mode 0700); a state dir elsewhere is made by the server.
     """
     given = ["--state-dir", str(state_dir)] if state_dir else []
     state_dir = (state_dir or DEFAULT_SERVICE_STATE_DIR).absolute()
@@ -67,8 +62,6 @@ def systemd_unit(server_args: list[str], state_dir: Path | None) -> str:
     top = state_dir.relative_to(var_lib).parts[0] if managed else ""
     state_directory = f"StateDirectory={top}\nStateDirectoryMode=0700\n" if managed else ""
     return _UNIT.format(
-        user=DEFAULT_SERVICE_USER,
-        home=DEFAULT_SERVICE_HOME,
         prefix=sys.prefix,
         print_command=shlex.join(["gpuport", "server", *server_args, *given, "--print-systemd-unit"]),
         exec_start=shlex.join(command),

@@ -10,8 +10,8 @@ import gpuport
 
 def main() -> None:
     gpu = gpuport.connect()
-    where = gpu.function()(os.getpid)
-    print(json.dumps({"pid": where()}), flush=True)
+    where = gpu.function()(lambda: os.environ["GPUPORT_JOB_ID"])  # the worker's job
+    print(json.dumps({"worker": where()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ class Launch:
     nprocs: int = 1  # processes of the job, each with its rank's environment when more than one
     tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles in rank order; None: all workers
     rank_gpus: list[list[int]] | None = None  # each rank's CUDA_VISIBLE_DEVICES; None: the env's for all
+    sandbox: list[str] | None = None  # the command prefix of the job's sandbox (server/isolation.py)
+    network: list[str] | None = None  # a command (+ the sandbox's pid) giving the sandbox a way out
+    pidns_file: str | None = None  # where the supervisor writes the job's pid namespace (fake GPUs)
 
 
 class Executor(ABC):

@@ -44,6 +44,9 @@ class LocalExecutor(Executor):
             "nprocs": launch.nprocs,
             "tf_roles": launch.tf_roles,
             "rank_gpus": launch.rank_gpus,
+            "sandbox": launch.sandbox,
+            "network": launch.network,
+            "pidns_file": launch.pidns_file,
         }
         # Not fsynced: a machine that crashes takes the job's processes with it anyway.
         # In marshal: the supervisor reads it without importing json (see its imports).

@@ -58,8 +58,11 @@ def _record(row) -> TokenRecord:  # type: ignore[no-untyped-def]
 
 
 class AuthService:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, no_users_because: str = "") -> None:
+        """``no_users_because``: why jobs cannot be isolated here, so that every token must be an
+        admin token (any job could act as the server); empty where they are isolated."""
         self._store = store
+        self._no_users_because = no_users_because
         # token hash → identity, for valid tokens only; emptied for a name when it is revoked.
         self._cache: dict[str, Identity] = {}
 
@@ -107,6 +110,12 @@ class AuthService:
     def create(self, caller: Identity, name: str, admin: bool) -> tuple[TokenRecord, str]:
         """Make a token for user ``name``; returns its record and the token, which is never shown again."""
         caller.require_admin("creating tokens")
+        if not admin and self._no_users_because:
+            raise InvalidRequest(
+                f"this server cannot isolate jobs ({self._no_users_because}), so a job could act as the "
+                "server itself: every token is an admin token here. Install what is missing and restart "
+                "the server, or create an admin token (--admin) for someone you trust with the server"
+            )
         if not _NAME_RE.fullmatch(name):  # not match(): its $ also matches before a final newline
             raise InvalidRequest(
                 f"invalid token name {name!r}: use 1 to {MAX_NAME_LENGTH} letters, digits, '.', '_', '@' or '-', "

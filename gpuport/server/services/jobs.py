@@ -57,6 +57,7 @@ from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors import Executor, Launch
 from gpuport.server.inventory import FakeInventory, Inventory
+from gpuport.server.isolation import Sandbox, UidMap
 from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Request, could_start, plan
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
@@ -137,6 +138,7 @@ class JobRequest:
     # with settings of gpuport's own (GPUPORT_SESSION_DIR) in its environment.
     kind: str = "job"
     internal_env: dict[str, str] = field(default_factory=dict)
+    folders: list[str] = field(default_factory=list)  # of the server's, which the job's processes may write
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,19 @@ class JobRecord:
     nprocs: int = 1
     position: int = 0  # place in the queue while queued (1: next); 0 otherwise
     kind: str = "job"  # or "session": a session's worker
+
+
+def _let_read(folder: Path) -> None:
+    """Make what the server wrote under ``folder`` readable by a job's uid (the server writes with
+    umask 077): folders 0755, files +r. Blobs' hard links are 0444 already and left alone; the
+    sandbox shows the folder to that one job only."""
+    for top, _, files in os.walk(folder):
+        os.chmod(top, 0o755)
+        for name in files:
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.getuid():
+                os.chmod(path, info.st_mode & 0o777 | 0o044)
 
 
 def exit_message(code: int) -> str:
@@ -218,6 +233,7 @@ class JobService:
         root: Path,
         executor: Executor,
         quotas: QuotaService,
+        sandbox: Sandbox,
     ) -> None:
         self.store = store
         self.snapshots = snapshots
@@ -225,6 +241,8 @@ class JobService:
         self.root = root
         self.executor = executor
         self.quotas = quotas
+        self.sandbox = sandbox
+        self.uids = UidMap(store, sandbox.uids)
         self.root.mkdir(exist_ok=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: dict[str, asyncio.Event] = {}
@@ -285,6 +303,7 @@ class JobService:
             "hyperparameters": request.hyperparameters,
             "tf_roles": request.tf_roles,
             "internal_env": request.internal_env,
+            "folders": request.folders,
         }
         return argv, snapshot, outputs, spec
 
@@ -730,9 +749,15 @@ class JobService:
             for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
                 if name not in spec["env"]:
                     env[name] = threads
+        fake_gpus = None
         if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir:
-            env[ENV_FAKE_GPU_DIR] = str(self.inventory.usage_dir)
+            fake_gpus = self.inventory.usage_dir / row["id"] if self.sandbox.isolated else self.inventory.usage_dir
+            env[ENV_FAKE_GPU_DIR] = str(fake_gpus)
         tf_roles = spec.get("tf_roles")
+        if self.sandbox.isolated:
+            sandbox = self._sandbox(row, spec, work, out, env, fake_gpus)
+        else:
+            sandbox = {}
         return Launch(
             job_dir,
             json.loads(row["command"]),
@@ -743,7 +768,38 @@ class JobService:
             nprocs=row["nprocs"],
             tf_roles=[(role, count) for role, count in tf_roles] if tf_roles else None,
             rank_gpus=rank_gpus(gpu_indices, row["nprocs"]) if row["nprocs"] > 1 else None,
+            **sandbox,
         )
+
+    def _sandbox(
+        self, row: Any, spec: dict[str, Any], work: Path, out: Path, env: dict[str, str], fake_gpus: Path | None
+    ) -> dict[str, Any]:
+        """The sandbox a job runs in (``Launch`` fields): only its own folders, its datasets read-only,
+        as its owner's uid (when the server is root), which then owns what the job may write."""
+        uid = self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" else None
+        writable = [work, out, *(Path(folder) for folder in spec.get("folders") or ())]
+        pidns_file = None
+        if fake_gpus is not None:
+            fake_gpus.mkdir(exist_ok=True)
+            writable.append(fake_gpus)
+            pidns_file = str(fake_gpus / ".pidns")
+        if uid is not None:
+            for folder in (work, out):  # copies the server made for this job: the job's to change
+                for top, folders, files in os.walk(folder):
+                    for name in (top, *(os.path.join(top, n) for n in folders + files)):
+                        os.lchown(name, uid, uid)
+            for folder in writable[2:]:  # the folder only: what the server put in it stays the server's
+                os.chown(folder, uid, uid)
+        readable = [work.parent / "datasets"] if spec["datasets"] else []
+        for folder in [*readable, *writable[2:]]:
+            _let_read(folder)
+        if "HOME" not in spec["env"]:
+            env["HOME"] = "/tmp"  # the sandbox's own; the server's home is not there
+        network = None
+        if self.sandbox.slirp4netns:
+            network = [self.sandbox.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback"]
+        argv = self.sandbox.argv(uid=uid, writable=writable, readable=readable, cwd=work)
+        return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
 
     def _caps_env(self, row: Any, gpu_indices: list[int]) -> dict[str, str]:
         """A slice's limit for each framework, read by the job's bootstrap or by the framework itself.
@@ -867,3 +923,5 @@ class JobService:
         """Drop the job's working copies; its log, exit status and outputs (in the blob store) stay."""
         for name in ("work", "out", "datasets"):
             shutil.rmtree(job_dir / name, ignore_errors=True)
+        if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir and self.sandbox.isolated:
+            shutil.rmtree(self.inventory.usage_dir / job_dir.name, ignore_errors=True)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuport._files import open_nofollow
 from gpuport.defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY, MAX_SERVING_QUEUE
 from gpuport.protocol.errors import (
     Conflict,
@@ -330,6 +331,7 @@ class ServingService:
                 name=f"model {d.name} v{d.version} replica {index}",
                 kind="model",
                 internal_env={ENV_MODEL_DIR: str(d.folder), ENV_MODEL_REPLICA: str(index)},
+                folders=[str(d.folder)],
             ),
         )
 
@@ -479,7 +481,7 @@ class ServingService:
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-                    r.link = await wire.Link.connect(path)
+                    r.link = await wire.Link.connect(path, lambda pid: pid in self.jobs.pids(r.job_id))
                     return
                 if time.monotonic() - started > _CONNECT_TIMEOUT:
                     raise _Failed(
@@ -488,9 +490,9 @@ class ServingService:
             await asyncio.sleep(0.05 if job.state is JobState.RUNNING else 0.2)
 
     def _why_ended(self, d: _Deployment, r: _Replica, job: JobRecord) -> str:
-        error = d.folder / f"error-{r.index}"
-        if job.exit_code == LOAD_FAILED and error.exists():
-            return f"the model did not load: {error.read_text().strip()}"
+        if job.exit_code == LOAD_FAILED:
+            with contextlib.suppress(OSError), open_nofollow(d.folder / f"error-{r.index}") as error:
+                return f"the model did not load: {error.read(65536).decode(errors='replace').strip()}"
         return f"its worker (replica {r.index}) {job.message or 'ended'}"
 
     async def _restart(self, d: _Deployment, r: _Replica, job: JobRecord) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from gpuport._files import open_nofollow
 from gpuport.defaults import (
     DEFAULT_SESSION_IDLE_TIMEOUT,
     ENV_SESSION_DIR,
@@ -501,6 +502,7 @@ class SessionService:
                 name=f"session {name or session_id}",
                 kind="session",
                 internal_env={ENV_SESSION_DIR: str(self.root / session_id), ENV_SESSION_IDLE_TIMEOUT: str(idle)},
+                folders=[str(self.root / session_id)],
             ),
         )
 
@@ -611,7 +613,7 @@ class SessionService:
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 try:
-                    live.link = await wire.Link.connect(path)
+                    live.link = await wire.Link.connect(path, self._worker_of(live.job_id))
                     return live.link
                 except (FileNotFoundError, ConnectionRefusedError):
                     if time.monotonic() - started > _CONNECT_TIMEOUT:
@@ -702,6 +704,10 @@ class SessionService:
                     live.sent(staged)
         return self._out(live, frame)
 
+    def _worker_of(self, job_id: str) -> Callable[[int], bool]:
+        """Whether a pid is one of the processes of job ``job_id``."""
+        return lambda pid: pid in self.jobs.pids(job_id)
+
     def _direct_socket(self, live: _Live, direct: Direct) -> socket.socket | None:
         if direct.sock is not None and direct.job_id == live.job_id:
             return direct.sock
@@ -710,7 +716,7 @@ class SessionService:
             return None
         job_id = live.job_id
         try:
-            direct.sock = wire.connect(str(self.root / live.id / "worker.sock"))
+            direct.sock = wire.connect(str(self.root / live.id / "worker.sock"), self._worker_of(job_id))
         except OSError:
             return None
         direct.job_id = job_id
@@ -774,14 +780,14 @@ class SessionService:
         sizes = []
         for name in ("stdout", "stderr"):
             try:
-                sizes.append((folder / name).stat().st_size)
+                sizes.append(os.lstat(folder / name).st_size)  # lstat: the worker's folder holds what it made
             except OSError:
                 sizes.append(0)
         return sizes[0], sizes[1]
 
     def _stderr_tail(self, live: _Live) -> str:
         try:
-            with open(self.root / live.id / "stderr", "rb") as f:
+            with open_nofollow(self.root / live.id / "stderr") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 8192))
                 lines = f.read().decode(errors="replace").splitlines()
@@ -943,7 +949,7 @@ class SessionService:
         for fd, name, asked in ((1, "stdout", stdout_offset), (2, "stderr", stderr_offset)):
             if asked < 0:  # from where it stands now
                 try:
-                    asked = (folder / name).stat().st_size
+                    asked = os.lstat(folder / name).st_size
                 except OSError:
                     asked = 0
             offsets[fd] = asked
@@ -959,8 +965,8 @@ class SessionService:
                     f = files.get(fd)
                     if f is None:
                         try:
-                            f = files[fd] = open(folder / name, "rb")  # noqa: SIM115 - closed below
-                        except FileNotFoundError:
+                            f = files[fd] = open_nofollow(folder / name)  # the worker's file: no link followed
+                        except OSError:
                             continue
                     f.seek(offsets[fd])
                     data = f.read(LOG_CHUNK_BYTES)

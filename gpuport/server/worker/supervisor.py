@@ -168,10 +168,25 @@ class _Rank:
     def poll(self) -> int | None:
         """The exit code once it has ended (negative: the signal that killed it), else None."""
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+            _reap()
+            self.returncode = _reaped.pop(self.pid, None)
         return self.returncode
+
+
+_reaped: dict[int, int] = {}  # exit codes of children that ended, by pid, until their _Rank reads them
+
+
+def _reap() -> None:
+    """Collect every child that has ended: the ranks, and in a sandbox, where this process is pid 1,
+    whatever the job left orphaned (which would otherwise stay a zombie)."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        _reaped[pid] = os.waitstatus_to_exitcode(status)
 
 
 def _copy_lines(fd: int, prefix: bytes, log, log_lock: threading.Lock) -> None:
@@ -203,6 +218,13 @@ def _copy_lines(fd: int, prefix: bytes, log, log_lock: threading.Lock) -> None:
     if pending:
         write(bytes(pending))
     os.close(fd)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # gone already
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -268,8 +290,188 @@ def main(job_dir: str) -> int:
         return 1
     with open(os.path.join(job_dir, "spec.marshal"), "rb") as f:
         spec = marshal.load(f)
+    if spec.get("sandbox"):
+        status = _run_sandboxed(job_dir, spec)
+    else:
+        with open(os.path.join(job_dir, "log"), "ab", buffering=0) as log:
+
+            def started(info: dict) -> None:
+                _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read while it runs
+
+            status = _run(spec, log, started, lambda: _kill_reason(job_dir))
+    _write_json(os.path.join(job_dir, "exit.json"), status)
+    return 0
+
+
+def _run_sandboxed(job_dir: str, spec: dict) -> dict:
+    """Run the job in the sandbox ``spec["sandbox"]`` (a bubblewrap command prefix the server made),
+    with a second supervisor inside it (``--inner``) that runs the ranks; returns the status.
+
+    This one stays outside, as the server's user: it holds the lock, writes supervisor.json with the
+    pids as the host sees them (bubblewrap's, whose descendants are the job's), and exit.json from
+    the status the inner one reports. It passes a cancel on as SIGTERM to the inner supervisor, and
+    kills with SIGKILL to it: as pid 1 of the job's pid namespace, its end ends every process there.
+    """
+    log = os.open(os.path.join(job_dir, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    spec_r, spec_w = os.pipe()
+    status_r, status_w = os.pipe()
+    pids_r, pids_w = os.pipe()
+    lifeline_r, lifeline_w = os.pipe()  # the write end stays here, never written: its end is this process's
+    inner_spec = {k: v for k, v in spec.items() if k not in ("sandbox", "network", "pidns_file")}
+    sandbox = spec["sandbox"]
+    argv = [sandbox[0], "--json-status-fd", "5", *sandbox[1:], sys.executable, "-I", "-S", __file__, "--inner"]
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
+    passed = ((log, 1), (log, 2), (spec_r, 3), (status_w, 4), (pids_w, 5), (lifeline_r, 6))
+    actions += [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in passed]
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    requested = set()
+    signal.signal(signal.SIGTERM, lambda signum, frame: requested.add("cancel"))
+    signal.signal(signal.SIGINT, lambda signum, frame: requested.add("cancel"))
+    signal.signal(signal.SIGUSR1, lambda signum, frame: requested.add("kill"))
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    started_at = time.time()
+    start = time.monotonic()
+    # bubblewrap makes the folders leading to its mounts with this umask: the server's 077 would hide
+    # them from the job's uid.
+    umask = os.umask(0o022)
+    try:
+        bwrap = os.posix_spawn(argv[0], argv, {"PATH": os.defpath}, file_actions=actions, setsid=True)
+    except OSError as e:
+        error = f"cannot start the sandbox ({argv[0]}): {e.strerror}"
+        os.write(log, f"gpuport: {error}\n".encode())
+        return {"started_at": started_at, "exit_code": 127, "error": error, "ended_at": time.time()}
+    finally:
+        os.umask(umask)
+        for fd in (spec_r, status_w, pids_w, lifeline_r):
+            os.close(fd)
+    import json
+
+    inner = None
+    with os.fdopen(pids_r, "rb", buffering=0, closefd=False) as f:
+        line = f.readline()  # bubblewrap's first report: the pid, as the host sees it, of its child
+    if line:
+        inner = int(json.loads(line)["child-pid"])
+    helpers = []
+    if inner is not None:
+        if spec.get("pidns_file"):
+            with open(spec["pidns_file"], "w") as f:
+                f.write(os.readlink(f"/proc/{inner}/ns/pid"))
+        if spec.get("network"):
+            helpers.append(_connect_network(spec["network"], inner))
+    try:  # the inner supervisor starts the ranks once it has the spec: after the network is up
+        with os.fdopen(spec_w, "wb") as f:
+            marshal.dump(inner_spec, f)
+    except BrokenPipeError:  # the sandbox did not start: bubblewrap's message is in the log
+        pass
+    _write_json(
+        os.path.join(job_dir, "supervisor.json"),
+        {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at},
+        durable=False,
+    )
+    grace = float(spec.get("grace", 5.0))
+    time_limit = float(spec.get("time_limit") or 0)
+    # The inner supervisor runs as the job's user: it enforces the time limit, and this one makes
+    # sure of it a little later, whatever the job did to it.
+    backstop = start + time_limit + grace + 10 if time_limit > 0 else None
+    kill_at = None
+    killed = False
+    code = None
+    while code is None:
+        if "kill" in requested and not killed and inner is not None:
+            killed = True
+            _signal_pid(inner, signal.SIGKILL)
+        if "cancel" in requested and kill_at is None and inner is not None:
+            _signal_pid(inner, signal.SIGTERM)
+            kill_at = time.monotonic() + grace + 5
+        now = time.monotonic()
+        for deadline in (kill_at, backstop):
+            if deadline is not None and now >= deadline and inner is not None:
+                _signal_pid(inner, signal.SIGKILL)
+        pid, wait_status = os.waitpid(bwrap, os.WNOHANG)
+        if pid:
+            code = os.waitstatus_to_exitcode(wait_status)
+            break
+        deadlines = [d - now for d in (kill_at, backstop) if d is not None]
+        select.select([wake_r], [], [], max(0.0, min(deadlines)) if deadlines else None)
+        try:
+            while os.read(wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+    for helper in helpers:
+        _signal_pid(helper, signal.SIGKILL)
+        os.waitpid(helper, 0)
+    os.close(pids_r)
+    with os.fdopen(status_r, "rb") as f:
+        reported = f.read()
+    status = json.loads(reported) if reported else {"started_at": started_at}
+    if killed:
+        status["killed"] = reason = _kill_reason(job_dir)
+        status["exit_code"] = -signal.SIGKILL
+        os.write(log, f"gpuport: job killed: {reason}\n".encode())
+    elif not reported:
+        status["exit_code"] = 127
+        status["error"] = f"the job's sandbox ended without its status (bubblewrap: {_describe(code)})"
+        os.write(log, f"gpuport: {status['error']}\n".encode())
+    status.setdefault("ended_at", time.time())
+    os.close(log)
+    return status
+
+
+_NETWORK_READY_TIMEOUT = 10.0  # seconds for slirp4netns to give a job's namespace its way out
+
+
+def _connect_network(command: list, inner: int) -> int:
+    """Start ``command`` (slirp4netns) for the network namespace of ``inner``, and wait until it is
+    ready; returns its pid. The job's only route out then goes through it, never to the host's
+    loopback (where the server and other jobs' forwarded ports would be)."""
+    ready_r, ready_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDWR)
+    actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, null, 2)]
+    actions.append((os.POSIX_SPAWN_DUP2, ready_w, 3))
+    argv = [*command, "--ready-fd=3", str(inner), "tap0"]
+    try:
+        pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+    finally:
+        os.close(null)
+        os.close(ready_w)
+    select.select([ready_r], [], [], _NETWORK_READY_TIMEOUT)
+    os.close(ready_r)
+    return pid
+
+
+def _inner() -> int:
+    """The supervisor inside a job's sandbox, as pid 1 of its pid namespace and the job's uid: the
+    spec comes on fd 3, the log is fd 1, and the status goes out on fd 4 (see ``_run_sandboxed``)."""
+    with os.fdopen(3, "rb") as f:
+        spec = marshal.load(f)
+    for fd in (4, 5, 6):  # the ranks get none of these (bubblewrap may have closed its own, 5)
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            pass
+    log = os.fdopen(1, "ab", buffering=0, closefd=False)
+    # Killed by the server: the outer supervisor kills this process (pid 1) itself; the lifeline
+    # ends when the outer one has ended, and nobody is left to report to.
+    status = _run(spec, log, lambda info: None, lambda: "its supervisor outside the sandbox ended", lifeline=6)
+    import json
+
+    try:
+        with os.fdopen(4, "w") as out:
+            json.dump(status, out)
+    except BrokenPipeError:
+        pass
+    return 0
+
+
+def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None) -> dict:
+    """Run the job's ranks to their end; returns the status for exit.json. ``started(info)`` gets the
+    pids once they run; ``kill_reason()`` says why, when SIGUSR1 asked for a kill. ``lifeline``: an
+    fd whose end (EOF) kills the job too (the supervisor outside a sandbox has ended)."""
     nprocs = int(spec.get("nprocs") or 1)
-    log = open(os.path.join(job_dir, "log"), "ab", buffering=0)
     log_lock = threading.Lock()  # one writer at a time: the ranks' log threads and this one
 
     def note(text: str) -> None:
@@ -317,8 +519,8 @@ def main(job_dir: str) -> int:
         stopping = True
         signal_all(signal.SIGKILL)  # the ranks started, if any, have run for a moment: no grace
     else:
-        info = {"pid": os.getpid(), "child": ranks[0].pid, "children": [p.pid for p in ranks], "started_at": started_at}
-        _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read only while it runs
+        pids = {"pid": os.getpid(), "child": ranks[0].pid, "children": [p.pid for p in ranks]}
+        started({**pids, "started_at": started_at})
 
     codes = [None] * len(ranks)
     first_failure = None  # (rank, code) of the first rank seen to exit with a non-zero code
@@ -359,7 +561,11 @@ def main(job_dir: str) -> int:
             signal_all(signal.SIGKILL)
             kill_at = None
         deadlines = [t for t in (None if stopping or time_limit <= 0 else start + time_limit, kill_at) if t is not None]
-        select.select([wake_r], [], [], max(0.0, min(deadlines) - now) if deadlines else None)
+        watched = [wake_r] if lifeline is None else [wake_r, lifeline]
+        ready, _, _ = select.select(watched, [], [], max(0.0, min(deadlines) - now) if deadlines else None)
+        if lifeline in ready:
+            requested.add("kill")
+            lifeline = None
         try:
             while os.read(wake_r, 512):
                 pass
@@ -372,17 +578,18 @@ def main(job_dir: str) -> int:
     for reader in readers:  # bounded: a process that left its group could hold a pipe open forever
         reader.join(max(0.0, drain_until - time.monotonic()))
     if killed:
-        status["killed"] = reason = _kill_reason(job_dir)
+        status["killed"] = reason = kill_reason()
         note(f"job killed: {reason}")
-    log.close()
     status.setdefault("exit_code", first_failure[1] if first_failure else 0)
     status["ended_at"] = time.time()
-    _write_json(os.path.join(job_dir, "exit.json"), status)
-    return 0
+    signal.set_wakeup_fd(-1)
+    for fd in (wake_r, wake_w):
+        os.close(fd)
+    return status
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1])
+    code = _inner() if sys.argv[1] == "--inner" else main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is written and closed: the interpreter's clean-up would only add 10 ms to each job.

@@ -23,7 +23,7 @@ import select
 import socket
 import struct
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
@@ -136,16 +136,25 @@ def _reachable(path: str) -> Iterator[str]:
 # ---- blocking: the worker's side, and the server's data-port channels ------------------------------
 
 
-def connect(path: str) -> socket.socket:
-    """A blocking connection to the worker listening at ``path``."""
+def connect(path: str, peer: Callable[[int], bool]) -> socket.socket:
+    """A blocking connection to the worker listening at ``path``, whose pid ``peer`` accepts."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with _reachable(path) as address:
             sock.connect(address)
+        _check_peer(sock, path, peer)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _check_peer(sock: socket.socket, path: str, peer: Callable[[int], bool]) -> None:
+    """Refuse a socket that is not the worker's: the folder it lies in is the job's to write, so a
+    job could put a link there to another worker's socket (the server would follow it)."""
+    pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
+    if not peer(pid):
+        raise PermissionError(f"{path} is not the worker's socket (process {pid} listens on it)")
 
 
 def _parts(prefix: bytes, buffers: Sequence[Buffer]) -> list[memoryview]:
@@ -216,12 +225,14 @@ class Link:
         self._loop = asyncio.get_running_loop()
 
     @classmethod
-    async def connect(cls, path: str) -> Link:
+    async def connect(cls, path: str, peer: Callable[[int], bool]) -> Link:
+        """Connect to the worker listening at ``path``, whose pid ``peer`` accepts."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
             with _reachable(path) as address:
                 await asyncio.get_running_loop().sock_connect(sock, address)
+            _check_peer(sock, path, peer)
         except BaseException:
             sock.close()
             raise

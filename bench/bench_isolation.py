@@ -1,0 +1,89 @@
+"""What the jobs' sandbox costs: a job's launch, and a Keras epoch, sandboxed against not, in one run.
+
+    make bench                      # or: .venv/bin/python bench/bench_isolation.py [--quick]
+
+Two servers on 127.0.0.1 with the same fake GPUs: one isolating its jobs (bubblewrap, a uid per
+user when run as root, a private network), one started with --no-sandbox, the anchor.
+(a) launch: submit `true` and wait for its end, as the client sees it, median of N alternating
+    between the servers. Goal: at most 20 ms more than without the sandbox.
+(b) a Keras epoch: one job per server trains a small dense model on synthetic data (TensorFlow on
+    the CPU), 1 warm-up epoch then 5, each timed inside the job; the median epoch. Goal: <= 1.02x.
+    Skipped where TensorFlow is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _report import ROWS, Row, banner, connect, gpuport_server, isolated_workdir, median, print_table, rotate, say
+
+import gpuport
+
+EPOCH = """
+import json, time
+import numpy as np
+import keras
+rng = np.random.default_rng(0)
+x = rng.normal(size=(20000, 64)).astype("float32")
+y = (x[:, :8].sum(axis=1) > 0).astype("float32")
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                          keras.layers.Dense(256, activation="relu"), keras.layers.Dense(1, activation="sigmoid")])
+model.compile("adam", "binary_crossentropy")
+times = []
+for epoch in range(6):
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=128, epochs=1, verbose=0)
+    times.append(time.perf_counter() - start)
+print(json.dumps(times[1:]))
+"""
+
+
+def launch(client: gpuport.Client) -> float:
+    start = time.perf_counter()
+    job = client.submit(["true"], workdir=None).wait(60)
+    assert job.exit_code == 0, list(job.logs())
+    return time.perf_counter() - start
+
+
+def epochs(client: gpuport.Client) -> list[float]:
+    job = client.submit(["python", "-c", EPOCH], workdir=None, cpus=1).wait(600)
+    lines = list(job.logs())
+    assert job.exit_code == 0, lines[-20:]
+    return list(json.loads(lines[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
+    args = parser.parse_args()
+    banner("bubblewrap sandbox vs --no-sandbox", args.quick)
+    rounds = 10 if args.quick else 30
+    with isolated_workdir() as work:
+        with gpuport_server(work, "sandboxed") as boxed, gpuport_server(work, "open", ["--no-sandbox"]) as open_:
+            with connect(boxed) as inside, connect(open_) as outside:
+                launch(inside), launch(outside)  # warm both
+                times = rotate(rounds, {"sandbox": lambda: launch(inside), "none": lambda: launch(outside)})
+                ours, anchor = median(times["sandbox"]), median(times["none"])
+                ROWS.append(Row("job launch, submit to end", ours, anchor, "--no-sandbox", "<= +20 ms",
+                                ours - anchor <= 0.020, note=f"+{(ours - anchor) * 1e3:.1f} ms"))  # fmt: skip
+                if importlib.util.find_spec("tensorflow") is None:
+                    say("TensorFlow is not installed: the Keras epoch is skipped (pip install 'gpuport[tf]')")
+                else:
+                    per_epoch: dict[str, list[float]] = {"sandbox": [], "none": []}
+                    for _ in range(1 if args.quick else 2):
+                        per_epoch["sandbox"] += epochs(inside)
+                        per_epoch["none"] += epochs(outside)
+                    ours, anchor = median(per_epoch["sandbox"]), median(per_epoch["none"])
+                    ROWS.append(Row("Keras epoch (20k x 64, dense 256x2)", ours, anchor, "--no-sandbox",
+                                    "<= 1.02x", ours <= anchor * 1.02))  # fmt: skip
+    print_table(["job launch", "Keras epoch"], 38, "times: medians; ratio: sandboxed / not")
+
+
+if __name__ == "__main__":
+    main()

@@ -335,3 +335,12 @@ def test_the_time_limit_stops_every_rank(run: Start) -> None:
     assert status["timed_out"] is True and status["exit_code"] == -signal.SIGTERM
     assert "failed_rank" not in status and "cancelled" not in status
     assert all(is_gone(pid) for pid in children)
+
+
+def test_a_sandboxed_jobs_report_is_taken_only_for_its_known_fields() -> None:
+    """The supervisor inside a sandbox runs as the job's user: what it reports is a claim, checked."""
+    forged = b'{"exit_code": 3, "started_at": 1.5, "cancelled": true, "killed": "x", "ended_at": "soon"}'
+    assert supervisor._reported_status(forged) == {"exit_code": 3, "started_at": 1.5, "cancelled": True}
+    for junk in (b"", b"garbage", b"[1]", b'{"exit_code": true}', b'{"started_at": 1}'):
+        assert supervisor._reported_status(junk) is None
+    assert supervisor._reported_status(b'{"exit_code": 0, "timed_out": 1}') == {"exit_code": 0}

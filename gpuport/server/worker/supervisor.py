@@ -406,8 +406,8 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
         os.waitpid(helper, 0)
     os.close(pids_r)
     with os.fdopen(status_r, "rb") as f:
-        reported = f.read()
-    status = json.loads(reported) if reported else {"started_at": started_at}
+        reported = _reported_status(f.read(1 << 16))
+    status = reported or {"started_at": started_at}
     if killed:
         status["killed"] = reason = _kill_reason(job_dir)
         status["exit_code"] = -signal.SIGKILL
@@ -419,6 +419,38 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
     status.setdefault("ended_at", time.time())
     os.close(log)
     return status
+
+
+# What exit.json may hold, by type: the inner supervisor runs as the job's user, so what it reports
+# is read as a claim about the job itself, and nothing else passes.
+_STATUS_FIELDS = {
+    "started_at": (int, float),
+    "ended_at": (int, float),
+    "exit_code": (int,),
+    "cancelled": (bool,),
+    "timed_out": (bool,),
+    "failed_rank": (int,),
+    "error": (str,),
+}
+
+
+def _reported_status(data: bytes) -> dict | None:
+    """The inner supervisor's status, its known fields of the right types; None for anything else."""
+    import json
+
+    try:
+        reported = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(reported, dict):
+        return None
+    status = {}
+    for key, value in reported.items():
+        kinds = _STATUS_FIELDS.get(key)
+        # bool is an int: a flag must be a bool, and a number must not be one
+        if kinds is not None and isinstance(value, kinds) and isinstance(value, bool) == (kinds == (bool,)):
+            status[key] = value
+    return status if "exit_code" in status else None
 
 
 _NETWORK_READY_TIMEOUT = 10.0  # seconds for slirp4netns to give a job's namespace its way out

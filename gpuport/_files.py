@@ -80,17 +80,32 @@ def open_nofollow(path: Path) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def files_beneath(folder_fd: int) -> Iterator[tuple[str, BinaryIO]]:
-    """(path relative to the folder, open file) for every regular file below the folder open at
-    ``folder_fd``, never following a symlink; the caller closes each file."""
-    for top, _, names, top_fd in os.fwalk(".", dir_fd=folder_fd, follow_symlinks=False):
-        for name in names:
-            try:
-                fd = os.open(name, _NOFOLLOW, dir_fd=top_fd)
-            except OSError:  # a symlink, or gone
-                continue
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                continue
-            os.set_blocking(fd, True)
-            yield os.path.normpath(os.path.join(top, name)), os.fdopen(fd, "rb", buffering=0)
+def files_beneath(root: Path, relative: str = "") -> Iterator[str]:
+    """The paths (relative to ``root``) of the regular files in the folder ``root/relative``, without
+    following a symlink anywhere, ``relative`` included; nothing when that is not a folder."""
+    fd = open_beneath(root, relative) if relative else os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if fd is None:
+        return
+    try:
+        for top, _, names, top_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
+            for name in names:
+                try:
+                    info = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+                except OSError:  # gone meanwhile
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    yield os.path.normpath(os.path.join(relative, top, name))
+    finally:
+        os.close(fd)
+
+
+def open_file_beneath(root: Path, relative: str) -> BinaryIO | None:
+    """``open_beneath`` for a regular file, as a file object; None where it is not one."""
+    fd = open_beneath(root, relative)
+    if fd is None:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb", buffering=0)

@@ -33,11 +33,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import psutil
 
-from gpuport._files import files_beneath, open_beneath
+from gpuport._files import files_beneath, open_beneath, open_file_beneath
 from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
     ENV_DATASETS_DIR,
@@ -880,35 +880,32 @@ class JobService:
         """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found.
 
         Nothing the job wrote is trusted as a path: every component is opened without following a
-        symlink (an output ``a/b`` with ``a -> /`` is not found, rather than read from outside)."""
+        symlink (an output ``a/b`` with ``a -> /`` is not found, rather than read from outside), and
+        each file only when it is read, one at a time."""
         job_dir = self.root / row["id"]
-        files: dict[str, BinaryIO] = {}
-        missing = []
-        folders = [(os.open(job_dir / "out", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), "")]
-        try:
-            for declared in json.loads(row["outputs"]):
-                fd = open_beneath(job_dir / "work", declared)
-                if fd is None:
-                    missing.append(declared)
-                elif stat.S_ISREG(os.fstat(fd).st_mode):
-                    files.setdefault(declared, os.fdopen(fd, "rb", buffering=0))
-                else:
-                    folders.append((fd, declared + "/"))
-            for fd, prefix in folders:
-                for path, file in files_beneath(fd):
-                    if prefix + path in files:
-                        file.close()
-                    else:
-                        files[prefix + path] = file
-            if not files and not json.loads(row["outputs"]):
-                return "", missing
-            record = self.snapshots.ingest_folder(row["owner"], sorted(files.items()))
-            return record.id, missing
-        finally:
-            for fd, _ in folders:
-                os.close(fd)
-            for file in files.values():
-                file.close()
+        work, out = job_dir / "work", job_dir / "out"
+        found: dict[str, tuple[Path, str]] = {}  # snapshot path → (root, path below it)
+        missing, folders = [], []
+        for declared in json.loads(row["outputs"]):  # declared files first, then the output dir's, then folders'
+            fd = open_beneath(work, declared)
+            if fd is None:
+                missing.append(declared)
+                continue
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                found.setdefault(declared, (work, declared))
+            else:
+                folders.append(declared)
+            os.close(fd)
+        for path in files_beneath(out) if out.is_dir() else ():
+            found.setdefault(path, (out, path))
+        for folder in folders:
+            for path in files_beneath(work, folder):
+                found.setdefault(path, (work, path))
+        if not found and not json.loads(row["outputs"]):
+            return "", missing
+        opened = ((path, open_file_beneath(*found[path])) for path in sorted(found))
+        record = self.snapshots.ingest_folder(row["owner"], ((path, f) for path, f in opened if f is not None))
+        return record.id, missing
 
     def pids(self, job_id: str) -> list[int]:
         """The pids of a running job's processes (every rank's, and their descendants)."""

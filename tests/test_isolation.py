@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer, server_env, start_server
+from tests.conftest import RunningServer, client_env, needs_users, server_env, start_server, wait_for
 
 
 @pytest.fixture
@@ -237,3 +238,64 @@ def test_a_job_reaches_neither_the_servers_ports_nor_the_machines_loopback(
     assert "connected" not in said[1], said
     # With slirp4netns the job has a way out (a default route); without, loopback only.
     assert said[2] == f"default route {bool(shutil.which('slirp4netns'))}", said
+
+
+# ---- revocation ---------------------------------------------------------------------------------
+
+
+def _user_client(server: RunningServer, admin: gpuport.Client, name: str) -> tuple[str, gpuport.Client]:
+    needs_users()
+    user = f"{name}-{uuid.uuid4().hex[:8]}"
+    return user, server.connect(admin.create_token(user).token)
+
+
+def test_a_revoked_tokens_open_channel_and_streams_close_at_once_and_its_work_goes_on(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    name, carol = _user_client(server, admin, "carol")
+    session = carol.session()
+    assert session.call(sum, [1, 2]) == 3  # its data-port channel is open now
+    job = carol.submit(["python", "-c", "import time\nwhile True: print('tick', flush=True); time.sleep(0.1)"],
+                       workdir=None)  # fmt: skip
+    followed: list[object] = []
+
+    def follow() -> None:
+        try:
+            for _ in carol.job(job.id).logs(follow=True):
+                pass
+            followed.append("ended")
+        except gpuport.GpuportError as e:
+            followed.append(e)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    wait_for(lambda: admin.job(job.id).refresh().log_bytes > 0, what="the job's first line")
+    admin.revoke_token(name)
+    with pytest.raises(gpuport.AuthenticationError):
+        session.call(sum, [1, 2])  # on the channel opened before: closed
+    follower.join(10)
+    assert not follower.is_alive() and isinstance(followed[0], gpuport.AuthenticationError), followed
+    # Rotating a token loses no work: the job runs on, the session lives.
+    assert admin.job(job.id).status == "running"
+    assert any(s.id == session.id for s in admin.sessions())
+    admin.job(job.id).cancel()
+    admin.close_session(session.id)
+    session.detach()
+    carol.close()
+
+
+def test_revoking_with_end_work_cancels_the_users_jobs_and_closes_their_sessions(
+    server: RunningServer, admin: gpuport.Client, cli: object
+) -> None:
+    name, dave = _user_client(server, admin, "dave")
+    session = dave.session()
+    session.call(len, "x")
+    running = dave.submit(["sleep", "60"], workdir=None)
+    wait_for(lambda: running.status == "running", what="dave's job running")
+    result = cli("token", "revoke", name, "--end-work", **client_env(server))  # type: ignore[operator]
+    assert result.code == 0 and "ended their jobs and sessions" in result.stdout, result.stderr
+    ended = admin.job(running.id).wait(30).info
+    assert ended.state == "cancelled", ended
+    wait_for(lambda: all(s.id != session.id for s in admin.sessions()), what="dave's session closed")
+    session.detach()
+    dave.close()

@@ -331,11 +331,15 @@ def token_list(ctx: click.Context, include_revoked: bool, as_json: bool) -> None
 
 @token_group.command("revoke")
 @click.argument("name")
+@click.option("--end-work", is_flag=True, help="Also cancel NAME's queued and running jobs and close their sessions.")
 @click.pass_context
-def token_revoke(ctx: click.Context, name: str) -> None:
-    """Revoke the token of NAME: it stops working at once."""
-    _client(ctx).revoke_token(name)
-    out.print(f"Revoked the token '{escape(name)}'.")
+def token_revoke(ctx: click.Context, name: str, end_work: bool) -> None:
+    """Revoke the token of NAME: it stops working at once, and what it holds open closes.
+
+    Its jobs and sessions go on (a token rotated is not work lost), unless --end-work."""
+    _client(ctx).revoke_token(name, end_work=end_work)
+    ended = ", and ended their jobs and sessions" if end_work else ""
+    out.print(f"Revoked the token '{escape(name)}'{ended}.")
 
 
 for _command in JOB_COMMANDS:

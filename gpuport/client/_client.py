@@ -201,12 +201,15 @@ class Client:
         reply = self._call(self._tokens.List, pb.ListTokensRequest(include_revoked=include_revoked))
         return [TokenInfo._from_message(t) for t in reply.tokens]
 
-    def revoke_token(self, name: str) -> TokenInfo:
-        """Revoke the token named ``name`` (admin only); it stops working at once.
+    def revoke_token(self, name: str, *, end_work: bool = False) -> TokenInfo:
+        """Revoke the token named ``name`` (admin only): it stops working at once, and the connections
+        it holds open (session channels, log streams) close. Its jobs and sessions go on, unless
+        ``end_work``: then its queued and running jobs are cancelled and its sessions closed.
 
         Raises ``NotFound`` when no valid token has that name, ``Conflict`` for the last admin token.
         """
-        return TokenInfo._from_message(self._call(self._tokens.Revoke, pb.RevokeTokenRequest(name=name)))
+        request = pb.RevokeTokenRequest(name=name, end_work=end_work)
+        return TokenInfo._from_message(self._call(self._tokens.Revoke, request))
 
     # ---- sync ---------------------------------------------------------------------------------------
 

@@ -158,10 +158,12 @@ class TokenList(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[TokenInfo, _Mapping]]] = ...) -> None: ...
 
 class RevokeTokenRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "end_work")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    END_WORK_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    end_work: bool
+    def __init__(self, name: _Optional[str] = ..., end_work: _Optional[bool] = ...) -> None: ...
 
 class ManifestEntry(_message.Message):
     __slots__ = ("path", "blob", "size", "mode", "link")

@@ -6,14 +6,18 @@ Both doors (``api/grpc_api.py`` and ``api/http_api.py``) call into this object a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import platform
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import psutil
 
 from gpuport._version import __version__
+from gpuport.protocol.errors import AuthenticationError, GpuportError
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -27,6 +31,8 @@ from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
 from gpuport.server.watchdog import Watchdog, gpu_use
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class ServerApp:
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs, inventory)
         self._watching: asyncio.Task[None] | None = None
+        self._revoked: dict[str, asyncio.Event] = {}  # user → set when their token goes (streams wait on it)
+        self.auth.revoked_hooks.append(self._end_streams)
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.python_version = platform.python_version()
@@ -94,6 +102,46 @@ class ServerApp:
         await self.sessions.start()
         await self.serving.start()
         self._watching = asyncio.create_task(self.watchdog.run())
+
+    async def until_revoked(self, name: str, replies: AsyncIterator[T]) -> AsyncIterator[T]:
+        """The replies of a stream that ``name`` follows (logs, a session's output), ended with
+        ``AuthenticationError`` as soon as their token is revoked, even while no reply comes."""
+        revoked = asyncio.ensure_future(self._revoked.setdefault(name, asyncio.Event()).wait())
+        replies = aiter(replies)
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(replies))
+                await asyncio.wait({step, revoked}, return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    raise AuthenticationError(f"the token of '{name}' was revoked")
+                try:
+                    yield step.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            revoked.cancel()
+
+    def _end_streams(self, name: str) -> None:
+        event = self._revoked.pop(name, None)
+        if event is not None:
+            event.set()
+
+    def end_work(self, name: str) -> tuple[int, int]:
+        """Cancel every queued or running job of user ``name`` and close their sessions (their token
+        was revoked with ``--end-work``); returns how many of each."""
+        owner = Identity(name, admin=True)
+        sessions = [s for s in self.sessions.list_for(owner) if s.owner == name]
+        for session in sessions:
+            with contextlib.suppress(GpuportError):  # it ended meanwhile
+                self.sessions.close(owner, session.id, reason=f"the token of {name} was revoked")
+        rows = self.store.query(
+            "SELECT id FROM jobs WHERE owner = ? AND kind = 'job' AND state IN ('queued', 'running')", (name,)
+        )
+        for row in rows:
+            with contextlib.suppress(GpuportError):
+                self.jobs.cancel(owner, row["id"])
+        return len(rows), len(sessions)
 
     def gpus(self, caller: Identity) -> GpuListing:
         """Every GPU read live, with the jobs holding it: whole or by slices, and what each uses."""

@@ -199,6 +199,7 @@ async def serve(
             state.key_path if identity else None,
         )
         app.sessions.data_port = data.port
+        app.auth.revoked_hooks.append(data.revoke)
         data.start()
         http_bound = http_socket.getsockname()[1]
         http = _HttpServer(

@@ -75,6 +75,19 @@ class DataPort:
         self._listener.listen(64)
         self.port: int = self._listener.getsockname()[1]
         self._closed = False
+        self._held: dict[str, set[socket.socket]] = {}  # a user's open channels, closed when their token goes
+        self._held_lock = threading.Lock()
+
+    def revoke(self, name: str) -> None:
+        """Close every channel ``name`` holds open, at once, and drop their tickets (their token was revoked)."""
+        self.staging.forget(name)
+        with self._held_lock:
+            conns = self._held.pop(name, set())
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                # The socket's own shutdown, not SSLSocket's, which would pull the TLS state from
+                # under the thread reading it: that thread's read ends, and it closes the channel.
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
 
     def start(self) -> None:
         threading.Thread(target=self._accept, name="gpuport data port", daemon=True).start()
@@ -108,8 +121,15 @@ class DataPort:
             if found.kind == "channel":
                 assert found.caller is not None
                 conn.settimeout(None)  # a channel waits for the client's next call as long as it likes
-                conn.sendall(b"C")
-                self._channel(conn, found.caller, Direct(found.key))
+                name = found.caller.name
+                with self._held_lock:
+                    self._held.setdefault(name, set()).add(conn)
+                try:
+                    conn.sendall(b"C")
+                    self._channel(conn, found.caller, Direct(found.key))
+                finally:
+                    with self._held_lock:
+                        self._held.get(name, set()).discard(conn)
                 return
             staged = found.staged
             assert staged is not None

@@ -87,7 +87,7 @@ def stream_rpc(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
     async def wrapper(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             identity = self.app.auth.authenticate(_authorization(context))
-            async for reply in method(self, request, identity):
+            async for reply in self.app.until_revoked(identity.name, method(self, request, identity)):
                 yield reply
         except Exception as e:
             await _fail(context, method, e)
@@ -181,7 +181,10 @@ class TokensServicer(_Servicer, pb_grpc.TokensServicer):
 
     @rpc
     async def Revoke(self, request: pb.RevokeTokenRequest, caller: Identity) -> pb.TokenInfo:
-        return token_message(self.app.auth.revoke(caller, request.name))
+        record = self.app.auth.revoke(caller, request.name)
+        if request.end_work:
+            self.app.end_work(request.name)
+        return token_message(record)
 
 
 def snapshot_message(record: SnapshotRecord, entries: list[Entry] | None = None) -> pb.Snapshot:

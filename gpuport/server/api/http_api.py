@@ -214,9 +214,14 @@ def build_http_app(app: ServerApp) -> Predictions:
         record, token = app.auth.create(identity, body.name, body.admin)
         return {**dataclasses.asdict(record), "token": token}
 
-    @api.delete("/v1/tokens/{name}", summary="Revoke a token (admin)")
-    async def revoke_token(name: str, identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.auth.revoke(identity, name))
+    @api.delete(
+        "/v1/tokens/{name}", summary="Revoke a token (admin); end_work=true also ends the user's jobs and sessions"
+    )
+    async def revoke_token(name: str, identity: Caller, end_work: bool = False) -> dict[str, Any]:
+        record = app.auth.revoke(identity, name)
+        if end_work:
+            app.end_work(name)
+        return dataclasses.asdict(record)
 
     @api.post("/v1/jobs", status_code=201, summary="Submit a job; the reply carries its job_id")
     async def submit_job(body: JobCreate, identity: Caller) -> dict[str, Any]:

@@ -9,9 +9,11 @@ admin sees it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuport.defaults import MAX_NAME_LENGTH, TOKEN_BYTES, TOKEN_PREFIX
@@ -23,6 +25,8 @@ from gpuport.protocol.errors import (
     PermissionDenied,
 )
 from gpuport.server.store import Store
+
+log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._@-]{{0,{MAX_NAME_LENGTH - 1}}}")
 # The name of the admin token made on first start.
@@ -63,6 +67,9 @@ class AuthService:
         admin token (any job could act as the server); empty where they are isolated."""
         self._store = store
         self._no_users_because = no_users_because
+        # Called with a user's name when their token is revoked: what holds a connection open for
+        # them (data-port channels, gRPC streams) closes it at once.
+        self.revoked_hooks: list[Callable[[str], None]] = []
         # token hash → identity, for valid tokens only; emptied for a name when it is revoked.
         self._cache: dict[str, Identity] = {}
 
@@ -158,4 +165,9 @@ class AuthService:
         with self._store.transaction() as db:
             db.execute("UPDATE tokens SET revoked_at = ? WHERE id = ?", (now, row["id"]))
         self._cache = {h: i for h, i in self._cache.items() if i.name != name}
+        for hook in self.revoked_hooks:
+            try:
+                hook(name)
+            except Exception:  # one hook's failure must not keep the others from closing what they hold
+                log.exception("closing what '%s' held open failed", name)
         return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], now)

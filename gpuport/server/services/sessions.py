@@ -233,6 +233,11 @@ class Staging:
             self._tickets[ticket] = (key, kind, time.monotonic() + _TICKET_TTL, caller)
         return ticket
 
+    def forget(self, name: str) -> None:
+        """Drop the tickets handed to ``name`` that are not redeemed yet (their token was revoked)."""
+        with self._lock:
+            self._tickets = {t: v for t, v in self._tickets.items() if v[3] is None or v[3].name != name}
+
     def redeem(self, ticket: str) -> Redeemed | None:
         """What a ticket is for (once: a ticket is used up), or None."""
         with self._lock:

@@ -148,7 +148,11 @@ def _declared_in_sandbox(folder: Path) -> list[tuple[int, int, int]]:
         except (OSError, ValueError):
             continue  # ended meanwhile
     declared = []
-    for file in folder.iterdir():
+    try:
+        files = list(folder.iterdir())
+    except OSError:  # the job ended and its folder went meanwhile
+        return []
+    for file in files:
         try:
             host = hosts[int(file.name)]
             index, used = map(int, file.read_text().split())

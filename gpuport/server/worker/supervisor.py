@@ -312,7 +312,7 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
     the status the inner one reports. It passes a cancel on as SIGTERM to the inner supervisor, and
     kills with SIGKILL to it: as pid 1 of the job's pid namespace, its end ends every process there.
     """
-    log = os.open(os.path.join(job_dir, "log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    log = os.open(os.path.join(job_dir, "log"), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     spec_r, spec_w = os.pipe()
     status_r, status_w = os.pipe()
     pids_r, pids_w = os.pipe()
@@ -414,11 +414,20 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
         os.write(log, f"gpuport: job killed: {reason}\n".encode())
     elif not reported:
         status["exit_code"] = 127
-        status["error"] = f"the job's sandbox ended without its status (bubblewrap: {_describe(code)})"
+        said = _last_line(log) if code else ""  # bubblewrap's own message, when it failed
+        status["error"] = f"the job's sandbox ended without its status (bubblewrap {_describe(code)}{said})"
         os.write(log, f"gpuport: {status['error']}\n".encode())
     status.setdefault("ended_at", time.time())
     os.close(log)
     return status
+
+
+def _last_line(log: int) -> str:
+    """The log's last line, to name why a sandbox failed (": bwrap: Can't ..."), or ""."""
+    end = os.lseek(log, 0, os.SEEK_END)
+    tail = os.pread(log, min(end, 4096), max(0, end - 4096)) if end else b""
+    lines = tail.decode(errors="replace").strip().splitlines()
+    return f": {lines[-1][:300]}" if lines and lines[-1].startswith("bwrap") else ""
 
 
 # What exit.json may hold, by type: the inner supervisor runs as the job's user, so what it reports

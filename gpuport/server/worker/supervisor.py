@@ -303,7 +303,26 @@ def main(job_dir: str) -> int:
     return 0
 
 
+_SANDBOX_TRIES = 5  # bubblewrap 0.8 now and then fails to set up a new namespace's loopback
+
+
 def _run_sandboxed(job_dir: str, spec: dict) -> dict:
+    """``_sandboxed_once``, again when bubblewrap failed to set the sandbox up for a passing reason
+    before the job started (seen: "bwrap: loopback: Failed RTM_NEWADDR" when many namespaces are
+    made at once); its message is taken out of the log again."""
+    path = os.path.join(job_dir, "log")
+    for attempt in range(_SANDBOX_TRIES):
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        status = _sandboxed_once(job_dir, spec)
+        if not status.pop("transient", False):
+            return status
+        if attempt < _SANDBOX_TRIES - 1:
+            os.truncate(path, size)
+            time.sleep(0.05 * (attempt + 1))
+    return status
+
+
+def _sandboxed_once(job_dir: str, spec: dict) -> dict:
     """Run the job in the sandbox ``spec["sandbox"]`` (a bubblewrap command prefix the server made),
     with a second supervisor inside it (``--inner``) that runs the ranks; returns the status.
 
@@ -416,9 +435,12 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
         status["exit_code"] = 127
         said = _last_line(log) if code else ""  # bubblewrap's own message, when it failed
         status["error"] = f"the job's sandbox ended without its status (bubblewrap {_describe(code)}{said})"
+        status["transient"] = said.startswith(": bwrap: loopback:")
         os.write(log, f"gpuport: {status['error']}\n".encode())
     status.setdefault("ended_at", time.time())
-    os.close(log)
+    signal.set_wakeup_fd(-1)
+    for fd in (log, wake_r, wake_w, lifeline_w):
+        os.close(fd)
     return status
 
 

@@ -135,7 +135,9 @@ def _python_paths() -> tuple[str, ...]:
     wanted = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     wanted.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
     wanted.add(str(Path(gpuport.__file__).resolve().parent.parent))
-    wanted.update(p for p in sys.path if p and os.path.isdir(p))
+    # Not the folder the server was started from (`python -m` puts it on sys.path): a home folder,
+    # say, whose files jobs have no business reading.
+    wanted.update(p for p in sys.path if p and os.path.isdir(p) and os.path.abspath(p) != os.getcwd())
     resolved = sorted({os.path.realpath(p) for p in wanted} | wanted)
     kept: list[str] = []
     for path in resolved:

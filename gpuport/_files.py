@@ -72,12 +72,10 @@ def open_beneath(root: Path, relative: str) -> int | None:
 def open_nofollow(path: Path) -> BinaryIO:
     """Open the regular file at ``path`` for reading, where its last component must not be a symlink
     (a file in a folder a job may write); raises OSError otherwise (ELOOP for a link)."""
-    fd = os.open(path, _NOFOLLOW)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+    opened = open_file_beneath(path.parent, path.name)
+    if opened is None:
+        raise FileNotFoundError(f"{path} is missing, a symlink, or not a regular file")
+    return opened
 
 
 def files_beneath(root: Path, relative: str = "") -> Iterator[str]:

@@ -21,7 +21,7 @@ from gpuport.protocol.errors import AuthenticationError, GpuportError
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
-from gpuport.server.services.auth import AuthService, Identity
+from gpuport.server.services.auth import AuthService, Identity, TokenRecord
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
 from gpuport.server.services.quotas import QuotaService
@@ -127,9 +127,15 @@ class ServerApp:
         if event is not None:
             event.set()
 
-    def end_work(self, name: str) -> tuple[int, int]:
-        """Cancel every queued or running job of user ``name`` and close their sessions (their token
-        was revoked with ``--end-work``); returns how many of each."""
+    def revoke_token(self, caller: Identity, name: str, end_work: bool = False) -> TokenRecord:
+        """Revoke ``name``'s token (what it holds open closes: see ``AuthService.revoked_hooks``);
+        with ``end_work`` also cancel their queued and running jobs and close their sessions."""
+        record = self.auth.revoke(caller, name)
+        if end_work:
+            self._end_work(name)
+        return record
+
+    def _end_work(self, name: str) -> None:
         owner = Identity(name, admin=True)
         sessions = [s for s in self.sessions.list_for(owner) if s.owner == name]
         for session in sessions:
@@ -141,7 +147,6 @@ class ServerApp:
         for row in rows:
             with contextlib.suppress(GpuportError):
                 self.jobs.cancel(owner, row["id"])
-        return len(rows), len(sessions)
 
     def gpus(self, caller: Identity) -> GpuListing:
         """Every GPU read live, with the jobs holding it: whole or by slices, and what each uses."""

@@ -181,10 +181,7 @@ class TokensServicer(_Servicer, pb_grpc.TokensServicer):
 
     @rpc
     async def Revoke(self, request: pb.RevokeTokenRequest, caller: Identity) -> pb.TokenInfo:
-        record = self.app.auth.revoke(caller, request.name)
-        if request.end_work:
-            self.app.end_work(request.name)
-        return token_message(record)
+        return token_message(self.app.revoke_token(caller, request.name, request.end_work))
 
 
 def snapshot_message(record: SnapshotRecord, entries: list[Entry] | None = None) -> pb.Snapshot:

@@ -218,10 +218,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         "/v1/tokens/{name}", summary="Revoke a token (admin); end_work=true also ends the user's jobs and sessions"
     )
     async def revoke_token(name: str, identity: Caller, end_work: bool = False) -> dict[str, Any]:
-        record = app.auth.revoke(identity, name)
-        if end_work:
-            app.end_work(name)
-        return dataclasses.asdict(record)
+        return dataclasses.asdict(app.revoke_token(identity, name, end_work))
 
     @api.post("/v1/jobs", status_code=201, summary="Submit a job; the reply carries its job_id")
     async def submit_job(body: JobCreate, identity: Caller) -> dict[str, Any]:

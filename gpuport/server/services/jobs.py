@@ -29,7 +29,7 @@ import signal
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -910,6 +910,10 @@ class JobService:
     def pids(self, job_id: str) -> list[int]:
         """The pids of a running job's processes (every rank's, and their descendants)."""
         return self.executor.pids(self.root / job_id)
+
+    def process_of(self, job_id: str) -> Callable[[int], bool]:
+        """Whether a pid is one of job ``job_id``'s processes (a worker's socket is checked so)."""
+        return lambda pid: pid in self.pids(job_id)
 
     def kill(self, job_id: str, reason: str) -> None:
         """Stop a running job at once (SIGKILL) for ``reason``; it ends as ``killed`` with that message."""

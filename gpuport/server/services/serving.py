@@ -481,7 +481,7 @@ class ServingService:
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-                    r.link = await wire.Link.connect(path, lambda pid: pid in self.jobs.pids(r.job_id))
+                    r.link = await wire.Link.connect(path, self.jobs.process_of(r.job_id))
                     return
                 if time.monotonic() - started > _CONNECT_TIMEOUT:
                     raise _Failed(

@@ -618,7 +618,7 @@ class SessionService:
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 try:
-                    live.link = await wire.Link.connect(path, self._worker_of(live.job_id))
+                    live.link = await wire.Link.connect(path, self.jobs.process_of(live.job_id))
                     return live.link
                 except (FileNotFoundError, ConnectionRefusedError):
                     if time.monotonic() - started > _CONNECT_TIMEOUT:
@@ -709,10 +709,6 @@ class SessionService:
                     live.sent(staged)
         return self._out(live, frame)
 
-    def _worker_of(self, job_id: str) -> Callable[[int], bool]:
-        """Whether a pid is one of the processes of job ``job_id``."""
-        return lambda pid: pid in self.jobs.pids(job_id)
-
     def _direct_socket(self, live: _Live, direct: Direct) -> socket.socket | None:
         if direct.sock is not None and direct.job_id == live.job_id:
             return direct.sock
@@ -721,7 +717,7 @@ class SessionService:
             return None
         job_id = live.job_id
         try:
-            direct.sock = wire.connect(str(self.root / live.id / "worker.sock"), self._worker_of(job_id))
+            direct.sock = wire.connect(str(self.root / live.id / "worker.sock"), self.jobs.process_of(job_id))
         except OSError:
             return None
         direct.job_id = job_id

@@ -63,6 +63,13 @@ BLOB_BATCH_BYTES = 4 * 1024 * 1024
 MAX_SPEC_BYTES = 256 * 1024
 # Largest JSON body the REST API accepts.
 MAX_REST_BODY_BYTES = 1024 * 1024
+# Jobs (sessions' workers and model replicas count) one user runs at once unless an admin sets
+# otherwise: the quota of '*' a new state dir starts with (`gpuport quota set '*' --jobs N`).
+DEFAULT_JOBS_PER_USER = 16
+# Work that reserves no memory waits while the machine has less than this free: the smaller of
+# the two (`gpuport server --memory-floor`).
+DEFAULT_MEMORY_FLOOR_FRACTION = 0.05
+DEFAULT_MEMORY_FLOOR_MAX = 2 * 1024**3
 # Bytes of log per message of a log stream.
 LOG_CHUNK_BYTES = 1024 * 1024
 # Seconds between looks at a running job's log file when a follower has read everything.

@@ -8,12 +8,17 @@ the state dir nor other processes, and its ports are in a network namespace of i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import re
 import shutil
 import socket
+import ssl
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +27,9 @@ import psutil
 import pytest
 
 import gpuport
+from gpuport.defaults import DEFAULT_JOBS_PER_USER, MAX_REST_BODY_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer, client_env, needs_users, server_env, start_server, wait_for
+from tests.conftest import JobFlag, RunningServer, client_env, needs_users, server_env, start_server, wait_for
 
 
 @pytest.fixture
@@ -299,3 +305,116 @@ def test_revoking_with_end_work_cancels_the_users_jobs_and_closes_their_sessions
     wait_for(lambda: all(s.id != session.id for s in admin.sessions()), what="dave's session closed")
     session.detach()
     dave.close()
+
+
+# ---- bounded before read ------------------------------------------------------------------------
+
+
+def _https(server: RunningServer, head: bytes) -> ssl.SSLSocket:
+    """A raw HTTPS connection to the server's HTTP port, with ``head`` sent on it."""
+    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    trust.check_hostname = False
+    host, port = server.http_url.removeprefix("https://").rsplit(":", 1)
+    conn = trust.wrap_socket(socket.create_connection((host, int(port)), timeout=10))
+    conn.sendall(head)
+    return conn
+
+
+def _status_line(conn: ssl.SSLSocket) -> str:
+    return conn.recv(65536).split(b"\r\n", 1)[0].decode()
+
+
+def test_a_request_body_is_not_read_without_a_token_and_is_counted_as_it_arrives(server: RunningServer) -> None:
+    chunked = b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n"
+    # No token: answered 401 while the body is still coming (its end is never sent).
+    conn = _https(server, chunked + b"\r\n" + b"100000\r\n" + b"x" * 65536)
+    assert _status_line(conn) == "HTTP/1.1 401 Unauthorized"
+    conn.close()
+    wrong = _https(
+        server, b"POST /v1/tokens HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer gp_wrong\r\nContent-Length: 900\r\n\r\n"
+    )
+    assert _status_line(wrong) == "HTTP/1.1 401 Unauthorized"  # before any of its 900 bytes came
+    wrong.close()
+    # A token, and a chunked body past the limit: 413 once the limit is crossed, and the connection
+    # closed (what is left of the body is not read).
+    head = chunked + f"Authorization: Bearer {server.admin_token}\r\n\r\n".encode()
+    conn = _https(server, head)
+    with contextlib.suppress(OSError):  # the server may close before all is sent
+        for _ in range(2 * MAX_REST_BODY_BYTES // 0x10000):
+            conn.sendall(b"10000\r\n" + b"x" * 0x10000 + b"\r\n")
+    answer = b""
+    while chunk := conn.recv(65536):  # to the end: the server closes the connection
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413") and b"over the limit" in answer, answer[:200]
+    conn.close()
+    # Within the limit, chunked: the job is made.
+    body = json.dumps({"command": ["true"]}).encode()
+    conn = _https(server, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    assert _status_line(conn) == "HTTP/1.1 201 Created"
+    conn.close()
+
+
+def test_the_data_port_holds_no_thread_for_a_connection_without_its_ticket(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    port = int(re.search(r"data port\s+(\d+)", server.banner)[1])  # type: ignore[index]
+    process = psutil.Process(server.process.pid)
+    before = process.num_threads()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=15) for _ in range(200)]
+    time.sleep(0.5)
+    assert process.num_threads() < before + 5, (before, process.num_threads())
+    assert idle[0].recv(1) == b""  # the oldest were closed to make room for the newest
+    session = admin.session()
+    assert session.call(sum, [1, 2]) == 3  # a session's channel still opens meanwhile
+    session.close()
+    # A client that sends its ticket a byte a second is closed when its time from the start is up.
+    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    trust.check_hostname = False
+    slow = trust.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=15))
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        for _ in range(30):
+            slow.sendall(b"0")
+            time.sleep(1)
+    assert 8 < time.monotonic() - started < 15
+    for conn in [slow, *idle]:
+        conn.close()
+
+
+def test_one_user_runs_a_bounded_number_of_jobs_by_default(tmp_path: Path) -> None:
+    running = start_server(tmp_path / "state")
+    flag = JobFlag(running.state_dir)
+    try:
+        with running.connect() as admin:
+            assert [(q.user, q.jobs) for q in admin.quotas()] == [("*", DEFAULT_JOBS_PER_USER)]
+            hold = f"while [ ! -e {flag} ]; do sleep 0.05; done"
+            jobs = [admin.submit(hold, workdir=None) for _ in range(DEFAULT_JOBS_PER_USER + 1)]
+            wait_for(lambda: sum(j.status == "running" for j in jobs) == DEFAULT_JOBS_PER_USER, 60, "16 running")
+            last = jobs[-1].refresh()
+            assert last.state == "queued" and f"runs {DEFAULT_JOBS_PER_USER} jobs, the most" in last.message, last
+            admin.set_quota("*", jobs=DEFAULT_JOBS_PER_USER + 1)  # an admin raises it: it starts
+            wait_for(lambda: jobs[-1].status == "running", 30, "the job past the default")
+            flag.touch()
+            assert all(j.wait(60).info.state == "succeeded" for j in jobs)
+    finally:
+        flag.close()
+        running.stop()
+
+
+def test_work_that_reserves_no_memory_waits_below_the_memory_floor(tmp_path: Path, cli: object) -> None:
+    bad = start_server(tmp_path / "bad", "--memory-floor", "lots", expect_ready=False)
+    assert bad.process.returncode != 0 and "--memory-floor" in bad.banner and "8GiB" in bad.banner, bad.banner
+    running = start_server(tmp_path / "state", "--memory-floor", "1024TiB")
+    try:
+        assert "memory floor 1024TiB free" in running.banner
+        with running.connect() as admin:
+            waits = admin.submit(["true"], workdir=None)
+            reserves = admin.submit(["true"], workdir=None, memory="64MiB")
+            assert reserves.wait(60).info.state == "succeeded"  # what reserves memory is counted as before
+            listed = cli("queue", **client_env(running))  # type: ignore[operator]
+            assert listed.code == 0 and "below the floor of 1024TiB" in " ".join(listed.stdout.split()), listed.stdout
+            info = waits.refresh()
+            assert info.state == "queued" and "reserves no memory waits" in info.message, info
+            waits.cancel()
+    finally:
+        running.stop()

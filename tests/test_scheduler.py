@@ -165,3 +165,15 @@ def test_the_order_depends_only_on_what_the_store_holds() -> None:
     first = plan(queued, running, MACHINE)
     again = plan(list(reversed(queued)), running, MACHINE)
     assert first == again
+
+
+def test_below_the_memory_floor_only_work_that_reserves_memory_starts() -> None:
+    low = "free memory is below the floor"
+    queued = [Pending("none", "u", Request(), seq=1), Pending("some", "u", Request(memory=GiB), seq=2)]
+    decisions = _by_id(plan(queued, [], MACHINE, low_memory=low))
+    assert decisions["none"].gpu_indices is None and decisions["none"].reason == low
+    assert not decisions["none"].reserves  # it holds nothing back from others
+    assert decisions["some"].gpu_indices == ()
+    assert not could_start([Request()], [], MACHINE, low_memory=low)
+    assert could_start([Request(), Request(memory=GiB)], [], MACHINE, low_memory=low)
+    assert _by_id(plan(queued, [], MACHINE))["none"].gpu_indices == ()  # no floor: it starts

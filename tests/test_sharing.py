@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gpuport
+from gpuport.defaults import DEFAULT_JOBS_PER_USER
 from tests.conftest import JobFlag, RunningServer, client_env, needs_users, start_server, wait_for
 
 GiB = 2**30
@@ -225,7 +226,8 @@ def test_quotas_make_jobs_wait_and_only_admins_set_them(
             wait_for(lambda: cpu.status == "running", what="a job without GPUs within the job quota")
             third = _hold(dave, flag)
             assert third.status == "queued" and f"over quota: {dave.user} runs 2 jobs" in third.info.message
-            assert [q.user for q in dave.quotas()] == [dave.user]
+            # A user sees their own quota and the default every user without one has.
+            assert [(q.user, q.jobs) for q in dave.quotas()] == [("*", DEFAULT_JOBS_PER_USER), (dave.user, 2)]
             admin_of.set_quota(dave.user, gpus=2, jobs=3)  # raised: the job waiting on it starts at once
             wait_for(lambda: over.status == "running", what="the job over the old quota running")
             assert third.status == "queued" and f"over quota: {dave.user} runs 3 jobs" in third.refresh().message

@@ -24,8 +24,8 @@ from gpuport.cli._sessions import sessions_group
 from gpuport.client import config_path, load_profiles, login, remove_profile
 from gpuport.client._channel import Target
 from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_PROFILE, ENV_PROFILE
-from gpuport.protocol.errors import GpuportError
-from gpuport.protocol.units import format_size
+from gpuport.protocol.errors import GpuportError, InvalidRequest
+from gpuport.protocol.units import format_size, parse_size
 
 
 class _Gpuport(click.Group):
@@ -95,6 +95,12 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="Run jobs as the server's own user, unisolated (a box of one user): every token is then an admin token.",
 )
 @click.option(
+    "--memory-floor",
+    metavar="SIZE",
+    help="Work that reserves no memory waits while the machine has less free, e.g. 4GiB; 0: no floor "
+    "[default: 5% of the memory, at most 2GiB].",
+)
+@click.option(
     "--print-systemd-unit",
     is_flag=True,
     help="Print a systemd unit that runs the server with these options as a service, and exit.",
@@ -110,6 +116,7 @@ def server(
     log_level: str,
     job_uids: str,
     no_sandbox: bool,
+    memory_floor: str | None,
     print_systemd_unit: bool,
 ) -> None:
     """Run the gpuport daemon on this (GPU) machine.
@@ -126,6 +133,7 @@ def server(
         options += ["--log-level", log_level] if log_level != "info" else []
         options += ["--job-uids", job_uids] if job_uids != "61000-61999" else []
         options += ["--no-sandbox"] if no_sandbox else []
+        options += ["--memory-floor", memory_floor] if memory_floor is not None else []
         print(systemd_unit(options, state_dir), end="")
         return
     try:
@@ -134,6 +142,10 @@ def server(
         from gpuport.server.state import default_state_dir
     except ImportError as e:
         raise click.ClickException(missing_package(e, "`gpuport server`")) from None
+    try:
+        floor = None if memory_floor is None else parse_size(memory_floor)
+    except InvalidRequest as e:
+        raise click.BadParameter(str(e), param_hint="--memory-floor") from None
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -148,6 +160,7 @@ def server(
             new_admin_token=new_admin_token,
             job_uids=parse_uid_range(job_uids),
             sandbox=not no_sandbox,
+            memory_floor=floor,
             say=lambda text: print(text, flush=True),
         )
     )

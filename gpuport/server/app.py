@@ -69,7 +69,12 @@ class ServerStatus:
 
 class ServerApp:
     def __init__(
-        self, state: StateDir, inventory: Inventory, sandbox: Sandbox, executor: Executor | None = None
+        self,
+        state: StateDir,
+        inventory: Inventory,
+        sandbox: Sandbox,
+        executor: Executor | None = None,
+        memory_floor: int = 0,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -83,7 +88,14 @@ class ServerApp:
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
         self.jobs = JobService(
-            self.store, self.snapshots, inventory, state.jobs_dir, executor or LocalExecutor(), self.quotas, sandbox
+            self.store,
+            self.snapshots,
+            inventory,
+            state.jobs_dir,
+            executor or LocalExecutor(),
+            self.quotas,
+            sandbox,
+            memory_floor,
         )
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)

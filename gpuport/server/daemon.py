@@ -32,6 +32,7 @@ from gpuport.server.api.grpc_api import build_grpc_server
 from gpuport.server.api.http_api import build_http_app
 from gpuport.server.app import ServerApp
 from gpuport.server.inventory import Inventory, detect_inventory
+from gpuport.server.services.jobs import memory_floor as resolve_memory_floor
 from gpuport.server.state import open_state_dir
 from gpuport.server.tls import TLSIdentity, load_or_create_identity
 
@@ -115,6 +116,7 @@ def _banner(
     inventory: Inventory,
     sandbox: isolation.Sandbox,
     new_token: str | None,
+    memory_floor: int = 0,
 ) -> str:
     """What every start prints: where to reach the server, what to pin, what it has; then ``ready``."""
     gpus = inventory.gpus()
@@ -129,6 +131,9 @@ def _banner(
         if gpus
         else f"  GPUs         none: {inventory.note}",
         f"  isolation    {sandbox.describe()}",
+        f"  memory floor {format_size(memory_floor)} free (below it, work that reserves no memory waits)"
+        if memory_floor
+        else "  memory floor none (--memory-floor 0)",
     ]
     if new_token:
         lines += [
@@ -150,6 +155,7 @@ async def serve(
     new_admin_token: bool = False,
     job_uids: tuple[int, int] = isolation.DEFAULT_JOB_UIDS,
     sandbox: bool = True,
+    memory_floor: int | None = None,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
@@ -157,7 +163,9 @@ async def serve(
     The first start prints the first admin token; ``new_admin_token`` prints one more admin token
     on any start (for when every admin token is lost). ``data_port`` (None: the gRPC port + 2, or any
     free port when that is 0) carries sessions' large values (see api/data_port.py). ``job_uids``
-    and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py).
+    and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py). Below
+    ``memory_floor`` bytes of free memory (None: the default; 0: no floor), work that reserves no
+    memory waits.
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -178,7 +186,7 @@ async def serve(
             )
     inventory = detect_inventory()
     isolated = isolation.detect(job_uids) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
-    app = ServerApp(state, inventory, isolated)
+    app = ServerApp(state, inventory, isolated, memory_floor=resolve_memory_floor(memory_floor))
     data: DataPort | None = None
     try:
         credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
@@ -241,6 +249,7 @@ async def serve(
             inventory,
             isolated,
             new_token,
+            app.jobs.memory_floor,
         )
         # Everything imported and built so far lives as long as the server: move it out of the
         # cyclic GC's sight, so that collections triggered by per-call garbage stay cheap.

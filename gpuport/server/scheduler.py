@@ -18,6 +18,9 @@ The rules, in this order:
    50 queued jobs interleave with another user's single job instead of going ahead of it.
 4. **Quotas** (per user, set by an admin): concurrent GPUs and concurrent jobs. A job over its
    owner's quota waits, saying so, and reserves nothing.
+5. **A memory floor.** While the machine's free memory is below the server's floor (``low_memory``
+   says so), a job that reserves no memory waits, and reserves nothing: work that asks for nothing
+   cannot push the box into swap or the OOM killer. A job that reserves memory is counted as before.
 
 Resources: whole GPUs (``gpus``), or a memory slice of one GPU (``gpu_memory``); CPUs and RAM are
 counted when asked for (0: the job reserves none and shares what is left). A whole GPU is taken only
@@ -206,10 +209,14 @@ def _initial_free(machine: Machine, running: Iterable[Holding]) -> _Pool:
     return free
 
 
-def could_start(requests: Iterable[Request], running: Iterable[Holding], machine: Machine) -> bool:
+def could_start(
+    requests: Iterable[Request], running: Iterable[Holding], machine: Machine, low_memory: str = ""
+) -> bool:
     """Whether any of ``requests`` fits what is free: when none does, a pass would start nothing."""
     free = _initial_free(machine, running)
-    return any(free.fit(request) is not None for request in set(requests))
+    return any(
+        free.fit(request) is not None and not (low_memory and not request.memory) for request in set(requests)
+    )
 
 
 def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine) -> list[Pending]:
@@ -258,10 +265,13 @@ def plan(
     running: Sequence[Holding],
     machine: Machine,
     quotas: Mapping[str, Quota] | None = None,
+    low_memory: str = "",
 ) -> list[Decision]:
     """Decide for every queued job, in queue order: start it now on these GPUs, or say why it waits.
 
     ``quotas`` maps a user to its quota; the entry ``"*"`` applies to users without one of their own.
+    ``low_memory``, when set, says why jobs that reserve no memory wait (the machine's free memory is
+    below the floor).
     """
     quotas = quotas or {}
     free = _initial_free(machine, running)  # less the reservation, once there is one
@@ -272,6 +282,8 @@ def plan(
     for position, job in enumerate(queue_order(queued, running, machine), start=1):
         quota = quotas.get(job.owner, quotas.get("*"))
         reason = _over_quota(job, free, quota, machine)
+        if not reason and low_memory and not job.request.memory:
+            reason = low_memory
         gpus = None if reason else free.fit(job.request)
         if gpus is not None:
             for pool in (free, unreserved):

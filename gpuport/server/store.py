@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gpuport.defaults import DEFAULT_JOBS_PER_USER
 from gpuport.protocol.errors import ServerError
 
 # Append only: a state dir records how many of these it has applied.
@@ -143,6 +144,11 @@ MIGRATIONS: list[str] = [
         owner   TEXT PRIMARY KEY,
         uid     INTEGER NOT NULL UNIQUE
     );
+    """,
+    # 9: one user cannot take the whole box by default: the quota of every user without their own
+    f"""
+    INSERT OR IGNORE INTO quotas (user, gpus, jobs, updated_at)
+        VALUES ('*', NULL, {DEFAULT_JOBS_PER_USER}, CAST(strftime('%s', 'now') AS REAL));
     """,
 ]
 

@@ -8,7 +8,13 @@ value past ``SESSION_INLINE_BYTES`` goes here instead: the client asks for a tic
 newline) and then the bytes, received straight into the memfd the worker will map; or it receives
 the bytes of a staged result, sent straight from the worker's memory. An upload is answered with one
 byte, ``K``, once every byte has arrived. A connection with a bad ticket is answered ``E`` and the
-reason, and closed. Same certificate, same cipher as the gRPC port; one thread per connection.
+reason, and closed. Same certificate, same cipher as the gRPC port.
+
+Until its ticket line is in, a connection costs no thread: one thread accepts, shakes hands (TLS)
+and reads every ticket line, without blocking, within ``_HANDSHAKE_DEADLINE`` from the connection's
+accept in all (not per read), and holds at most ``_MAX_UNREDEEMED`` such connections (a new one
+past that pushes out the oldest). A connection with its ticket gets a thread for its transfer or
+channel; a user holds at most ``_MAX_CHANNELS`` channels open.
 
 A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
 keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and
@@ -25,10 +31,13 @@ import contextlib
 import json
 import logging
 import mmap
+import selectors
 import socket
 import ssl
 import struct
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -44,7 +53,9 @@ from gpuport.server.worker import wire
 log = logging.getLogger(__name__)
 
 _TICKET_LINE = 65  # 64 hex digits and "\n"
-_HANDSHAKE_TIMEOUT = 10.0
+_HANDSHAKE_DEADLINE = 10.0  # seconds from accept to a whole ticket line, TLS handshake included
+_MAX_UNREDEEMED = 128  # connections still shaking hands or sending their ticket
+_MAX_CHANNELS = 64  # channels one user holds open
 _IDLE_TIMEOUT = 60.0  # seconds a transfer may stall before the server gives up on it
 _SLICE = 1024 * 1024  # bytes per send or receive call
 _LENGTH = struct.Struct("<I")
@@ -99,21 +110,78 @@ class DataPort:
         self._listener.close()
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn, peer), name="gpuport transfer", daemon=True).start()
+        """Accept connections and read their ticket lines, all in this one thread; hand each
+        connection whose line is in to a thread of its own."""
+        selector = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        selector.register(self._listener, selectors.EVENT_READ)
+        waiting: dict[socket.socket, _Arriving] = {}  # in order of arrival
 
-    def _serve(self, raw: socket.socket, peer: object) -> None:
-        conn: socket.socket = raw
+        def drop(conn: socket.socket) -> None:
+            waiting.pop(conn, None)
+            selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+
         try:
-            raw.settimeout(_HANDSHAKE_TIMEOUT)
+            while not self._closed:
+                now = time.monotonic()
+                for conn in [c for c, a in waiting.items() if a.deadline <= now]:
+                    log.info("%s sent no ticket in %gs: closed", waiting[conn].peer, _HANDSHAKE_DEADLINE)
+                    drop(conn)
+                timeout = min((a.deadline for a in waiting.values()), default=now + 60) - now
+                for key, _ in selector.select(max(timeout, 0.0)):
+                    if key.fileobj is self._listener:
+                        for conn, peer in self._accept_ready():
+                            if len(waiting) >= _MAX_UNREDEEMED:
+                                drop(next(iter(waiting)))
+                            waiting[conn] = _Arriving(peer, time.monotonic() + _HANDSHAKE_DEADLINE)
+                            selector.register(conn, selectors.EVENT_READ)
+                        continue
+                    conn = key.fileobj  # type: ignore[assignment]
+                    arriving = waiting.get(conn)
+                    if arriving is None:
+                        continue  # pushed out by a newer one in this same turn
+                    try:
+                        want = _step(conn, arriving)
+                    except (OSError, EOFError, ValueError) as e:
+                        log.info("a connection from %s failed before its ticket: %s", arriving.peer, e)
+                        drop(conn)
+                        continue
+                    if want is not None:
+                        selector.modify(conn, want)
+                        continue
+                    del waiting[conn]
+                    selector.unregister(conn)
+                    threading.Thread(
+                        target=self._serve, args=(conn, arriving), name="gpuport transfer", daemon=True
+                    ).start()
+        except OSError:
+            pass  # the listener was closed
+        finally:
+            for conn in list(waiting):
+                drop(conn)
+            selector.close()
+
+    def _accept_ready(self) -> list[tuple[socket.socket, object]]:
+        accepted = []
+        while True:
+            try:
+                raw, peer = self._listener.accept()
+            except BlockingIOError:
+                return accepted
+            raw.setblocking(False)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = raw
             if self._context is not None:
-                conn = self._context.wrap_socket(raw, server_side=True)
-            line = _read_line(conn)
+                conn = self._context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+            accepted.append((conn, peer))
+
+    def _serve(self, conn: socket.socket, arriving: _Arriving) -> None:
+        peer = arriving.peer
+        try:
+            conn.settimeout(max(arriving.deadline - time.monotonic(), 0.1))
+            line = bytes(arriving.line)
             found = self.staging.redeem(line.decode("ascii", "replace").strip())
             if found is None:
                 conn.sendall(b"Ethis ticket is unknown, used or expired: ask for another with Sessions.Transfer\n")
@@ -123,7 +191,14 @@ class DataPort:
                 conn.settimeout(None)  # a channel waits for the client's next call as long as it likes
                 name = found.caller.name
                 with self._held_lock:
-                    self._held.setdefault(name, set()).add(conn)
+                    held = self._held.setdefault(name, set())
+                    if len(held) >= _MAX_CHANNELS:
+                        conn.sendall(
+                            f"E{name} holds {len(held)} channels open, the most allowed: close sessions "
+                            "(or clients) no longer used\n".encode()
+                        )
+                        return
+                    held.add(conn)
                 try:
                     conn.sendall(b"C")
                     self._channel(conn, found.caller, Direct(found.key))
@@ -193,22 +268,42 @@ class DataPort:
             direct.close()
 
 
+@dataclass
+class _Arriving:
+    """A connection whose ticket line is not all in yet."""
+
+    peer: object
+    deadline: float  # time.monotonic() by which the line must be in
+    handshaken: bool = False
+    line: bytearray = field(default_factory=bytearray)
+
+
+def _step(conn: socket.socket, arriving: _Arriving) -> int | None:
+    """Go on with a non-blocking handshake and ticket line as far as they go now: the selector
+    event to wait for, or None when the line is in (the socket is then blocking again)."""
+    try:
+        if not arriving.handshaken and isinstance(conn, ssl.SSLSocket):
+            conn.do_handshake()
+        arriving.handshaken = True
+        while len(arriving.line) < _TICKET_LINE:
+            chunk = conn.recv(_TICKET_LINE - len(arriving.line))
+            if not chunk:
+                raise EOFError("the client closed the connection before sending its ticket")
+            arriving.line += chunk
+    except ssl.SSLWantWriteError:
+        return selectors.EVENT_WRITE
+    except (ssl.SSLWantReadError, BlockingIOError):
+        return selectors.EVENT_READ
+    conn.setblocking(True)
+    return None
+
+
 def _error(error: GpuportError) -> bytes:
     return json.dumps({"error": type(error).__name__, "message": str(error)}).encode()
 
 
 def _reply(conn: socket.socket, kind: int, data: bytes) -> None:
     conn.sendall(_REPLY.pack(len(data), kind) + data)
-
-
-def _read_line(conn: socket.socket) -> bytes:
-    data = bytearray()
-    while len(data) < _TICKET_LINE:
-        chunk = conn.recv(_TICKET_LINE - len(data))
-        if not chunk:
-            raise EOFError("the client closed the connection before sending its ticket")
-        data += chunk
-    return bytes(data)
 
 
 def _receive(conn: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:

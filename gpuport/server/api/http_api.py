@@ -140,27 +140,68 @@ def _error_response(error: GpuportError) -> JSONResponse:
     return JSONResponse({"error": {"type": type(error).__name__, "message": str(error)}}, status_code=http_status)
 
 
-class _BodyLimit:
-    """Refuse a body over ``MAX_REST_BODY_BYTES`` (413) before reading it; predictions have their
-    own limit. A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``)
-    spawned a task and two memory streams per request, a third of a small prediction's cost."""
+class _Guard:
+    """What reaches the REST routes is bounded before it is read: a request that carries a body must
+    show a valid token first (FastAPI reads a body before it resolves the route's token), and the body
+    is read here, counting bytes as they arrive (Content-Length or chunked), up to
+    ``MAX_REST_BODY_BYTES``: past it the answer is 413 and the rest is never read. Predictions do the
+    same in ``Predictions``, with their own limit. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` (``@app.middleware``) spawned a task and two memory streams per request."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not scope["path"].startswith(("/v2/", "/v1/models/")):
-            length = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
-            if length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
-                error = InvalidRequest(
-                    f"request body of {int(length)} bytes is over the limit of {MAX_REST_BODY_BYTES} — upload "
-                    "files with `gpuport push`, and refer to them by name"
-                )
-                response = _error_response(error)
-                response.status_code = 413
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"")
+        if not (b"transfer-encoding" in headers or (length and length != b"0")):
+            return await self.app(scope, receive, send)  # no body
+        error: GpuportError | None = None
+        try:
+            server: ServerApp = scope["app"].state.gpuport
+            server.auth.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+        except AuthenticationError as e:
+            client = scope.get("client") or ("?",)
+            log.warning("rejected %s %s from %s: %s", scope["method"], scope["path"], client[0], e)
+            error = e
+        if error is None and length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
+            error = _TooLarge(int(length))
+        body = bytearray()
+        while error is None:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client is gone
+            body += message.get("body", b"")
+            if len(body) > MAX_REST_BODY_BYTES:
+                error = _TooLarge(len(body), exact=False)
+            elif not message.get("more_body", False):
+                break
+        if error is not None:
+            response = _error_response(error)
+            response.status_code = 413 if isinstance(error, _TooLarge) else response.status_code
+            response.headers["connection"] = "close"  # what is left of the body is not read
+            return await response(scope, receive, send)
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class _TooLarge(InvalidRequest):
+    def __init__(self, size: int, exact: bool = True) -> None:
+        said = f"{size} bytes" if exact else f"more than {MAX_REST_BODY_BYTES} bytes"
+        super().__init__(
+            f"request body of {said} is over the limit of {MAX_REST_BODY_BYTES} — upload files with "
+            "`gpuport push`, and refer to them by name"
+        )
 
 
 def build_http_app(app: ServerApp) -> Predictions:
@@ -180,7 +221,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         return _error_response(InvalidRequest(f"malformed request: {problems}"))
 
-    api.add_middleware(_BodyLimit)
+    api.add_middleware(_Guard)
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:

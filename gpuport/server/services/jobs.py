@@ -40,6 +40,8 @@ import psutil
 from gpuport._files import files_beneath, open_beneath, open_file_beneath
 from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
+    DEFAULT_MEMORY_FLOOR_FRACTION,
+    DEFAULT_MEMORY_FLOOR_MAX,
     ENV_DATASETS_DIR,
     ENV_FAKE_GPU_DIR,
     ENV_GPU_MEMORY,
@@ -207,6 +209,17 @@ def tf_roles(counts: dict[str, int]) -> list[tuple[str, int]] | None:
     return [(role, counts[role]) for role in _TF_ROLES if counts.get(role)]
 
 
+_FLOOR_RECHECK = 2.0  # seconds between looks at free memory while work waits for it
+
+
+def memory_floor(setting: int | None = None) -> int:
+    """The memory floor in bytes: ``setting``, or by default 5% of the machine's memory, at most 2 GiB."""
+    if setting is not None:
+        return setting
+    total = psutil.virtual_memory().total
+    return min(int(total * DEFAULT_MEMORY_FLOOR_FRACTION), DEFAULT_MEMORY_FLOOR_MAX)
+
+
 def machine_of(inventory: Inventory) -> Machine:
     """What the scheduler shares out: the inventory's GPUs, this machine's CPUs and RAM."""
     gpus = inventory.gpus()
@@ -234,6 +247,7 @@ class JobService:
         executor: Executor,
         quotas: QuotaService,
         sandbox: Sandbox,
+        memory_floor: int = 0,
     ) -> None:
         self.store = store
         self.snapshots = snapshots
@@ -254,6 +268,8 @@ class JobService:
         self._plan: dict[str, Decision] | None = {}
         self._schedule_pending = False
         self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
+        self.memory_floor = memory_floor  # bytes free below which work that reserves no memory waits
+        self._floor_check: asyncio.TimerHandle | None = None
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -654,10 +670,14 @@ class JobService:
             return  # not started yet: start() schedules
         running = self.running()
         queued = list(self._queued.values())
-        if not explain and not could_start((p.request for p in queued), running, self.machine):
+        low_memory = self._low_memory() if queued else ""
+        if low_memory and self._floor_check is None and any(not p.request.memory for p in queued):
+            # Memory comes back without an event to say so: look again in a while.
+            self._floor_check = self._loop.call_later(_FLOOR_RECHECK, self._recheck_floor)
+        if not explain and not could_start((p.request for p in queued), running, self.machine, low_memory):
             self._plan = None if queued else {}
             return
-        decisions = plan(queued, running, self.machine, self.quotas.all()) if queued else []
+        decisions = plan(queued, running, self.machine, self.quotas.all(), low_memory) if queued else []
         self._plan = {d.job_id: d for d in decisions}
         for decision in decisions:
             pending = self._queued[decision.job_id]
@@ -678,6 +698,23 @@ class JobService:
             )
             del self._plan[decision.job_id], self._queued[decision.job_id]
             self._spawn(self._launch(decision.job_id))
+
+    def _low_memory(self) -> str:
+        """Why work that reserves no memory waits now ('' : it need not)."""
+        if not self.memory_floor:
+            return ""
+        available = psutil.virtual_memory().available
+        if available >= self.memory_floor:
+            return ""
+        return (
+            f"the machine has {format_size(available)} of memory free, below the floor of "
+            f"{format_size(self.memory_floor)}: work that reserves no memory waits (ask for some with --memory)"
+        )
+
+    def _recheck_floor(self) -> None:
+        self._floor_check = None
+        self._plan = None
+        self._schedule_soon()
 
     def _exit_callback(self, job_id: str) -> Any:
         loop = self._loop

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 import gpuport
@@ -39,6 +40,7 @@ class RunningServer:
     http_url: str = ""
     fingerprint: str = ""
     admin_token: str = ""
+    pid: int = 0  # the server's own process: ``process`` is a wrapper's, when it was started with one
     _drainer: threading.Thread | None = None
 
     @property
@@ -70,7 +72,8 @@ class RunningServer:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
-            self.process.send_signal(sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid or self.process.pid, sig)
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
@@ -90,10 +93,15 @@ def server_env(**extra: str) -> dict[str, str]:
 
 
 def start_server(
-    state_dir: Path, *args: str, env: dict[str, str] | None = None, expect_ready: bool = True
+    state_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    expect_ready: bool = True,
+    wrapper: tuple[str, ...] = (),
 ) -> RunningServer:
-    """Start `gpuport server` and wait (bounded) for its `ready` line; parse what it printed."""
-    command = [sys.executable, "-m", "gpuport", *SERVER_ARGS, "--state-dir", str(state_dir), *args]
+    """Start `gpuport server` (after the command prefix ``wrapper``, if any) and wait (bounded) for
+    its `ready` line; parse what it printed."""
+    command = [*wrapper, sys.executable, "-m", "gpuport", *SERVER_ARGS, "--state-dir", str(state_dir), *args]
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -121,6 +129,9 @@ def start_server(
     else:
         server.stop(signal.SIGKILL)
         raise AssertionError(f"server not ready in {READY_TIMEOUT}s:\n{server.banner}")
+    if wrapper:  # the wrapper passes no signal on: the server's own pid gets them
+        found = [p for p in psutil.Process(process.pid).children(recursive=True) if "gpuport" in p.cmdline()[1:3]]
+        server.pid = found[0].pid
     banner = parse_banner(server.banner)
     server.url, server.http_url = banner.grpc_url, banner.http_url
     server.fingerprint, server.admin_token = banner.fingerprint or "", banner.admin_token or ""

@@ -1,17 +1,25 @@
-"""kill -9 the server while a job runs and others wait; start it again: nothing is lost."""
+"""kill -9 the server while a job runs and others wait; start it again: nothing is lost. And 20 times
+over, at random moments, with a session and a model live."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import textwrap
 import threading
+import time
 from pathlib import Path
+
+import numpy as np
 
 import gpuport
 from tests.conftest import RunningServer, start_server, touch_in_job, wait_for
+from tests.test_serving_errors import _doubler_file
 
 
 def _free_port() -> int:
@@ -118,3 +126,70 @@ def test_a_job_that_ends_while_the_server_is_down_is_recorded(tmp_path: Path) ->
             assert list(gpu.job(job.id).logs())[-1].startswith("line ")
     finally:
         second.stop()
+
+
+# ---- chaos --------------------------------------------------------------------------------------
+
+KILLS = 20
+
+
+def test_twenty_kill_9s_at_random_moments_lose_no_job_and_run_none_twice(tmp_path: Path) -> None:
+    """The server is killed with SIGKILL 20 times, each a random moment after a burst of submits
+    (up to 10 more arriving from another thread meanwhile), with a session holding a value and a model
+    deployed.
+    Every job it answered for runs to its end exactly once, and so does every job it recorded from a
+    submit whose answer the kill cut off; the session's worker and its value, and the model, are
+    there at the end. Jobs count their runs in a file of the test's (the server runs with
+    --no-sandbox, so that they can reach it)."""
+    state, ran = tmp_path / "state", tmp_path / "ran"
+    rng = random.Random(os.environ.get("GPUPORT_CHAOS_SEED", "gpuport"))
+    server = start_server(state, "--no-sandbox")
+    token, fingerprint = server.admin_token, server.fingerprint
+    answered: list[str] = []
+
+    def burst(url: str, count: int) -> None:
+        with contextlib.suppress(gpuport.GpuportError):  # the kill may cut a submit off
+            with gpuport.connect(url, token, fingerprint=fingerprint) as gpu:
+                for _ in range(count):
+                    script = f"sleep {rng.uniform(0, 0.8):.2f}; echo $GPUPORT_JOB_ID >> {ran}"
+                    answered.append(gpu.submit(script, workdir=None).id)
+
+    try:
+        with server.connect() as gpu:
+            gpu.deploy("chaos", _doubler_file(tmp_path))
+            session = gpu.session(name="chaos")
+            session.put(np.arange(3), name="x")
+            worker = session.info().job_id
+            session.detach()
+        for _ in range(KILLS):
+            burst(server.url, 2)
+            racing = threading.Thread(target=burst, args=(server.url, 10))  # the kill may cut it off
+            racing.start()
+            time.sleep(rng.uniform(0, 0.6))
+            server.stop(signal.SIGKILL)
+            racing.join(30)
+            server = start_server(state, "--no-sandbox")
+        with gpuport.connect(server.url, token, fingerprint=fingerprint) as gpu:
+            recorded = [j.id for j in gpu.jobs(all=True) if str(ran) in " ".join(j.info.command)]
+            assert set(answered) <= set(recorded) and len(answered) >= 2 * KILLS
+            for job_id in recorded:
+                info = gpu.job(job_id).wait(120).info
+                assert info.state == "succeeded", info
+            runs = collections.Counter(ran.read_text().split())
+            assert runs == collections.Counter(recorded), runs - collections.Counter(recorded)
+            with gpu.session(name="chaos") as again:
+                assert again.reattached and again.info().job_id == worker
+                assert again.get(again.ref("x")).tolist() == [0, 1, 2]
+                again.close()
+            body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+            server.admin_token = token
+            reply = server.rest("POST", "/v2/models/chaos/infer", token, json=body)
+            assert reply.status_code == 200 and reply.json()["outputs"][0]["data"] == [2, 4, 6, 8], reply.text
+    finally:
+        with contextlib.suppress(gpuport.GpuportError):  # what outlives a server, ended
+            with gpuport.connect(server.url, token, fingerprint=fingerprint) as gpu:
+                for live in gpu.sessions():
+                    gpu.close_session(live.id)
+                for deployed in gpu.models():
+                    gpu.undeploy(deployed.name)
+        server.stop()

@@ -16,7 +16,9 @@ import re
 import shutil
 import socket
 import ssl
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -224,6 +226,60 @@ def test_without_a_sandbox_every_token_is_an_admin_token(tmp_path: Path) -> None
             assert admin.create_token("dave", admin=True).admin
     finally:
         running.stop()
+
+
+NOBODY = 65534
+
+
+def _unprivileged() -> tuple[str, ...]:
+    """The command prefix that runs the server as an unprivileged uid: none when the tests are not
+    root; as root, ``setpriv`` to nobody inside a bubblewrap mount namespace that shows this
+    Python's folder (root's 0700 home hides it from other uids). Skips where user namespaces are off."""
+    if os.geteuid() != 0:
+        return ()
+    if not (shutil.which("bwrap") and shutil.which("setpriv")):
+        pytest.skip("needs bubblewrap and setpriv (apt-get install bubblewrap util-linux)")
+    shown: list[str] = []
+    if sys.base_prefix.startswith("/root/"):
+        parents = [str(p) for p in reversed(Path(sys.base_prefix).parents) if str(p).startswith("/root/")]
+        for folder in parents:
+            shown += ["--perms", "0755", "--dir", folder]
+        shown += ["--ro-bind", sys.base_prefix, sys.base_prefix]
+    prefix = ("bwrap", "--dev-bind", "/", "/", "--tmpfs", "/root", *shown, "--")
+    drop = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+    probe = subprocess.run(
+        [*prefix, *drop, "bwrap", "--ro-bind", "/", "/", "--unshare-pid", "true"], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"user namespaces are off for unprivileged users here: {probe.stderr.decode().strip()}")
+    return (*prefix, *drop)
+
+
+def test_an_unprivileged_server_sandboxes_jobs_in_a_user_namespace(tmp_path: Path) -> None:
+    """Not root: bubblewrap makes the namespaces in an unprivileged user namespace, and jobs keep the
+    server's uid, with the state dir and the machine's processes out of sight as before."""
+    wrapper = _unprivileged()
+    home = Path(tempfile.mkdtemp(prefix="gpuport-unprivileged-"))  # not under the tests' 0700 tmp
+    try:
+        home.chmod(0o755)
+        if wrapper:
+            os.chown(home, NOBODY, NOBODY)
+        state = home / "state"
+        running = start_server(state, wrapper=wrapper)
+        try:
+            assert "isolation    bubblewrap sandbox, the server's uid" in running.banner, running.banner
+            with running.connect() as admin:
+                with running.connect(admin.create_token("erin").token) as erin:  # a sandbox: users allowed
+                    job = erin.submit(["python", "-c", PROBE, str(state)], workdir=None).wait(60)
+                    seen = _last_json(job)
+                    assert job.exit_code == 0, seen
+            assert set(seen["state"]) <= {"jobs", "fake-gpus"} and seen["jobs"] == [job.id], seen
+            assert seen["key"] == seen["db"] == "FileNotFoundError", seen
+            assert len(seen["pids"]) <= 3 and seen["uid"] == (NOBODY if wrapper else os.getuid()), seen
+        finally:
+            running.stop()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_a_job_reaches_neither_the_servers_ports_nor_the_machines_loopback(

@@ -4,7 +4,7 @@ A snapshot path is relative, '/'-separated and normalized: no leading '/', no '.
 component, no empty component, no NUL. A symlink's target is relative too and, read from the
 link's folder, stays inside the snapshot, followed as the kernel follows it: through the other
 links of the manifest (``b -> .`` makes ``b/b/../..`` leave the root, which ``normpath`` would not
-see). Nothing may sit below a symlink (the server would write through it).
+see). Nothing may sit below a symlink (the server would write through it), nor below a file.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class _Entry(Protocol):
 
 
 def check_entries(entries: Iterable[_Entry]) -> None:
-    """Check every entry of a manifest: valid paths and links, no duplicates, nothing below a symlink."""
+    """Check every entry of a manifest: valid paths and links, no duplicates, nothing below a symlink
+    or a file."""
     seen: set[str] = set()
     links: dict[str, str] = {}
     for entry in entries:
@@ -101,10 +102,13 @@ def check_entries(entries: Iterable[_Entry]) -> None:
             links[path] = check_link(path, entry.link)
     for path, target in links.items():
         _resolve_link(path, target, links)
-    if links:
-        for path in seen:
-            parent = posixpath.dirname(path)
-            while parent:
-                if parent in links:
-                    raise InvalidRequest(f"path {path!r} lies below the symlink {parent!r}")
-                parent = posixpath.dirname(parent)
+    folders: set[str] = set()  # the parents of entries, each checked once
+    for path in seen:
+        parent = posixpath.dirname(path)
+        while parent and parent not in folders:
+            if parent in links:
+                raise InvalidRequest(f"path {path!r} lies below the symlink {parent!r}")
+            if parent in seen:
+                raise InvalidRequest(f"path {parent!r} is a file, and also the folder of {path!r}")
+            folders.add(parent)
+            parent = posixpath.dirname(parent)

@@ -23,7 +23,7 @@ from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
-from gpuport.server.api.serving_http import Predictions, add_serving_routes
+from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
@@ -179,7 +179,9 @@ class _Guard:
             elif not message.get("more_body", False):
                 break
         if error is not None:
-            response = _error_response(error)
+            # The prediction protocols' routes answer in their own error format.
+            serving = scope["path"].startswith(("/v2", "/v1/models"))
+            response = protocol_error(error) if serving else _error_response(error)
             response.status_code = 413 if isinstance(error, _TooLarge) else response.status_code
             response.headers["connection"] = "close"  # what is left of the body is not read
             return await response(scope, receive, send)

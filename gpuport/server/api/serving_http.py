@@ -65,7 +65,8 @@ def _status(error: GpuportError) -> int:
     return status_for(error)[1]
 
 
-def _error(error: Exception) -> JSONResponse:
+def protocol_error(error: Exception) -> JSONResponse:
+    """``error`` as the prediction protocols answer it: ``{"error": "message"}`` with their status."""
     if not isinstance(error, GpuportError):
         raise error
     return JSONResponse({"error": str(error)}, status_code=_status(error))
@@ -97,7 +98,7 @@ def _answered(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awai
             _caller(request)
             return await handler(request, **params)
         except GpuportError as e:
-            return _error(e)
+            return protocol_error(e)
 
     return answer
 

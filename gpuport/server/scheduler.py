@@ -214,9 +214,7 @@ def could_start(
 ) -> bool:
     """Whether any of ``requests`` fits what is free: when none does, a pass would start nothing."""
     free = _initial_free(machine, running)
-    return any(
-        free.fit(request) is not None and not (low_memory and not request.memory) for request in set(requests)
-    )
+    return any(free.fit(request) is not None and not (low_memory and not request.memory) for request in set(requests))
 
 
 def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine) -> list[Pending]:

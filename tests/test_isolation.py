@@ -31,7 +31,16 @@ import pytest
 import gpuport
 from gpuport.defaults import DEFAULT_JOBS_PER_USER, MAX_REST_BODY_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import JobFlag, RunningServer, client_env, needs_users, server_env, start_server, wait_for
+from tests.conftest import (
+    JobFlag,
+    RunningServer,
+    client_env,
+    needs_users,
+    server_env,
+    start_server,
+    touch_in_job,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -474,3 +483,35 @@ def test_work_that_reserves_no_memory_waits_below_the_memory_floor(tmp_path: Pat
             waits.cancel()
     finally:
         running.stop()
+
+
+# ---- a job's environment ------------------------------------------------------------------------
+
+TRICKY = 'it\'s "quoted"\n$(touch pwned) `touch pwned` \\ ${HOME} end ü'
+
+
+def test_a_jobs_environment_reaches_the_job_only_and_as_it_was_given(
+    server: RunningServer, alice: gpuport.Client
+) -> None:
+    """A one-process job starts straight under bubblewrap, its environment read by /bin/sh as the
+    job's uid: not given to what runs as root before (an LD_PRELOAD would run there), not on any
+    command line, and every byte as it was sent, nothing in it run."""
+    secret = f"secret-{uuid.uuid4().hex}"
+    script = (
+        "import json, os, time\n"
+        "print(json.dumps([os.environ['TRICKY'], os.environ['SECRET'], sorted(os.listdir('.'))]), flush=True)\n"
+        "while not os.path.exists('go'): time.sleep(0.02)\n"
+    )
+    job = alice.submit(["python", "-c", script], workdir=None, env={"TRICKY": TRICKY, "SECRET": secret})
+    try:
+        wait_for(lambda: job.refresh().log_bytes, what="the job's line")
+        supervisor = json.loads((server.state_dir / "jobs" / job.id / "supervisor.json").read_text())
+        bwrap = psutil.Process(supervisor["child"])
+        for process in [bwrap, *bwrap.children(recursive=True)]:
+            if process.uids().real == 0:  # bubblewrap, outside and as the job's pid 1
+                assert secret not in process.environ().values(), process.cmdline()
+            assert not any(secret in arg for arg in process.cmdline()), process.cmdline()
+        assert json.loads(list(job.logs())[0]) == [TRICKY, secret, []]  # and no file 'pwned'
+    finally:
+        touch_in_job(server.state_dir, job.id, "go")
+    assert job.wait(30).exit_code == 0

@@ -164,17 +164,30 @@ class DataPort:
             selector.close()
 
     def _accept_ready(self) -> list[tuple[socket.socket, object]]:
+        """The connections waiting to be accepted, made non-blocking (and TLS, not yet shaken hands)."""
         accepted = []
         while True:
             try:
                 raw, peer = self._listener.accept()
             except BlockingIOError:
                 return accepted
-            raw.setblocking(False)
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = raw
-            if self._context is not None:
-                conn = self._context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+            except OSError as e:
+                if self._closed:
+                    raise
+                # Out of file descriptors, say: the listener stays readable, so wait a moment.
+                log.warning("the data port could not accept a connection: %s", e)
+                time.sleep(0.1)
+                return accepted
+            try:
+                raw.setblocking(False)
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = raw
+                if self._context is not None:
+                    conn = self._context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+            except OSError as e:  # gone already
+                log.info("a connection from %s failed at once: %s", peer, e)
+                raw.close()
+                continue
             accepted.append((conn, peer))
 
     def _serve(self, conn: socket.socket, arriving: _Arriving) -> None:

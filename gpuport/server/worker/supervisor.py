@@ -323,13 +323,21 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
 
 
 def _sandboxed_once(job_dir: str, spec: dict) -> dict:
-    """Run the job in the sandbox ``spec["sandbox"]`` (a bubblewrap command prefix the server made),
-    with a second supervisor inside it (``--inner``) that runs the ranks; returns the status.
+    """Run the job in the sandbox ``spec["sandbox"]`` (a bubblewrap command prefix the server made);
+    returns the status.
 
     This one stays outside, as the server's user: it holds the lock, writes supervisor.json with the
-    pids as the host sees them (bubblewrap's, whose descendants are the job's), and exit.json from
-    the status the inner one reports. It passes a cancel on as SIGTERM to the inner supervisor, and
-    kills with SIGKILL to it: as pid 1 of the job's pid namespace, its end ends every process there.
+    pids as the host sees them (bubblewrap's, whose descendants are the job's), and exit.json.
+
+    A job of one process runs under bubblewrap's own pid 1, which reaps in the job's pid namespace
+    (a second Python supervisor inside cost each job 20 ms): the job's environment reaches it as a
+    file that ``/bin/sh`` reads once it runs as the job's uid (never as root: an LD_PRELOAD of the
+    job's would run in bubblewrap or setpriv), and it ``exec``s the command. This one passes a cancel
+    or the time limit on as SIGTERM to the job's process group (that pid 1 leads it), then SIGKILL
+    after the grace period to that pid 1, whose end ends every process there, and reads the exit
+    code bubblewrap reports.
+    A job of several processes gets a second supervisor inside (``--inner``, as its pid 1) that runs
+    the ranks as ``_run`` does and reports their status; this one passes a cancel on to it.
     """
     log = os.open(os.path.join(job_dir, "log"), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     spec_r, spec_w = os.pipe()
@@ -338,9 +346,17 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
     lifeline_r, lifeline_w = os.pipe()  # the write end stays here, never written: its end is this process's
     inner_spec = {k: v for k, v in spec.items() if k not in ("sandbox", "network", "pidns_file")}
     sandbox = spec["sandbox"]
-    argv = [sandbox[0], "--json-status-fd", "5", *sandbox[1:], sys.executable, "-I", "-S", __file__, "--inner"]
+    direct = int(spec.get("nprocs") or 1) == 1
+    if direct:  # the environment goes in on fd 3 (bubblewrap copies it to _ENV_FILE), then the command
+        cut = sandbox.index("--")
+        setup = [a for a in sandbox[1:cut] if a != "--as-pid-1"]
+        run = [*sandbox[cut:], "/bin/sh", "-c", _EXEC_WITH_ENV, "gpuport-job", *spec["argv"]]
+        argv = [sandbox[0], "--json-status-fd", "5", *setup, "--file", "3", _ENV_FILE, *run]
+        passed: tuple = ((log, 1), (log, 2), (spec_r, 3), (pids_w, 5))
+    else:
+        argv = [sandbox[0], "--json-status-fd", "5", *sandbox[1:], sys.executable, "-I", "-S", __file__, "--inner"]
+        passed = ((log, 1), (log, 2), (spec_r, 3), (status_w, 4), (pids_w, 5), (lifeline_r, 6))
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
-    passed = ((log, 1), (log, 2), (spec_r, 3), (status_w, 4), (pids_w, 5), (lifeline_r, 6))
     actions += [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in passed]
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -378,9 +394,9 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
                 f.write(os.readlink(f"/proc/{inner}/ns/pid"))
         if spec.get("network"):
             helpers.append(_connect_network(spec["network"], inner))
-    try:  # the inner supervisor starts the ranks once it has the spec: after the network is up
+    try:  # what runs inside waits for it: the job starts once the network is up
         with os.fdopen(spec_w, "wb") as f:
-            marshal.dump(inner_spec, f)
+            f.write(_shell_exports(spec["env"], spec["cwd"]) if direct else marshal.dumps(inner_spec))
     except BrokenPipeError:  # the sandbox did not start: bubblewrap's message is in the log
         pass
     import json  # noqa: F401 (imported now, while the inner supervisor starts: it is read at the end)
@@ -392,9 +408,11 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
     )
     grace = float(spec.get("grace", 5.0))
     time_limit = float(spec.get("time_limit") or 0)
-    # The inner supervisor runs as the job's user: it enforces the time limit, and this one makes
-    # sure of it a little later, whatever the job did to it.
-    backstop = start + time_limit + grace + 10 if time_limit > 0 else None
+    # An inner supervisor runs as the job's user: it enforces the time limit, and this one makes
+    # sure of it a little later, whatever the job did to it. A job run direct is stopped from here.
+    backstop = start + time_limit + grace + 10 if time_limit > 0 and not direct else None
+    limit_at = start + time_limit if time_limit > 0 and direct else None
+    stopped: dict = {}  # why this process stopped a job run direct: cancelled or timed_out
     kill_at = None
     killed = False
     code = None
@@ -402,9 +420,17 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
         if "kill" in requested and not killed and inner is not None:
             killed = True
             _signal_pid(inner, signal.SIGKILL)
-        if "cancel" in requested and kill_at is None and inner is not None:
-            _signal_pid(inner, signal.SIGTERM)
-            kill_at = time.monotonic() + grace + 5
+        if limit_at is not None and not stopped and time.monotonic() >= limit_at:
+            stopped["timed_out"] = True
+        elif "cancel" in requested and not stopped and direct:
+            stopped["cancelled"] = True
+        if (stopped or "cancel" in requested) and kill_at is None and inner is not None:
+            if direct:  # bubblewrap's pid 1 leads the job's group, and lets a SIGTERM pass it by
+                _signal_group(inner, signal.SIGTERM)
+                kill_at = time.monotonic() + grace
+            else:
+                _signal_pid(inner, signal.SIGTERM)
+                kill_at = time.monotonic() + grace + 5
         now = time.monotonic()
         for deadline in (kill_at, backstop):
             if deadline is not None and now >= deadline and inner is not None:
@@ -413,7 +439,7 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
         if pid:
             code = os.waitstatus_to_exitcode(wait_status)
             break
-        deadlines = [d - now for d in (kill_at, backstop) if d is not None]
+        deadlines = [d - now for d in (kill_at, backstop, None if stopped else limit_at) if d is not None]
         select.select([wake_r], [], [], max(0.0, min(deadlines)) if deadlines else None)
         try:
             while os.read(wake_r, 512):
@@ -422,9 +448,10 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
             pass
     for helper in helpers:  # not waited for: its end took up to 20 ms, and init reaps it once this one exits
         _signal_pid(helper, signal.SIGKILL)
-    os.close(pids_r)
+    with os.fdopen(pids_r, "rb") as f:
+        reports = f.read(1 << 16)  # and bubblewrap's last: { "exit-code": N }
     with os.fdopen(status_r, "rb") as f:
-        reported = _reported_status(f.read(1 << 16))
+        reported = _direct_status(reports, started_at, stopped, log) if direct else _reported_status(f.read(1 << 16))
     status = reported or {"started_at": started_at}
     if killed:
         status["killed"] = reason = _kill_reason(job_dir)
@@ -443,12 +470,63 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
     return status
 
 
-def _last_line(log: int) -> str:
+# Where the environment of a job run direct is, in its sandbox, and what reads it: /bin/sh, as the
+# job's uid, sources it and runs the command in its place, found on the job's PATH.
+_ENV_FILE = "/run/gpuport-env"
+_EXEC_WITH_ENV = f'. {_ENV_FILE} && exec "$@"'
+
+
+def _shell_exports(env: dict, cwd: str) -> bytes:
+    """``env`` as lines /bin/sh sources: ``export NAME='value'``, single quotes inside closed and
+    reopened; names that are not shell names (which no job's env has: the server checks them) are
+    left out. The working directory is bubblewrap's ``--chdir``; PWD is set to it as a shell would."""
+    lines = []
+    for name, value in {**env, "PWD": cwd}.items():
+        if name[:1].isdigit() or not name.replace("_", "a").isalnum() or not name.isascii():
+            continue
+        quoted = "'" + value.replace("'", "'\\''") + "'"
+        lines.append(f"export {name}={quoted}\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+_NOT_STARTED = ": exec: "  # in the shell's words for a command that cannot run: "gpuport-job: 1: exec: x: not found"
+
+
+def _direct_status(reports: bytes, started_at: float, stopped: dict, log: int) -> dict | None:
+    """The status of a job run direct, from bubblewrap's reports; None without an exit code (the
+    sandbox did not start). Bubblewrap reports a death by signal as a shell does, 128 + the signal:
+    read back as one, negative, as ``_run`` reports it (a job that exits 130 itself reads as SIGINT)."""
+    import json
+
+    code = None
+    for line in reports.splitlines():
+        try:
+            code = json.loads(line).get("exit-code", code)
+        except (ValueError, AttributeError):
+            continue
+    if not isinstance(code, int) or isinstance(code, bool):
+        return None
+    status: dict = {"started_at": started_at, **stopped}
+    said = _last_line(log, ("gpuport-job: ",))
+    if code in (126, 127) and _NOT_STARTED in said:
+        command, _, reason = said.split(_NOT_STARTED, 1)[1].rpartition(": ")
+        reason = "No such file or directory" if reason == "not found" else reason
+        status["error"] = f"cannot start {command!r}: {reason}"
+        os.write(log, f"gpuport: {status['error']}\n".encode())
+        code = 127
+    elif 128 < code <= 128 + 64:
+        code = 128 - code
+    status["exit_code"] = code
+    status["ended_at"] = time.time()
+    return status
+
+
+def _last_line(log: int, starts: tuple = ("bwrap",)) -> str:
     """The log's last line, to name why a sandbox failed (": bwrap: Can't ..."), or ""."""
     end = os.lseek(log, 0, os.SEEK_END)
     tail = os.pread(log, min(end, 4096), max(0, end - 4096)) if end else b""
     lines = tail.decode(errors="replace").strip().splitlines()
-    return f": {lines[-1][:300]}" if lines and lines[-1].startswith("bwrap") else ""
+    return f": {lines[-1][:300]}" if lines and lines[-1].startswith(starts) else ""
 
 
 # What exit.json may hold, by type: the inner supervisor runs as the job's user, so what it reports

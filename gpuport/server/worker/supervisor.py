@@ -399,7 +399,7 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
             f.write(_shell_exports(spec["env"], spec["cwd"]) if direct else marshal.dumps(inner_spec))
     except BrokenPipeError:  # the sandbox did not start: bubblewrap's message is in the log
         pass
-    import json  # noqa: F401 (imported now, while the inner supervisor starts: it is read at the end)
+    import json  # noqa: F401 (imported now, while the job starts, for its end: exit.json, the status read back)
 
     _write_json(
         os.path.join(job_dir, "supervisor.json"),

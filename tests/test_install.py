@@ -256,12 +256,15 @@ def check_extras(box: Venv, laptop: Venv, server: RunningServer, dist: Dist, clo
 
     install(box, ["pip", "install", ".[onnx]"], dist.wheel, clone)
     deployed = subprocess.run(deploy, capture_output=True, text=True, env=env, cwd=clone, timeout=300)
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": x.ravel().tolist()}]}
-    reply = server.rest("POST", "/v2/models/scale/infer", token=server.admin_token, json=body)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["outputs"][0]["data"] == (x * 3).ravel().tolist()
+    try:
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        body = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": x.ravel().tolist()}]}
+        reply = server.rest("POST", "/v2/models/scale/infer", token=server.admin_token, json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["outputs"][0]["data"] == (x * 3).ravel().tolist()
+    finally:  # a model's replica outlives the server that stops after this test: it goes first
+        subprocess.run(["gpuport", "undeploy", "scale"], capture_output=True, env=env, cwd=clone, timeout=120)
 
 
 def test_the_wheel_carries_what_the_server_reads_and_metadata_fit_to_publish(dist: Dist) -> None:

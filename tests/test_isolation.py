@@ -249,15 +249,23 @@ def _unprivileged() -> tuple[str, ...]:
     if not (shutil.which("bwrap") and shutil.which("setpriv")):
         pytest.skip("needs bubblewrap and setpriv (apt-get install bubblewrap util-linux)")
     shown: list[str] = []
-    if sys.base_prefix.startswith("/root/"):
-        parents = [str(p) for p in reversed(Path(sys.base_prefix).parents) if str(p).startswith("/root/")]
-        for folder in parents:
-            shown += ["--perms", "0755", "--dir", folder]
-        shown += ["--ro-bind", sys.base_prefix, sys.base_prefix]
+    made: set[str] = set()
+    needed = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, Path(gpuport.__file__).parents[1])}
+    for path in sorted(needed):
+        if path.startswith("/root/"):
+            for folder in (str(p) for p in reversed(Path(path).parents) if str(p).startswith("/root/")):
+                if folder not in made:
+                    shown += ["--perms", "0755", "--dir", folder]
+                    made.add(folder)
+            shown += ["--ro-bind", path, path]
+            continue
+        for folder in [*reversed(Path(path).parents), Path(path)]:
+            if not folder.stat().st_mode & 0o001:
+                pytest.skip(f"{folder} is closed to other users: the server as uid {NOBODY} could not run from {path}")
     prefix = ("bwrap", "--dev-bind", "/", "/", "--tmpfs", "/root", *shown, "--")
     drop = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
     probe = subprocess.run(
-        [*prefix, *drop, "bwrap", "--ro-bind", "/", "/", "--unshare-pid", "true"], capture_output=True
+        [*prefix, *drop, "bwrap", "--ro-bind", "/", "/", "--unshare-pid", "true"], capture_output=True, timeout=60
     )
     if probe.returncode != 0:
         pytest.skip(f"user namespaces are off for unprivileged users here: {probe.stderr.decode().strip()}")

@@ -454,6 +454,23 @@ def test_the_data_port_holds_no_thread_for_a_connection_without_its_ticket(
         conn.close()
 
 
+def test_an_idle_channel_gives_its_thread_up_and_takes_one_again_for_its_next_call(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    process = psutil.Process(server.process.pid)
+    sessions = [admin.session() for _ in range(6)]
+    try:
+        assert [s.call(sum, [i, 1]) for i, s in enumerate(sessions)] == [1, 2, 3, 4, 5, 6]  # 6 channels, busy
+        busy = process.num_threads()
+        opened = [s._channel for s in sessions]
+        wait_for(lambda: process.num_threads() <= busy - 6, 10, "the idle channels' threads ended")
+        assert [s.call(sum, [i, 2]) for i, s in enumerate(sessions)] == [2, 3, 4, 5, 6, 7]
+        assert None not in opened and [s._channel for s in sessions] == opened  # the same channels, not new ones
+    finally:
+        for session in sessions:
+            session.close()
+
+
 def test_one_user_runs_a_bounded_number_of_jobs_by_default(tmp_path: Path) -> None:
     running = start_server(tmp_path / "state")
     flag = JobFlag(running.state_dir)

@@ -14,7 +14,9 @@ Until its ticket line is in, a connection costs no thread: one thread accepts, s
 and reads every ticket line, without blocking, within ``_HANDSHAKE_DEADLINE`` from the connection's
 accept in all (not per read), and holds at most ``_MAX_UNREDEEMED`` such connections (a new one
 past that pushes out the oldest). A connection with its ticket gets a thread for its transfer or
-channel; a user holds at most ``_MAX_CHANNELS`` channels open.
+channel; a user holds at most ``_MAX_CHANNELS`` channels open. A channel with no call for
+``_PARK_AFTER`` seconds gives its thread up: it waits in that same selector, and gets a thread again
+when its next call comes.
 
 A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
 keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and
@@ -31,6 +33,7 @@ import contextlib
 import json
 import logging
 import mmap
+import select
 import selectors
 import socket
 import ssl
@@ -56,6 +59,7 @@ _TICKET_LINE = 65  # 64 hex digits and "\n"
 _HANDSHAKE_DEADLINE = 10.0  # seconds from accept to a whole ticket line, TLS handshake included
 _MAX_UNREDEEMED = 128  # connections still shaking hands or sending their ticket
 _MAX_CHANNELS = 64  # channels one user holds open
+_PARK_AFTER = 2.0  # seconds without a call after which a channel gives its thread up
 _IDLE_TIMEOUT = 60.0  # seconds a transfer may stall before the server gives up on it
 _SLICE = 1024 * 1024  # bytes per send or receive call
 _LENGTH = struct.Struct("<I")
@@ -88,6 +92,10 @@ class DataPort:
         self._closed = False
         self._held: dict[str, set[socket.socket]] = {}  # a user's open channels, closed when their token goes
         self._held_lock = threading.Lock()
+        # Idle channels handed to the accepting thread's selector, and the way to wake it for them.
+        self._parking: list[_Parked] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
 
     def revoke(self, name: str) -> None:
         """Close every channel ``name`` holds open, at once, and drop their tickets (their token was revoked)."""
@@ -115,7 +123,9 @@ class DataPort:
         selector = selectors.DefaultSelector()
         self._listener.setblocking(False)
         selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
         waiting: dict[socket.socket, _Arriving] = {}  # in order of arrival
+        parked: dict[socket.socket, _Parked] = {}  # idle channels
 
         def drop(conn: socket.socket) -> None:
             waiting.pop(conn, None)
@@ -131,6 +141,26 @@ class DataPort:
                     drop(conn)
                 timeout = min((a.deadline for a in waiting.values()), default=now + 60) - now
                 for key, _ in selector.select(max(timeout, 0.0)):
+                    if key.fileobj is self._wake_r:
+                        with contextlib.suppress(BlockingIOError):
+                            while self._wake_r.recv(4096):
+                                pass
+                        with self._held_lock:
+                            arrived, self._parking = self._parking, []
+                        for idle in arrived:
+                            parked[idle.conn] = idle
+                            selector.register(idle.conn, selectors.EVENT_READ)
+                        continue
+                    idle = parked.pop(key.fileobj, None)  # type: ignore[call-overload]
+                    if idle is not None:  # its next call (or its end): a thread for it again
+                        selector.unregister(idle.conn)
+                        threading.Thread(
+                            target=self._hold_channel,
+                            args=(idle.conn, idle.caller, idle.direct),
+                            name="gpuport channel",
+                            daemon=True,
+                        ).start()
+                        continue
                     if key.fileobj is self._listener:
                         for conn, peer in self._accept_ready():
                             if len(waiting) >= _MAX_UNREDEEMED:
@@ -161,7 +191,13 @@ class DataPort:
         finally:
             for conn in list(waiting):
                 drop(conn)
+            for idle in parked.values():
+                idle.direct.close()
+                with contextlib.suppress(OSError):
+                    idle.conn.close()
             selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _accept_ready(self) -> list[tuple[socket.socket, object]]:
         """The connections waiting to be accepted, made non-blocking (and TLS, not yet shaken hands)."""
@@ -190,7 +226,8 @@ class DataPort:
                 continue
             accepted.append((conn, peer))
 
-    def _serve(self, conn: socket.socket, arriving: _Arriving) -> None:
+    def _serve(self, conn: socket.socket | None, arriving: _Arriving) -> None:
+        assert conn is not None
         peer = arriving.peer
         try:
             conn.settimeout(max(arriving.deadline - time.monotonic(), 0.1))
@@ -212,12 +249,14 @@ class DataPort:
                         )
                         return
                     held.add(conn)
+                channel, conn = conn, None  # the channel's own from here on: _hold_channel closes it
                 try:
-                    conn.sendall(b"C")
-                    self._channel(conn, found.caller, Direct(found.key))
-                finally:
-                    with self._held_lock:
-                        self._held.get(name, set()).discard(conn)
+                    channel.sendall(b"C")
+                except OSError as e:
+                    log.info("a channel from %s failed: %s", peer, e)
+                    self._let_go(channel, name)
+                    return
+                self._hold_channel(channel, found.caller, Direct(found.key))
                 return
             staged = found.staged
             assert staged is not None
@@ -249,36 +288,72 @@ class DataPort:
         except (OSError, EOFError, ValueError) as e:
             log.info("a transfer from %s failed: %s", peer, e)
         finally:
-            with contextlib.suppress(OSError):
-                conn.close()
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.close()
 
-    def _channel(self, conn: socket.socket, caller: Identity, direct: Direct) -> None:
-        """Relay a client's calls until it closes the channel."""
-        prefix = bytearray(_LENGTH.size)
+    def _hold_channel(self, conn: socket.socket, caller: Identity, direct: Direct) -> None:
+        """Relay a channel's calls in this thread until it ends (then closed) or goes idle (then parked)."""
         try:
-            while True:
-                if not _receive(conn, memoryview(prefix), eof_ok=True):
-                    return  # the client closed the channel between calls
-                (size,) = _LENGTH.unpack(prefix)
-                if size > MAX_MESSAGE_BYTES:
-                    _reply(conn, _ERROR, _error(InvalidRequest(f"a call of {size} bytes is over the channel's limit")))
-                    return
-                body = bytearray(size)
-                _receive(conn, memoryview(body))
-                try:
-                    request = pb.CallRequest.FromString(bytes(body))
-                    kind, reply = _OK, call_reply(self.sessions.call_direct(caller, call_in(request), direct))
-                    data = reply.SerializeToString()
-                except DecodeError:
-                    kind, data = _ERROR, _error(InvalidRequest("the channel carried something other than a call"))
-                except GpuportError as e:
-                    kind, data = _ERROR, _error(e)
-                except Exception:
-                    log.exception("a call on a data-port channel failed")
-                    kind, data = _ERROR, _error(ServerError("internal server error — the server's log has the details"))
-                _reply(conn, kind, data)
-        finally:
-            direct.close()
+            if self._channel(conn, caller, direct):
+                return
+        except (OSError, EOFError, ValueError) as e:
+            log.info("a channel of %s failed: %s", caller.name, e)
+        direct.close()
+        self._let_go(conn, caller.name)
+
+    def _let_go(self, conn: socket.socket, name: str) -> None:
+        with self._held_lock:
+            self._held.get(name, set()).discard(conn)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    def _park(self, idle: _Parked) -> None:
+        with self._held_lock:
+            self._parking.append(idle)
+        with contextlib.suppress(OSError):  # the port is closing
+            self._wake_w.send(b"p")
+
+    def _channel(self, conn: socket.socket, caller: Identity, direct: Direct) -> bool:
+        """Relay a client's calls until it closes the channel (False) or sends none for
+        ``_PARK_AFTER`` seconds (True: the channel is parked, open, and this thread is free)."""
+        prefix = bytearray(_LENGTH.size)
+        waiting = select.poll()
+        waiting.register(conn, select.POLLIN)
+        while True:
+            pending = isinstance(conn, ssl.SSLSocket) and conn.pending()
+            if not pending and not waiting.poll(_PARK_AFTER * 1000):
+                self._park(_Parked(conn, caller, direct))
+                return True
+            if not _receive(conn, memoryview(prefix), eof_ok=True):
+                return False  # the client closed the channel between calls
+            (size,) = _LENGTH.unpack(prefix)
+            if size > MAX_MESSAGE_BYTES:
+                _reply(conn, _ERROR, _error(InvalidRequest(f"a call of {size} bytes is over the channel's limit")))
+                return False
+            body = bytearray(size)
+            _receive(conn, memoryview(body))
+            try:
+                request = pb.CallRequest.FromString(bytes(body))
+                kind, reply = _OK, call_reply(self.sessions.call_direct(caller, call_in(request), direct))
+                data = reply.SerializeToString()
+            except DecodeError:
+                kind, data = _ERROR, _error(InvalidRequest("the channel carried something other than a call"))
+            except GpuportError as e:
+                kind, data = _ERROR, _error(e)
+            except Exception:
+                log.exception("a call on a data-port channel failed")
+                kind, data = _ERROR, _error(ServerError("internal server error — the server's log has the details"))
+            _reply(conn, kind, data)
+
+
+@dataclass
+class _Parked:
+    """An idle channel, waiting in the selector for its next call."""
+
+    conn: socket.socket
+    caller: Identity
+    direct: Direct
 
 
 @dataclass

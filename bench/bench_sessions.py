@@ -340,10 +340,18 @@ def track(pid: int, stop_at: int) -> None:
 
 
 def track_worker(s: Any, server: _servers.Gpuport) -> int:
-    """The pid of session ``s``'s worker (one call), tracked."""
-    pid = int(s.call(os.getpid))
-    track(pid, server.process.pid)
-    return pid
+    """The host pid of session ``s``'s worker, tracked. Not ``s.call(os.getpid)``: in its sandbox a
+    worker has a pid namespace of its own, and its pid there (2) is another process's here. Found
+    below the process its job's supervisor.json names (bubblewrap's, or the worker itself), once
+    a first call has shown the worker up."""
+    s.call(os.getpid)
+    job = json.loads((server.state_dir / "jobs" / s.info().job_id / "supervisor.json").read_text())
+    top = psutil.Process(job["child"])
+    for p in [top, *top.children(recursive=True)]:
+        if "gpuport.server.worker.session" in " ".join(p.cmdline()):
+            track(p.pid, server.process.pid)
+            return p.pid
+    raise RuntimeError(f"no session worker below pid {top.pid}")
 
 
 @contextlib.contextmanager

@@ -82,6 +82,8 @@ ENV_CACHE_DIR = "GPUPORT_CACHE_DIR"
 ENV_JOB_ID = "GPUPORT_JOB_ID"
 ENV_OUTPUT_DIR = "GPUPORT_OUTPUT_DIR"
 ENV_DATASETS_DIR = "GPUPORT_DATASETS_DIR"
+# The name of the node the job runs on, as `gpuport gpus` shows it (this machine's hostname on one machine).
+ENV_NODE = "GPUPORT_NODE"
 
 # ---- GPU sharing ----
 # What a job holding a slice of a GPU gets: the bytes each of its processes may use on its GPU, and

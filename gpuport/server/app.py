@@ -30,7 +30,7 @@ from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
-from gpuport.server.watchdog import Watchdog, gpu_use
+from gpuport.server.watchdog import Watchdog
 
 T = TypeVar("T")
 
@@ -87,19 +87,19 @@ class ServerApp:
         if isinstance(inventory, FakeInventory):
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
+        self.executor = executor or LocalExecutor(state.jobs_dir, self.blobs, sandbox, inventory)
         self.jobs = JobService(
             self.store,
             self.snapshots,
             inventory,
-            state.jobs_dir,
-            executor or LocalExecutor(),
+            self.executor,
             self.quotas,
             sandbox,
             memory_floor,
         )
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
-        self.watchdog = Watchdog(self.jobs, inventory)
+        self.watchdog = Watchdog(self.jobs)
         self._watching: asyncio.Task[None] | None = None
         self._revoked: dict[str, asyncio.Event] = {}  # user → set when their token goes (streams wait on it)
         self.auth.revoked_hooks.append(self._end_streams)
@@ -162,9 +162,8 @@ class ServerApp:
 
     def gpus(self, caller: Identity) -> GpuListing:
         """Every GPU read live, with the jobs holding it: whole or by slices, and what each uses."""
-        gpus = self.inventory.gpus()
         holdings = self.jobs.running()
-        gpu_use(gpus, self.jobs, holdings)  # labels each GPU process with its job
+        gpus = [g for node in self.executor.gpus([h.job_id for h in holdings]).values() for g in node]
         allocations: dict[int, list[GpuAllocation]] = {}
         for gpu in gpus:
             for holding in holdings:

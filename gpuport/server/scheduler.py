@@ -26,12 +26,19 @@ Resources: whole GPUs (``gpus``), or a memory slice of one GPU (``gpu_memory``);
 counted when asked for (0: the job reserves none and shares what is left). A whole GPU is taken only
 when nothing holds any of it; a slice goes to the GPU with the least free memory that fits it (so
 that whole GPUs stay free for whole requests).
+
+Nodes: the machines of a ``Cluster`` (one, without a cluster engine). A job runs on one node and
+all it asks for comes from that node: a 2-GPU job is never split over two. A job with GPUs goes to
+the node that fits it most tightly (fewest whole GPUs, or least slice memory, left over), so that
+large holes stay whole; a job without GPUs goes to the node with the most CPUs free, so that CPU
+work spreads. Shares and quotas count the whole cluster.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from gpuport.protocol.units import format_size
 
@@ -95,6 +102,50 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class Cluster:
+    """Nodes by name, each a ``Machine``; shares are of the whole cluster."""
+
+    nodes: tuple[tuple[str, Machine], ...]
+
+    @classmethod
+    def of(cls, what: Machine | Cluster) -> Cluster:
+        return what if isinstance(what, Cluster) else cls((("", what),))
+
+    @property
+    def machines(self) -> dict[str, Machine]:
+        return dict(self.nodes)
+
+    @cached_property
+    def total(self) -> Machine:
+        machines = [m for _, m in self.nodes]
+        return Machine(
+            tuple(g for m in machines for g in m.gpu_memory),
+            sum(m.cpus for m in machines),
+            sum(m.memory for m in machines),
+        )
+
+    def describe_gpus(self) -> str:
+        if len(self.nodes) == 1:
+            return self.nodes[0][1].describe_gpus()
+        return "; ".join(f"{name}: {m.describe_gpus()}" for name, m in self.nodes)
+
+    def gpu_share(self, request: Request) -> float:
+        return self.total.gpu_share(request)
+
+    def dominant_share(self, request: Request) -> float:
+        return self.total.dominant_share(request)
+
+    def most(self) -> Machine:
+        """The most any one node has of each resource: what a single-node request can ever get."""
+        machines = [m for _, m in self.nodes] or [Machine((), 0.0, 0)]
+        return Machine(
+            max((m.gpu_memory for m in machines), key=len),
+            max(m.cpus for m in machines),
+            max(m.memory for m in machines),
+        )
+
+
+@dataclass(frozen=True)
 class Quota:
     """Most a user may hold at once; None: no limit."""
 
@@ -120,6 +171,7 @@ class Holding:
     owner: str
     request: Request
     gpu_indices: tuple[int, ...]
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,6 +181,7 @@ class Decision:
     gpu_indices: tuple[int, ...] | None  # None: it waits
     reason: str = ""  # why it waits
     reserves: bool = False  # it holds the reservation
+    node: str = ""  # where it starts
 
 
 @dataclass
@@ -139,8 +192,6 @@ class _Pool:
     slice_free: dict[int, int]  # GPU → bytes free for slices (GPUs held whole are absent)
     cpus: float
     memory: int
-    held_gpus: dict[str, float] = field(default_factory=dict)  # user → GPUs held (slices as fractions)
-    held_jobs: dict[str, int] = field(default_factory=dict)  # user → jobs running
 
     def fit(self, request: Request) -> tuple[int, ...] | None:
         """The GPUs the request would get now, or None when it does not fit."""
@@ -195,30 +246,84 @@ class _Pool:
         return missing
 
 
-def _initial_free(machine: Machine, running: Iterable[Holding]) -> _Pool:
-    free = _Pool(
+def _pool(machine: Machine) -> _Pool:
+    return _Pool(
         whole=set(range(len(machine.gpu_memory))),
         slice_free=dict(enumerate(machine.gpu_memory)),
         cpus=machine.cpus,
         memory=machine.memory,
     )
+
+
+@dataclass
+class _Free:
+    """What is free on each node while a plan is made, and what each user holds in the cluster."""
+
+    pools: dict[str, _Pool]
+    held_gpus: dict[str, float] = field(default_factory=dict)  # user → GPUs held (slices as fractions)
+    held_jobs: dict[str, int] = field(default_factory=dict)  # user → jobs running
+
+    def fit(self, request: Request) -> tuple[str, tuple[int, ...]] | None:
+        """The node and GPUs the request would get now, or None when it fits no node."""
+        fits = [(name, gpus) for name, pool in self.pools.items() if (gpus := pool.fit(request)) is not None]
+        if not fits:
+            return None
+        if len(fits) == 1:
+            return fits[0]
+
+        def left(item: tuple[str, tuple[int, ...]]) -> tuple[float, ...]:
+            pool = self.pools[item[0]]
+            if request.gpus:
+                return (len(pool.whole), -pool.cpus)
+            if request.gpu_memory:
+                return (pool.slice_free[item[1][0]], -pool.cpus)
+            return (-pool.cpus, -pool.memory)
+
+        return min(fits, key=left)
+
+    def take(self, request: Request, node: str, gpus: tuple[int, ...]) -> None:
+        if node in self.pools:
+            self.pools[node].take(request, gpus)
+
+    def reserve(self, request: Request) -> None:
+        """Set aside, on the node nearest to fitting it, what the request would take of what is free."""
+        pool = max(
+            self.pools.values(),
+            key=lambda p: (len(p.whole), max(p.slice_free.values(), default=0), p.cpus, p.memory),
+            default=None,
+        )
+        if pool is not None:
+            pool.reserve(request)
+
+    def shortfall(self, request: Request) -> list[str]:
+        if len(self.pools) == 1:
+            return next(iter(self.pools.values())).shortfall(request)
+        # The node missing least: fewest words of shortfall, then most GPUs free.
+        nearest = min(self.pools.items(), key=lambda item: (len(item[1].shortfall(request)), -len(item[1].whole)))
+        return [f"{what} on {nearest[0]}, the nearest node" for what in nearest[1].shortfall(request)]
+
+
+def _initial_free(cluster: Cluster, running: Iterable[Holding]) -> _Free:
+    free = _Free({name: _pool(machine) for name, machine in cluster.nodes})
+    default = cluster.nodes[0][0] if cluster.nodes else ""
     for holding in running:
-        free.take(holding.request, holding.gpu_indices)
-        free.held_gpus[holding.owner] = free.held_gpus.get(holding.owner, 0.0) + machine.gpu_share(holding.request)
+        free.take(holding.request, holding.node or default, holding.gpu_indices)
+        free.held_gpus[holding.owner] = free.held_gpus.get(holding.owner, 0.0) + cluster.gpu_share(holding.request)
         free.held_jobs[holding.owner] = free.held_jobs.get(holding.owner, 0) + 1
     return free
 
 
 def could_start(
-    requests: Iterable[Request], running: Iterable[Holding], machine: Machine, low_memory: str = ""
+    requests: Iterable[Request], running: Iterable[Holding], machine: Machine | Cluster, low_memory: str = ""
 ) -> bool:
     """Whether any of ``requests`` fits what is free: when none does, a pass would start nothing."""
-    free = _initial_free(machine, running)
+    free = _initial_free(Cluster.of(machine), running)
     return any(free.fit(request) is not None and not (low_memory and not request.memory) for request in set(requests))
 
 
-def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine) -> list[Pending]:
+def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine | Cluster) -> list[Pending]:
     """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
+    machine = Cluster.of(machine)
     usage: dict[str, float] = {}
     for holding in running:
         usage[holding.owner] = usage.get(holding.owner, 0.0) + machine.dominant_share(holding.request)
@@ -245,7 +350,7 @@ def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: 
     return ordered
 
 
-def _over_quota(job: Pending, free: _Pool, quota: Quota | None, machine: Machine) -> str:
+def _over_quota(job: Pending, free: _Free, quota: Quota | None, machine: Cluster) -> str:
     if quota is None:
         return ""
     jobs = free.held_jobs.get(job.owner, 0)
@@ -261,7 +366,7 @@ def _over_quota(job: Pending, free: _Pool, quota: Quota | None, machine: Machine
 def plan(
     queued: Sequence[Pending],
     running: Sequence[Holding],
-    machine: Machine,
+    machine: Machine | Cluster,
     quotas: Mapping[str, Quota] | None = None,
     low_memory: str = "",
 ) -> list[Decision]:
@@ -272,6 +377,7 @@ def plan(
     below the floor).
     """
     quotas = quotas or {}
+    machine = Cluster.of(machine)
     free = _initial_free(machine, running)  # less the reservation, once there is one
     unreserved = _initial_free(machine, running)
     decisions = []
@@ -282,13 +388,14 @@ def plan(
         reason = _over_quota(job, free, quota, machine)
         if not reason and low_memory and not job.request.memory:
             reason = low_memory
-        gpus = None if reason else free.fit(job.request)
-        if gpus is not None:
+        fit = None if reason else free.fit(job.request)
+        if fit is not None:
+            node, gpus = fit
             for pool in (free, unreserved):
-                pool.take(job.request, gpus)
+                pool.take(job.request, node, gpus)
             free.held_gpus[job.owner] = free.held_gpus.get(job.owner, 0.0) + machine.gpu_share(job.request)
             free.held_jobs[job.owner] = free.held_jobs.get(job.owner, 0) + 1
-            decisions.append(Decision(job.job_id, position, gpus))
+            decisions.append(Decision(job.job_id, position, gpus, node=node))
             continue
         if not reason:
             if reservation is not None and unreserved.fit(job.request) is not None:

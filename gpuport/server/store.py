@@ -150,6 +150,10 @@ MIGRATIONS: list[str] = [
     INSERT OR IGNORE INTO quotas (user, gpus, jobs, updated_at)
         VALUES ('*', NULL, {DEFAULT_JOBS_PER_USER}, CAST(strftime('%s', 'now') AS REAL));
     """,
+    # 10: the node a job runs on (its GPU indices are that node's); '' : this machine, before nodes
+    """
+    ALTER TABLE jobs ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 

@@ -1,60 +1,155 @@
-"""The executor seam: how a job's processes are started, watched and stopped.
+"""The executor seam: where a job runs, and everything about it that lives where it runs.
 
-An executor launches a prepared job directory and calls back when the job's processes are gone;
-the job service owns every rule (states, allocation, outputs) and never touches processes itself.
-The local executor (``local.py``) runs a supervisor per job on this machine; a Ray executor (a
-later issue) places the same launch on a Ray cluster.
+The job service owns the rules (states, the queue, quotas, what a job may ask for) and decides a
+job's placement: a node of the executor's cluster and GPUs of that node. An executor owns the rest
+of a job's life on that node: its workspace (the snapshot and datasets made into folders), its
+processes (started under ``worker/supervisor.py``), its log, its exit status, its outputs, what it
+uses now (for the watchdog) and its cancel. Jobs are named by their id; the job service never
+touches a path or a process of a job.
+
+Two executors: ``LocalExecutor`` (``local.py``) runs jobs on this machine, a cluster of one node;
+``RayExecutor`` (``ray.py``) runs them on the nodes of a Ray cluster, each through a gpuport agent
+on that node which does there what ``LocalExecutor`` does here (``workspace.py``, shared by both).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpuport.server.inventory import GpuInfo
+from gpuport.server.scheduler import Machine
 
 OnExit = Callable[[], None]
+# What collecting outputs gives to the snapshot service: (path in the snapshot, open file) pairs.
+Ingest = Callable[[Iterable[tuple[str, BinaryIO]]], str]
 
 
 @dataclass(frozen=True)
-class Launch:
-    """What to run: argv in ``cwd`` with ``env``; its log, exit status and lock live in ``job_dir``."""
+class Node:
+    """A machine of the cluster, as the scheduler plans over it."""
 
-    job_dir: Path
+    name: str  # as `gpuport gpus` shows it, and as jobs find it in $GPUPORT_NODE
+    machine: Machine
+    address: str = ""  # its IP address, where other nodes reach its jobs
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a job runs: a node, and GPUs of that node (indices as its inventory numbers them)."""
+
+    node: str
+    gpu_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Files:
+    """A snapshot to make into a folder: its manifest entries (path, blob, size, mode, link)."""
+
+    entries: list[tuple[str, str, int, int, str]]
+
+
+@dataclass(frozen=True)
+class JobLaunch:
+    """A job as the job service decided it, with nothing in it that depends on the node's disk."""
+
+    job_id: str
+    owner: str
+    placement: Placement
     argv: list[str]
-    cwd: Path
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str]  # the job's environment, less the paths the executor adds
+    user_env: frozenset[str] = frozenset()  # names the user set (HOME: the sandbox's own unless set)
+    uid: int | None = None  # the uid of the job's processes (a sandbox with a uid per user)
+    workdir: Files | None = None  # None: an empty workdir
+    datasets: dict[str, Files] = field(default_factory=dict)  # name → read-only folder
+    hyperparameters: Any = None  # written to work/hyperparameters.json when not None
+    outputs: list[str] = field(default_factory=list)  # declared output paths below the workdir
+    folders: list[str] = field(default_factory=list)  # of the server's (local only), writable by the job
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL on cancel
-    time_limit: float = 0.0  # seconds from the start; past it, stopped as on cancel. 0: none
-    nprocs: int = 1  # processes of the job, each with its rank's environment when more than one
-    tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles in rank order; None: all workers
-    rank_gpus: list[list[int]] | None = None  # each rank's CUDA_VISIBLE_DEVICES; None: the env's for all
-    sandbox: list[str] | None = None  # the command prefix of the job's sandbox (server/isolation.py)
-    network: list[str] | None = None  # a command (+ the sandbox's pid) giving the sandbox a way out
-    pidns_file: str | None = None  # where the supervisor writes the job's pid namespace (fake GPUs)
+    time_limit: float = 0.0  # seconds from the start; 0: none
+    nprocs: int = 1
+    tf_roles: list[tuple[str, int]] | None = None
+    rank_gpus: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a running job's processes use now."""
+
+    rss: int = 0  # bytes of resident memory, all its processes
+    gpu_memory: int = 0  # bytes of GPU memory, all its processes on all GPUs
 
 
 class Executor(ABC):
-    @abstractmethod
-    def start(self, launch: Launch, on_exit: OnExit) -> None:
-        """Start the job detached from the server; call ``on_exit`` (from any thread) when it has ended."""
+    """Runs jobs on the nodes of a cluster. Methods may block (the job service calls them off its loop)."""
+
+    kind: str = ""  # "local" or "ray", for the banner and `gpuport status`
 
     @abstractmethod
-    def is_running(self, job_dir: Path) -> bool:
+    def nodes(self) -> list[Node]:
+        """The cluster's nodes now, each with its GPUs, CPUs and memory."""
+
+    @abstractmethod
+    def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
+        """Node → its GPUs read live, each GPU's processes labelled with the job of ``job_ids`` (the
+        running ones) they belong to (``GpuProcess.job_id``)."""
+
+    @abstractmethod
+    def start(self, job: JobLaunch, on_exit: OnExit) -> None:
+        """Make the job's workspace on its node and start it there, detached from the server; call
+        ``on_exit`` (from any thread) when its processes are gone. Raises when it could not start."""
+
+    @abstractmethod
+    def is_running(self, job_id: str) -> bool:
         """Whether the job's processes still run (after a server restart, too)."""
 
     @abstractmethod
-    def reattach(self, job_dir: Path, on_exit: OnExit) -> None:
+    def reattach(self, job_id: str, on_exit: OnExit) -> None:
         """Watch a job started by an earlier server; call ``on_exit`` when it has ended."""
 
     @abstractmethod
-    def cancel(self, job_dir: Path) -> None:
-        """Ask the job to stop: SIGTERM to its processes, SIGKILL after the launch's grace period."""
+    def cancel(self, job_id: str) -> None:
+        """Ask the job to stop: SIGTERM to its processes, SIGKILL after its grace period."""
 
     @abstractmethod
-    def kill(self, job_dir: Path, reason: str) -> None:
+    def kill(self, job_id: str, reason: str) -> None:
         """Stop the job at once (SIGKILL); its exit status records ``reason`` as why it was killed."""
 
     @abstractmethod
-    def pids(self, job_dir: Path) -> list[int]:
-        """The pids of the job's processes on this machine (each rank's, and their descendants)."""
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        """Up to ``limit`` bytes of the job's log from ``offset`` (b"" past its end, or before it exists)."""
+
+    @abstractmethod
+    def log_size(self, job_id: str) -> int:
+        """The length of the job's log so far."""
+
+    @abstractmethod
+    def exit_status(self, job_id: str) -> dict[str, Any] | None:
+        """What the job's supervisor recorded at its end (see ``worker/supervisor.py``); None when it
+        recorded nothing (it never started, or was killed itself)."""
+
+    @abstractmethod
+    def was_started(self, job_id: str) -> bool:
+        """Whether the job's supervisor ever started (a job that was not is queued again after a crash)."""
+
+    @abstractmethod
+    def collect_outputs(self, job_id: str, declared: list[str], ingest: Ingest) -> tuple[str, list[str]]:
+        """Snapshot the job's output folder and the ``declared`` paths of its workdir through ``ingest``;
+        return the snapshot's id ('' for none) and the declared paths not found."""
+
+    @abstractmethod
+    def usage(self, job_ids: list[str]) -> dict[str, Usage]:
+        """What each running job of ``job_ids`` uses now."""
+
+    @abstractmethod
+    def tidy(self, job_id: str) -> None:
+        """Drop an ended job's working copies (its workdir, outputs folder, datasets); its log stays."""
+
+    def pids(self, job_id: str) -> list[int]:
+        """The pids of the job's processes on this machine; [] for a job that runs on another."""
+        return []
+
+    def close(self) -> None:
+        """Let go of the cluster (the jobs keep running)."""

@@ -1,16 +1,13 @@
-"""Jobs: a command + a snapshot + env + GPUs → a detached process, its log, its exit code and its outputs.
+"""Jobs: a command + a snapshot + env + GPUs → detached processes on a node, a log, an exit code, outputs.
 
-The database is the truth for every job's state; the job's directory holds what its supervisor
-writes (the log, the exit status). Layout of ``STATE_DIR/jobs/<id>/``::
-
-    spec.marshal      what the supervisor runs           log          stdout + stderr, in order
-    work/             the workdir, from the snapshot     exit.json    exit code and times (atomic)
-    out/              $GPUPORT_OUTPUT_DIR                supervisor.lock  held while the job runs
-    datasets/<name>/  read-only named snapshots          supervisor.json  its pid, once started
+The job service holds the rules: what a job may ask for, its states, the queue (``scheduler.py``
+decides which job starts, on which node and GPUs), quotas. The database is the truth for every
+job's state and placement. Where the job runs and what it leaves there (its folders, processes,
+log, exit status, outputs) belong to the executor (``executors/``): this machine's, or a Ray
+cluster's nodes.
 
 A server that restarts (even after SIGKILL) finds each job where it was: running jobs are watched
-again through their supervisor's lock, jobs that ended meanwhile get their recorded exit code,
-and queued jobs start.
+again, jobs that ended meanwhile get their recorded exit code, and queued jobs start.
 """
 
 from __future__ import annotations
@@ -21,33 +18,24 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import re
 import secrets
-import shutil
 import signal
-import stat
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from gpuport._files import files_beneath, open_beneath, open_file_beneath
 from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
     DEFAULT_MEMORY_FLOOR_FRACTION,
     DEFAULT_MEMORY_FLOOR_MAX,
-    ENV_DATASETS_DIR,
-    ENV_FAKE_GPU_DIR,
     ENV_GPU_MEMORY,
     ENV_GPU_MEMORY_FRACTION,
     ENV_JOB_ID,
-    ENV_OUTPUT_DIR,
     LOG_CHUNK_BYTES,
     LOG_POLL_INTERVAL,
     MAX_NAME_LENGTH,
@@ -57,15 +45,14 @@ from gpuport.defaults import (
 from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, PermissionDenied, ResourceUnavailable
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
-from gpuport.server.executors import Executor, Launch
-from gpuport.server.inventory import FakeInventory, Inventory
+from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, Placement
+from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
-from gpuport.server.scheduler import Decision, Holding, Machine, Pending, Request, could_start, plan
+from gpuport.server.scheduler import Cluster, Decision, Holding, Pending, Request, could_start, plan
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
-from gpuport.server.services.snapshots import SnapshotService, check_snapshot_name
+from gpuport.server.services.snapshots import SnapshotRecord, SnapshotService, check_snapshot_name
 from gpuport.server.store import Store
-from gpuport.server.worker import bootstrap
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +65,6 @@ _TF_ROLES = ("chief", "worker", "ps")  # in rank order
 _PRIORITIES = range(-100, 101)
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
 _LIST_LIMIT = 500
-_BOOTSTRAP = Path(bootstrap.__file__).parent
 
 
 class JobState(str, Enum):
@@ -169,19 +155,7 @@ class JobRecord:
     nprocs: int = 1
     position: int = 0  # place in the queue while queued (1: next); 0 otherwise
     kind: str = "job"  # or "session": a session's worker
-
-
-def _let_read(folder: Path) -> None:
-    """Make what the server wrote under ``folder`` readable by a job's uid (the server writes with
-    umask 077): folders 0755, files +r. Blobs' hard links are 0444 already and left alone; the
-    sandbox shows the folder to that one job only."""
-    for top, _, files in os.walk(folder):
-        os.chmod(top, 0o755)
-        for name in files:
-            path = os.path.join(top, name)
-            info = os.lstat(path)
-            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.getuid():
-                os.chmod(path, info.st_mode & 0o777 | 0o044)
+    node: str = ""  # where it runs or ran
 
 
 def exit_message(code: int) -> str:
@@ -220,10 +194,8 @@ def memory_floor(setting: int | None = None) -> int:
     return min(int(total * DEFAULT_MEMORY_FLOOR_FRACTION), DEFAULT_MEMORY_FLOOR_MAX)
 
 
-def machine_of(inventory: Inventory) -> Machine:
-    """What the scheduler shares out: the inventory's GPUs, this machine's CPUs and RAM."""
-    gpus = inventory.gpus()
-    return Machine(tuple(g.memory_total for g in gpus), float(os.cpu_count() or 1), psutil.virtual_memory().total)
+def _files(snapshots: SnapshotService, record: SnapshotRecord) -> Files:
+    return Files([(e.path, e.blob, e.size, e.mode, e.link) for e in snapshots.manifest(record)])
 
 
 def rank_gpus(gpu_indices: list[int], nprocs: int) -> list[list[int]]:
@@ -243,7 +215,6 @@ class JobService:
         store: Store,
         snapshots: SnapshotService,
         inventory: Inventory,
-        root: Path,
         executor: Executor,
         quotas: QuotaService,
         sandbox: Sandbox,
@@ -252,16 +223,15 @@ class JobService:
         self.store = store
         self.snapshots = snapshots
         self.inventory = inventory
-        self.root = root
         self.executor = executor
         self.quotas = quotas
         self.sandbox = sandbox
         self.uids = UidMap(store, sandbox.uids)
-        self.root.mkdir(exist_ok=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ended: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.machine = machine_of(inventory)
+        self._nodes: list[Node] = []
+        self._cluster = Cluster(())
         self._queued: dict[str, Pending] = {}  # the queue as the scheduler sees it; the store holds the same
         # The last pass's decision for each queued job; None when a pass was skipped because nothing
         # could start: why each job waits is then worked out when someone asks.
@@ -270,6 +240,15 @@ class JobService:
         self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
         self.memory_floor = memory_floor  # bytes free below which work that reserves no memory waits
         self._floor_check: asyncio.TimerHandle | None = None
+
+    @property
+    def cluster(self) -> Cluster:
+        """The nodes the scheduler plans over, as the executor sees them now."""
+        nodes = self.executor.nodes()
+        if nodes != self._nodes:
+            self._nodes = nodes
+            self._cluster = Cluster(tuple((n.name, n.machine) for n in nodes))
+        return self._cluster
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -324,8 +303,9 @@ class JobService:
         return argv, snapshot, outputs, spec
 
     def _check_resources(self, caller: Identity, request: JobRequest) -> None:
-        """Refuse what no machine state could ever grant: more than this server has, or than the quota allows."""
-        machine = self.machine
+        """Refuse what no machine state could ever grant: more than a node has, or than the quota allows."""
+        cluster = self.cluster
+        machine = cluster.most()
         for name, value in (("gpus", request.gpus), ("gpu_memory", request.gpu_memory), ("cpus", request.cpus)):
             if not (value >= 0 and math.isfinite(value)):
                 raise InvalidRequest(f"{name} must be 0 or more, not {value}")
@@ -333,7 +313,8 @@ class JobService:
             raise InvalidRequest(f"memory must be 0 or more, not {request.memory}")
         if request.gpus and request.gpu_memory:
             raise InvalidRequest("ask for whole GPUs (gpus=N) or for a slice of one GPU (gpu_memory=...), not both")
-        have = f"this server has {machine.describe_gpus()}"
+        where = "this server has" if len(cluster.nodes) <= 1 else "the largest node has"
+        have = f"{where} {machine.describe_gpus()}"
         if not machine.gpu_memory and (request.gpus or request.gpu_memory):
             have += f" ({self.inventory.note})" if self.inventory.note else ""
         if request.gpus > len(machine.gpu_memory):
@@ -341,10 +322,10 @@ class JobService:
         if request.gpu_memory > max(machine.gpu_memory, default=0):
             raise ResourceUnavailable(f"asked for a {format_size(request.gpu_memory)} slice of a GPU; {have}")
         if request.cpus > machine.cpus:
-            raise ResourceUnavailable(f"asked for {request.cpus:g} CPUs; this server has {machine.cpus:g}")
+            raise ResourceUnavailable(f"asked for {request.cpus:g} CPUs; {where} {machine.cpus:g}")
         if request.memory > machine.memory:
             raise ResourceUnavailable(
-                f"asked for {format_size(request.memory)} of memory; this server has {format_size(machine.memory)}"
+                f"asked for {format_size(request.memory)} of memory; {where} {format_size(machine.memory)}"
             )
         if request.priority not in _PRIORITIES:
             raise InvalidRequest(f"priority {request.priority} is outside -100 .. 100")
@@ -355,7 +336,7 @@ class JobService:
             )
         self._check_processes(request)
         quota = self.quotas.of(caller.name)
-        wanted = machine.gpu_share(Request(request.gpus, request.gpu_memory))
+        wanted = cluster.gpu_share(Request(request.gpus, request.gpu_memory))
         if quota is not None and quota.gpus is not None and wanted > quota.gpus + 1e-9:
             raise ResourceUnavailable(
                 f"asked for {wanted:g} GPUs; the quota of {caller.name} is {quota.gpus:g} at once — "
@@ -428,10 +409,7 @@ class JobService:
         return self._record(row)
 
     def _record(self, row: Any) -> JobRecord:
-        try:
-            log_bytes = (self.root / row["id"] / "log").stat().st_size
-        except OSError:
-            log_bytes = 0
+        log_bytes = self.executor.log_size(row["id"]) if row["state"] != JobState.QUEUED.value else 0
         message, position = row["message"], 0
         if row["state"] == JobState.QUEUED.value:
             if self._plan is None:
@@ -463,6 +441,7 @@ class JobService:
             nprocs=row["nprocs"],
             position=position,
             kind=row["kind"],
+            node=row["node"],
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -491,7 +470,7 @@ class JobService:
     def running(self) -> list[Holding]:
         """The allocations of the running jobs, oldest first."""
         rows = self.store.query(
-            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices FROM jobs WHERE state = 'running' "
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node FROM jobs WHERE state = 'running' "
             "ORDER BY seq"
         )
         return [
@@ -500,6 +479,7 @@ class JobService:
                 r["owner"],
                 Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"]),
                 tuple(json.loads(r["gpu_indices"])),
+                r["node"],
             )
             for r in rows
         ]
@@ -530,7 +510,7 @@ class JobService:
         else:
             with self.store.transaction() as db:
                 db.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = ?", (job.id,))
-            self.executor.cancel(self.root / job.id)
+            self.executor.cancel(job.id)
         log.info("job %s: cancel asked by %s", job.id, caller.name)
         return self._load(job.id)
 
@@ -547,12 +527,9 @@ class JobService:
         job = self.get(caller, job_id)
         if offset < 0:
             raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
-        try:
-            with open(self.root / job.id / "log", "rb") as f:
-                f.seek(offset)
-                return job, f.read(max(0, min(limit, LOG_CHUNK_BYTES)))
-        except FileNotFoundError:
+        if job.state is JobState.QUEUED:
             return job, b""
+        return job, self.executor.read_log(job.id, offset, max(0, min(limit, LOG_CHUNK_BYTES)))
 
     async def logs(self, caller: Identity, job_id: str, offset: int, follow: bool) -> AsyncIterator[tuple[int, bytes]]:
         """(offset, bytes) chunks of the job's log from ``offset``; with ``follow``, until the job has ended."""
@@ -562,29 +539,18 @@ class JobService:
         ended = asyncio.Event() if job.state.is_terminal() else self._ended_event(job.id)
         if job.state.is_terminal():
             ended.set()
-        path = self.root / job.id / "log"
-        f = None
-        try:
-            while True:
-                done = ended.is_set()  # looked at before reading, so the last bytes are never missed
-                if f is None:
-                    with contextlib.suppress(FileNotFoundError):
-                        f = open(path, "rb")
-                data = b""
-                if f is not None:
-                    f.seek(offset)
-                    data = f.read(LOG_CHUNK_BYTES)
-                if data:
-                    yield offset, data
-                    offset += len(data)
-                    continue
-                if done or not follow:
-                    return
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(ended.wait(), LOG_POLL_INTERVAL)
-        finally:
-            if f is not None:
-                f.close()
+        read = self.executor.read_log
+        while True:
+            done = ended.is_set()  # looked at before reading, so the last bytes are never missed
+            data = await asyncio.to_thread(read, job.id, offset, LOG_CHUNK_BYTES)
+            if data:
+                yield offset, data
+                offset += len(data)
+                continue
+            if done or not follow:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), LOG_POLL_INTERVAL)
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -620,16 +586,15 @@ class JobService:
         """Pick up where the last server left off, then start what can start."""
         self._loop = asyncio.get_running_loop()
         for row in self.store.query("SELECT id FROM jobs WHERE state = 'running' ORDER BY seq"):
-            job_dir = self.root / row["id"]
-            if self.executor.is_running(job_dir):
-                log.info("job %s is still running: watching it again", row["id"])
-                self.executor.reattach(job_dir, self._exit_callback(row["id"]))
-            elif (job_dir / "exit.json").exists() or (job_dir / "supervisor.json").exists():
-                self._spawn(self._finish(row["id"]))  # it ended while no server was watching
+            job_id = row["id"]
+            if await asyncio.to_thread(self.executor.is_running, job_id):
+                log.info("job %s is still running: watching it again", job_id)
+                self.executor.reattach(job_id, self._exit_callback(job_id))
+            elif await asyncio.to_thread(self.executor.was_started, job_id):
+                self._spawn(self._finish(job_id))  # it ended while no server was watching
             else:  # the server stopped between granting GPUs and launching: launch it again
-                log.info("job %s never launched: back to the queue", row["id"])
-                shutil.rmtree(job_dir, ignore_errors=True)
-                self._move(row["id"], JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", started_at=None)
+                log.info("job %s never launched: back to the queue", job_id)
+                self._move(job_id, JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", node="", started_at=None)
         rows = self.store.query(
             "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at FROM jobs "
             "WHERE state = 'queued'"
@@ -674,10 +639,11 @@ class JobService:
         if low_memory and self._floor_check is None and any(not p.request.memory for p in queued):
             # Memory comes back without an event to say so: look again in a while.
             self._floor_check = self._loop.call_later(_FLOOR_RECHECK, self._recheck_floor)
-        if not explain and not could_start((p.request for p in queued), running, self.machine, low_memory):
+        cluster = self.cluster
+        if not explain and not could_start((p.request for p in queued), running, cluster, low_memory):
             self._plan = None if queued else {}
             return
-        decisions = plan(queued, running, self.machine, self.quotas.all(), low_memory) if queued else []
+        decisions = plan(queued, running, cluster, self.quotas.all(), low_memory) if queued else []
         self._plan = {d.job_id: d for d in decisions}
         for decision in decisions:
             pending = self._queued[decision.job_id]
@@ -693,6 +659,7 @@ class JobService:
                 JobState.QUEUED,
                 JobState.RUNNING,
                 gpu_indices=json.dumps(list(decision.gpu_indices)),
+                node=decision.node,
                 started_at=time.time(),
                 message="",
             )
@@ -732,48 +699,34 @@ class JobService:
         row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
         assert row is not None
         try:
-            launch = await asyncio.to_thread(self._prepare, row)
+            job = self._launch_of(row)
+            flags = self.store.query_one("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,))
+            if flags is not None and flags["cancel_requested"]:
+                self._end(job_id, JobState.CANCELLED, None, "cancelled before it started")
+                return
+            await asyncio.to_thread(self.executor.start, job, self._exit_callback(job_id))
         except Exception as e:
-            log.exception("job %s: preparing its directory failed", job_id)
+            log.exception("job %s: preparing or starting it on %s failed", job_id, row["node"] or "this machine")
             self._end(job_id, JobState.FAILED, None, f"the server could not prepare the job: {e}")
             return
         flags = self.store.query_one("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,))
-        if flags is not None and flags["cancel_requested"]:
-            self._end(job_id, JobState.CANCELLED, None, "cancelled before it started")
-            return
-        self.executor.start(launch, self._exit_callback(job_id))
+        if flags is not None and flags["cancel_requested"]:  # asked while it was being started
+            self.executor.cancel(job_id)
 
-    def _prepare(self, row: Any) -> Launch:
-        """Make the job's directory (workdir, outputs folder, datasets) and its environment."""
-        job_dir = self.root / row["id"]
-        shutil.rmtree(job_dir, ignore_errors=True)
-        job_dir.mkdir()
-        work, out = job_dir / "work", job_dir / "out"
-        out.mkdir()
+    def _launch_of(self, row: Any) -> JobLaunch:
+        """The job as its executor starts it: its command, environment, files and processes."""
         owner = Identity(row["owner"], admin=False)
+        workdir = None
         if row["snapshot_id"]:
-            self.snapshots.materialize(self.snapshots.resolve(owner, row["snapshot_id"]), work)
-        else:
-            work.mkdir()
+            workdir = _files(self.snapshots, self.snapshots.resolve(owner, row["snapshot_id"]))
         spec = json.loads(row["spec"])
-        # The server's environment, less its own settings and PYTHONUNBUFFERED (which would cost a
-        # chatty Python job two thirds of its speed; a job that wants it sets it in its own env).
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_") and k != "PYTHONUNBUFFERED"}
-        # Jobs use the server's Python environment first: where `gpuport server` and the frameworks live.
-        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "/usr/bin:/bin")])
-        env.update(spec["env"])
+        datasets = {
+            name: _files(self.snapshots, self.snapshots.resolve(owner, snapshot))
+            for name, snapshot in spec["datasets"].items()
+        }
+        env = dict(spec["env"])
         env.update(spec.get("internal_env") or {})
-        # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), env.get("PYTHONPATH")) if p)
-        if spec["datasets"]:
-            datasets = job_dir / "datasets"
-            for name, snapshot in spec["datasets"].items():
-                self.snapshots.materialize(self.snapshots.resolve(owner, snapshot), datasets / name, read_only=True)
-            env[ENV_DATASETS_DIR] = str(datasets)
-        if spec["hyperparameters"] is not None:
-            (work / "hyperparameters.json").write_text(json.dumps(spec["hyperparameters"], indent=2))
         env[ENV_JOB_ID] = row["id"]
-        env[ENV_OUTPUT_DIR] = str(out)
         gpu_indices = json.loads(row["gpu_indices"])
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = NVML's = ours
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_indices))
@@ -786,57 +739,26 @@ class JobService:
             for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
                 if name not in spec["env"]:
                     env[name] = threads
-        fake_gpus = None
-        if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir:
-            fake_gpus = self.inventory.usage_dir / row["id"] if self.sandbox.isolated else self.inventory.usage_dir
-            env[ENV_FAKE_GPU_DIR] = str(fake_gpus)
         tf_roles = spec.get("tf_roles")
-        if self.sandbox.isolated:
-            sandbox = self._sandbox(row, spec, work, out, env, fake_gpus)
-        else:
-            sandbox = {}
-        return Launch(
-            job_dir,
-            json.loads(row["command"]),
-            work,
-            env,
-            DEFAULT_CANCEL_GRACE,
-            row["time_limit"],
+        return JobLaunch(
+            job_id=row["id"],
+            owner=row["owner"],
+            placement=Placement(row["node"], tuple(gpu_indices)),
+            argv=json.loads(row["command"]),
+            env=env,
+            user_env=frozenset(spec["env"]),
+            uid=self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" else None,
+            workdir=workdir,
+            datasets=datasets,
+            hyperparameters=spec["hyperparameters"],
+            outputs=json.loads(row["outputs"]),
+            folders=list(spec.get("folders") or ()),
+            grace=DEFAULT_CANCEL_GRACE,
+            time_limit=row["time_limit"],
             nprocs=row["nprocs"],
             tf_roles=[(role, count) for role, count in tf_roles] if tf_roles else None,
             rank_gpus=rank_gpus(gpu_indices, row["nprocs"]) if row["nprocs"] > 1 else None,
-            **sandbox,
         )
-
-    def _sandbox(
-        self, row: Any, spec: dict[str, Any], work: Path, out: Path, env: dict[str, str], fake_gpus: Path | None
-    ) -> dict[str, Any]:
-        """The sandbox a job runs in (``Launch`` fields): only its own folders, its datasets read-only,
-        as its owner's uid (when the server is root), which then owns what the job may write."""
-        uid = self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" else None
-        writable = [work, out, *(Path(folder) for folder in spec.get("folders") or ())]
-        pidns_file = None
-        if fake_gpus is not None:
-            fake_gpus.mkdir(exist_ok=True)
-            writable.append(fake_gpus)
-            pidns_file = str(fake_gpus / ".pidns")
-        if uid is not None:
-            for folder in (work, out):  # copies the server made for this job: the job's to change
-                for top, folders, files in os.walk(folder):
-                    for name in (top, *(os.path.join(top, n) for n in folders + files)):
-                        os.lchown(name, uid, uid)
-            for folder in writable[2:]:  # the folder only: what the server put in it stays the server's
-                os.chown(folder, uid, uid)
-        readable = [work.parent / "datasets"] if spec["datasets"] else []
-        for folder in [*readable, *writable[2:]]:
-            _let_read(folder)
-        if "HOME" not in spec["env"]:
-            env["HOME"] = "/tmp"  # the sandbox's own; the server's home is not there
-        network = None
-        if self.sandbox.slirp4netns:
-            network = [self.sandbox.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback"]
-        argv = self.sandbox.argv(uid=uid, writable=writable, readable=readable, cwd=work)
-        return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
 
     def _caps_env(self, row: Any, gpu_indices: list[int]) -> dict[str, str]:
         """A slice's limit for each framework, read by the job's bootstrap or by the framework itself.
@@ -846,7 +768,9 @@ class JobService:
         if not row["gpu_memory"] or not gpu_indices:
             return {}
         per_process = row["gpu_memory"] // row["nprocs"]
-        fraction = per_process / self.machine.gpu_memory[gpu_indices[0]]
+        machines = self.cluster.machines
+        machine = machines.get(row["node"]) or next(iter(machines.values()))
+        fraction = per_process / machine.gpu_memory[gpu_indices[0]]
         return {
             ENV_GPU_MEMORY: str(per_process),
             ENV_GPU_MEMORY_FRACTION: f"{fraction:.6f}",
@@ -860,11 +784,7 @@ class JobService:
         """The job's processes are gone: record how it ended, collect its outputs, free its GPUs."""
         row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
         assert row is not None
-        job_dir = self.root / job_id
-        try:
-            status = json.loads((job_dir / "exit.json").read_text())
-        except (OSError, ValueError):
-            status = None
+        status = await asyncio.to_thread(self.executor.exit_status, job_id)
         try:
             outputs, missing = await asyncio.to_thread(self._collect_outputs, row)
         except Exception as e:
@@ -874,6 +794,8 @@ class JobService:
         if status is None:
             state, code = JobState.LOST, None
             message = "its supervisor ended without recording an exit code (killed, or the machine restarted)"
+        elif status.get("lost"):  # its node left the cluster
+            state, code, message = JobState.FAILED, None, status["lost"]
         else:
             code = status["exit_code"]
             message = status.get("error") or exit_message(code)
@@ -889,7 +811,7 @@ class JobService:
             else:
                 state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
         self._end(job_id, state, code, message + note, outputs, (status or {}).get("ended_at"))
-        await asyncio.to_thread(self._tidy, job_dir)
+        await asyncio.to_thread(self.executor.tidy, job_id)
 
     def _end(
         self,
@@ -914,39 +836,16 @@ class JobService:
         self._schedule_soon()
 
     def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:
-        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found.
+        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found."""
 
-        Nothing the job wrote is trusted as a path: every component is opened without following a
-        symlink (an output ``a/b`` with ``a -> /`` is not found, rather than read from outside), and
-        each file only when it is read, one at a time."""
-        job_dir = self.root / row["id"]
-        work, out = job_dir / "work", job_dir / "out"
-        found: dict[str, tuple[Path, str]] = {}  # snapshot path → (root, path below it)
-        missing, folders = [], []
-        for declared in json.loads(row["outputs"]):  # declared files first, then the output dir's, then folders'
-            fd = open_beneath(work, declared)
-            if fd is None:
-                missing.append(declared)
-                continue
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                found.setdefault(declared, (work, declared))
-            else:
-                folders.append(declared)
-            os.close(fd)
-        for path in files_beneath(out) if out.is_dir() else ():
-            found.setdefault(path, (out, path))
-        for folder in folders:
-            for path in files_beneath(work, folder):
-                found.setdefault(path, (work, path))
-        if not found and not json.loads(row["outputs"]):
-            return "", missing
-        opened = ((path, open_file_beneath(*found[path])) for path in sorted(found))
-        record = self.snapshots.ingest_folder(row["owner"], ((path, f) for path, f in opened if f is not None))
-        return record.id, missing
+        def ingest(files: Any) -> str:
+            return self.snapshots.ingest_folder(row["owner"], files).id
+
+        return self.executor.collect_outputs(row["id"], json.loads(row["outputs"]), ingest)
 
     def pids(self, job_id: str) -> list[int]:
-        """The pids of a running job's processes (every rank's, and their descendants)."""
-        return self.executor.pids(self.root / job_id)
+        """The pids of a running job's processes on this machine (every rank's, and their descendants)."""
+        return self.executor.pids(job_id)
 
     def process_of(self, job_id: str) -> Callable[[int], bool]:
         """Whether a pid is one of job ``job_id``'s processes (a worker's socket is checked so)."""
@@ -955,11 +854,4 @@ class JobService:
     def kill(self, job_id: str, reason: str) -> None:
         """Stop a running job at once (SIGKILL) for ``reason``; it ends as ``killed`` with that message."""
         log.warning("job %s: killing it: %s", job_id, reason)
-        self.executor.kill(self.root / job_id, reason)
-
-    def _tidy(self, job_dir: Path) -> None:
-        """Drop the job's working copies; its log, exit status and outputs (in the blob store) stay."""
-        for name in ("work", "out", "datasets"):
-            shutil.rmtree(job_dir / name, ignore_errors=True)
-        if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir and self.sandbox.isolated:
-            shutil.rmtree(self.inventory.usage_dir / job_dir.name, ignore_errors=True)
+        self.executor.kill(job_id, reason)

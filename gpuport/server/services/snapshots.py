@@ -225,17 +225,22 @@ class SnapshotService:
 
     def materialize(self, record: SnapshotRecord, dest: Path, *, read_only: bool = False) -> None:
         """Write the snapshot's files under ``dest`` (copies; read-only hard links with ``read_only``)."""
-        dest.mkdir(parents=True, exist_ok=True)
-        made: set[str] = set()
-        for e in self.manifest(record):
-            target = dest / e.path
-            parent = os.path.dirname(e.path)
-            if parent and parent not in made:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                made.add(parent)
-            if e.link:
-                os.symlink(e.link, target)
-            elif read_only:
-                self.blobs.link_to(e.blob, target)
-            else:
-                self.blobs.copy_to(e.blob, target, e.mode)
+        write_entries(self.manifest(record), self.blobs, dest, read_only=read_only)
+
+
+def write_entries(entries: Iterable[Entry], blobs: BlobStore, dest: Path, *, read_only: bool = False) -> None:
+    """Write a manifest's files under ``dest`` from ``blobs`` (copies; read-only hard links with ``read_only``)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    made: set[str] = set()
+    for e in entries:
+        target = dest / e.path
+        parent = os.path.dirname(e.path)
+        if parent and parent not in made:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            made.add(parent)
+        if e.link:
+            os.symlink(e.link, target)
+        elif read_only:
+            blobs.link_to(e.blob, target)
+        else:
+            blobs.copy_to(e.blob, target, e.mode)

@@ -1,0 +1,391 @@
+"""Jobs' folders and processes on one machine: what an executor does where the job runs.
+
+``JobFolders`` is used by the local executor on the server's machine, and by the gpuport agent of
+each Ray node on that node (``executors/ray.py``). Layout of ``ROOT/<job id>/``::
+
+    spec.marshal      what the supervisor runs           log          stdout + stderr, in order
+    work/             the workdir, from the snapshot     exit.json    exit code and times (atomic)
+    out/              $GPUPORT_OUTPUT_DIR                supervisor.lock  held while the job runs
+    datasets/<name>/  read-only named snapshots          supervisor.json  its pid, once started
+
+Each job runs under ``worker/supervisor.py`` in its own session, so it outlives the process that
+started it (a server restarted, even after SIGKILL, finds it running): a thread per running job
+waits for its end, on the supervisor process for jobs started here, on its lock for the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import marshal
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import psutil
+
+from gpuport._files import atomic_write, files_beneath, open_beneath, open_file_beneath
+from gpuport.defaults import ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
+from gpuport.server.executors.base import Files, JobLaunch, OnExit, Usage
+from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
+from gpuport.server.isolation import Sandbox
+from gpuport.server.services.blobs import BlobStore
+from gpuport.server.services.snapshots import Entry, write_entries
+from gpuport.server.worker import bootstrap, supervisor
+
+log = logging.getLogger(__name__)
+
+_SUPERVISOR = [sys.executable, "-I", "-S", supervisor.__file__]
+_BOOTSTRAP = Path(bootstrap.__file__).parent
+# Never passed on to a job: gpuport's own settings, and the engine's (a Ray node's token and
+# addresses would let a job act on the cluster as the node does).
+_PRIVATE_ENV = ("GPUPORT_", "RAY_", "PYTHONUNBUFFERED")
+
+
+def base_env() -> dict[str, str]:
+    """The environment a job starts from: this process's, less what is private to it.
+
+    PYTHONUNBUFFERED is dropped too: it would cost a chatty Python job two thirds of its speed
+    (a job that wants it sets it in its own env). Jobs use this Python environment first: where
+    gpuport and the frameworks are installed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV)}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "/usr/bin:/bin")])
+    return env
+
+
+def _let_read(folder: Path) -> None:
+    """Make what the server wrote under ``folder`` readable by a job's uid (the server writes with
+    umask 077): folders 0755, files +r. Blobs' hard links are 0444 already and left alone; the
+    sandbox shows the folder to that one job only."""
+    for top, _, files in os.walk(folder):
+        os.chmod(top, 0o755)
+        for name in files:
+            path = os.path.join(top, name)
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.getuid():
+                os.chmod(path, info.st_mode & 0o777 | 0o044)
+
+
+def _entries(files: Files) -> list[Entry]:
+    return [Entry(*e) for e in files.entries]
+
+
+class JobFolders:
+    """The jobs of one machine, each in its folder under ``root``."""
+
+    def __init__(
+        self,
+        root: Path,
+        blobs: BlobStore,
+        sandbox: Sandbox,
+        inventory: Inventory,
+        node: str = "",
+    ) -> None:
+        self.root = root
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.blobs = blobs
+        self.sandbox = sandbox
+        self.inventory = inventory
+        self.node = node  # $GPUPORT_NODE of its jobs
+        self._processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def folder(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    # ---- start ------------------------------------------------------------------------------------
+
+    def prepare(self, job: JobLaunch) -> dict[str, Any]:
+        """Make the job's folder (workdir, outputs folder, datasets); return the supervisor's spec."""
+        job_dir = self.folder(job.job_id)
+        shutil.rmtree(job_dir, ignore_errors=True)
+        job_dir.mkdir()
+        work, out = job_dir / "work", job_dir / "out"
+        out.mkdir()
+        write_entries(_entries(job.workdir) if job.workdir else [], self.blobs, work)
+        env = base_env()
+        env.update(job.env)
+        # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), job.env.get("PYTHONPATH")) if p)
+        if job.datasets:
+            datasets = job_dir / "datasets"
+            for name, files in job.datasets.items():
+                write_entries(_entries(files), self.blobs, datasets / name, read_only=True)
+            env[ENV_DATASETS_DIR] = str(datasets)
+        if job.hyperparameters is not None:
+            (work / "hyperparameters.json").write_text(json.dumps(job.hyperparameters, indent=2))
+        env[ENV_OUTPUT_DIR] = str(out)
+        if self.node:
+            env[ENV_NODE] = self.node
+        fake_gpus = None
+        if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir:
+            fake_gpus = self.inventory.usage_dir / job.job_id if self.sandbox.isolated else self.inventory.usage_dir
+            env[ENV_FAKE_GPU_DIR] = str(fake_gpus)
+        spec: dict[str, Any] = {
+            "argv": job.argv,
+            "cwd": str(work),
+            "env": env,
+            "grace": job.grace,
+            "time_limit": job.time_limit,
+            "nprocs": job.nprocs,
+            "tf_roles": job.tf_roles,
+            "rank_gpus": job.rank_gpus,
+            "sandbox": None,
+            "network": None,
+            "pidns_file": None,
+        }
+        if self.sandbox.isolated:
+            spec.update(self._sandbox(job, work, out, env, fake_gpus))
+        return spec
+
+    def _sandbox(self, job: JobLaunch, work: Path, out: Path, env: dict[str, str], fake_gpus: Path | None) -> dict:
+        """The sandbox a job runs in: only its own folders, its datasets read-only, as its owner's uid
+        (when the server is root), which then owns what the job may write."""
+        uid = job.uid if self.sandbox.mode == "uids" else None
+        writable = [work, out, *(Path(folder) for folder in job.folders)]
+        pidns_file = None
+        if fake_gpus is not None:
+            fake_gpus.mkdir(exist_ok=True)
+            writable.append(fake_gpus)
+            pidns_file = str(fake_gpus / ".pidns")
+        if uid is not None:
+            for folder in (work, out):  # copies made for this job: the job's to change
+                for top, folders, files in os.walk(folder):
+                    for name in (top, *(os.path.join(top, n) for n in folders + files)):
+                        os.lchown(name, uid, uid)
+            for folder in writable[2:]:  # the folder only: what the server put in it stays the server's
+                os.chown(folder, uid, uid)
+        readable = [work.parent / "datasets"] if job.datasets else []
+        for folder in [*readable, *writable[2:]]:
+            _let_read(folder)
+        if "HOME" not in job.user_env:
+            env["HOME"] = "/tmp"  # the sandbox's own; the server's home is not there
+        network = None
+        if self.sandbox.slirp4netns:
+            network = [self.sandbox.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback"]
+        argv = self.sandbox.argv(uid=uid, writable=writable, readable=readable, cwd=work)
+        return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
+
+    def start(self, job: JobLaunch, on_exit: OnExit) -> None:
+        spec = self.prepare(job)
+        self.launch(job.job_id, spec, on_exit)
+
+    def launch(self, job_id: str, spec: dict[str, Any], on_exit: OnExit) -> subprocess.Popen[bytes]:
+        """Start the supervisor of a prepared job."""
+        job_dir = self.folder(job_id)
+        # Not fsynced: a machine that crashes takes the job's processes with it anyway.
+        # In marshal: the supervisor reads it without importing json (see its imports).
+        atomic_write(job_dir / "spec.marshal", marshal.dumps(spec), 0o600, durable=False)
+        with open(job_dir / "supervisor.log", "ab") as out:
+            process = subprocess.Popen(
+                [*_SUPERVISOR, str(job_dir)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a server killed with SIGKILL or Ctrl-C leaves its jobs running
+                close_fds=True,
+            )
+        with self._lock:
+            self._processes[job_id] = process
+
+        def wait() -> None:
+            process.wait()
+            with self._lock:
+                self._processes.pop(job_id, None)
+            on_exit()
+
+        threading.Thread(target=wait, name=f"job {job_id}", daemon=True).start()
+        return process
+
+    # ---- processes --------------------------------------------------------------------------------
+
+    def is_running(self, job_id: str) -> bool:
+        try:
+            fd = os.open(self.folder(job_id) / "supervisor.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops the lock we may have taken
+        return False
+
+    def wait(self, job_id: str) -> None:
+        """Block until the job's supervisor has ended."""
+        with self._lock:
+            process = self._processes.get(job_id)
+        if process is not None:
+            process.wait()
+            return
+        try:
+            fd = os.open(self.folder(job_id) / "supervisor.lock", os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # granted when the supervisor exits
+        finally:
+            os.close(fd)
+
+    def reattach(self, job_id: str, on_exit: OnExit) -> None:
+        def wait() -> None:
+            self.wait(job_id)
+            on_exit()
+
+        threading.Thread(target=wait, name=f"job {job_id}", daemon=True).start()
+
+    def _supervisor_pid(self, job_id: str) -> int | None:
+        """The running supervisor's pid, or None when it has ended."""
+        with self._lock:
+            process = self._processes.get(job_id)
+        pid = process.pid if process else None
+        if pid is None:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pid = int(json.loads((self.folder(job_id) / "supervisor.json").read_text())["pid"])
+        if pid is None or not self.is_running(job_id) and process is None:
+            return None
+        return pid
+
+    def cancel(self, job_id: str) -> None:
+        pid = self._supervisor_pid(job_id)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)  # the supervisor passes it to the job's groups, then SIGKILLs
+
+    def kill(self, job_id: str, reason: str) -> None:
+        pid = self._supervisor_pid(job_id)
+        if pid is not None:
+            data = json.dumps({"reason": reason}).encode()
+            atomic_write(self.folder(job_id) / "kill.json", data, 0o600, durable=False)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)  # the supervisor reads kill.json and SIGKILLs the job's groups
+
+    def kill_all(self, reason: str) -> list[str]:
+        """Kill every job still running here (a node whose jobs the server gave up on); return their ids."""
+        killed = []
+        for folder in self.root.iterdir() if self.root.is_dir() else ():
+            if folder.is_dir() and self.is_running(folder.name):
+                self.kill(folder.name, reason)
+                killed.append(folder.name)
+        return killed
+
+    def pids(self, job_id: str) -> list[int]:
+        """The pids of the job's processes (each rank's, and their descendants)."""
+        try:
+            info = json.loads((self.folder(job_id) / "supervisor.json").read_text())
+        except (OSError, ValueError):
+            return []  # not started yet, or ended
+        pids = []
+        for child in info.get("children") or [info["child"]]:
+            try:
+                process = psutil.Process(child)
+                pids += [child, *(p.pid for p in process.children(recursive=True))]
+            except psutil.Error:
+                continue  # that rank has ended
+        return pids
+
+    def gpus(self, job_ids: list[str]) -> list[GpuInfo]:
+        """The GPUs read now, each process labelled with the job of ``job_ids`` it belongs to."""
+        gpus = self.inventory.gpus()
+        owner_of = {pid: job_id for job_id in job_ids for pid in self.pids(job_id)}
+        for gpu in gpus:
+            for process in gpu.processes:
+                process.job_id = owner_of.get(process.pid, "")
+        return gpus
+
+    def usage(self, job_ids: list[str]) -> dict[str, Usage]:
+        used: dict[str, int] = {}
+        gpus = self.gpus(job_ids) if job_ids and self.inventory.kind != "cpu" else []
+        for gpu in gpus:
+            for process in gpu.processes:
+                if process.job_id:
+                    used[process.job_id] = used.get(process.job_id, 0) + process.memory_used
+        out = {}
+        for job_id in job_ids:
+            rss = 0
+            for pid in self.pids(job_id):
+                with contextlib.suppress(psutil.Error):  # ended meanwhile
+                    rss += psutil.Process(pid).memory_info().rss
+            out[job_id] = Usage(rss, used.get(job_id, 0))
+        return out
+
+    # ---- what a job leaves ------------------------------------------------------------------------
+
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        try:
+            with open(self.folder(job_id) / "log", "rb") as f:
+                f.seek(offset)
+                return f.read(max(0, limit))
+        except FileNotFoundError:
+            return b""
+
+    def log_size(self, job_id: str) -> int:
+        try:
+            return (self.folder(job_id) / "log").stat().st_size
+        except OSError:
+            return 0
+
+    def exit_status(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.folder(job_id) / "exit.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def was_started(self, job_id: str) -> bool:
+        job_dir = self.folder(job_id)
+        return (job_dir / "exit.json").exists() or (job_dir / "supervisor.json").exists()
+
+    def output_files(self, job_id: str, declared: list[str]) -> tuple[dict[str, tuple[Path, str]], list[str]]:
+        """The job's output files (path in the snapshot → (root, path below it)) and the declared
+        paths not found: the declared files first, then the output folder's, then declared folders'.
+
+        Nothing the job wrote is trusted as a path: every component is opened without following a
+        symlink (an output ``a/b`` with ``a -> /`` is not found, rather than read from outside)."""
+        job_dir = self.folder(job_id)
+        work, out = job_dir / "work", job_dir / "out"
+        found: dict[str, tuple[Path, str]] = {}
+        missing, folders = [], []
+        for path in declared:
+            fd = open_beneath(work, path)
+            if fd is None:
+                missing.append(path)
+                continue
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                found.setdefault(path, (work, path))
+            else:
+                folders.append(path)
+            os.close(fd)
+        for path in files_beneath(out) if out.is_dir() else ():
+            found.setdefault(path, (out, path))
+        for folder in folders:
+            for path in files_beneath(work, folder):
+                found.setdefault(path, (work, path))
+        return found, missing
+
+    def collect_outputs(self, job_id: str, declared: list[str], ingest: Callable[[Any], str]) -> tuple[str, list[str]]:
+        found, missing = self.output_files(job_id, declared)
+        if not found and not declared:
+            return "", missing
+        # Each file is opened only when it is read, one at a time.
+        opened = ((path, open_file_beneath(*found[path])) for path in sorted(found))
+        return ingest((path, f) for path, f in opened if f is not None), missing
+
+    def open_output(self, root: Path, path: str) -> BinaryIO | None:
+        return open_file_beneath(root, path)
+
+    def tidy(self, job_id: str) -> None:
+        job_dir = self.folder(job_id)
+        for name in ("work", "out", "datasets"):
+            shutil.rmtree(job_dir / name, ignore_errors=True)
+        if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir and self.sandbox.isolated:
+            shutil.rmtree(self.inventory.usage_dir / job_id, ignore_errors=True)

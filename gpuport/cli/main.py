@@ -101,6 +101,18 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "[default: 5% of the memory, at most 2GiB].",
 )
 @click.option(
+    "--ray",
+    "ray_address",
+    metavar="ADDRESS",
+    help="Place jobs on the nodes of this Ray cluster (its GCS address, host:port) instead of this machine. "
+    "The cluster must use Ray's token authentication: give its token in RAY_AUTH_TOKEN.",
+)
+@click.option(
+    "--ray-insecure",
+    is_flag=True,
+    help="Allow a Ray cluster without token authentication, on a loopback address only (tests, one box).",
+)
+@click.option(
     "--print-systemd-unit",
     is_flag=True,
     help="Print a systemd unit that runs the server with these options as a service, and exit.",
@@ -117,6 +129,8 @@ def server(
     job_uids: str,
     no_sandbox: bool,
     memory_floor: str | None,
+    ray_address: str | None,
+    ray_insecure: bool,
     print_systemd_unit: bool,
 ) -> None:
     """Run the gpuport daemon on this (GPU) machine.
@@ -134,6 +148,8 @@ def server(
         options += ["--job-uids", job_uids] if job_uids != "61000-61999" else []
         options += ["--no-sandbox"] if no_sandbox else []
         options += ["--memory-floor", memory_floor] if memory_floor is not None else []
+        options += ["--ray", ray_address] if ray_address else []
+        options += ["--ray-insecure"] if ray_insecure else []
         print(systemd_unit(options, state_dir), end="")
         return
     try:
@@ -161,6 +177,8 @@ def server(
             job_uids=parse_uid_range(job_uids),
             sandbox=not no_sandbox,
             memory_floor=floor,
+            ray_address=ray_address,
+            ray_insecure=ray_insecure,
             say=lambda text: print(text, flush=True),
         )
     )

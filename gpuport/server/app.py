@@ -195,5 +195,6 @@ class ServerApp:
             self._watching.cancel()
         self.sessions.stop()
         self.serving.stop()
+        self.executor.close()
         self.inventory.close()
         self.store.close()

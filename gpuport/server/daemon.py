@@ -31,6 +31,7 @@ from gpuport.server.api.data_port import DataPort
 from gpuport.server.api.grpc_api import build_grpc_server
 from gpuport.server.api.http_api import build_http_app
 from gpuport.server.app import ServerApp
+from gpuport.server.executors import Executor
 from gpuport.server.inventory import Inventory, detect_inventory
 from gpuport.server.services.jobs import memory_floor as resolve_memory_floor
 from gpuport.server.state import open_state_dir
@@ -117,9 +118,11 @@ def _banner(
     sandbox: isolation.Sandbox,
     new_token: str | None,
     memory_floor: int = 0,
+    executor: Executor | None = None,
 ) -> str:
     """What every start prints: where to reach the server, what to pin, what it has; then ``ready``."""
     gpus = inventory.gpus()
+    on_cluster = executor is not None and executor.kind != "local"
     lines = [
         f"gpuport server {__version__}",
         f"  state dir    {root}",
@@ -127,10 +130,13 @@ def _banner(
         f"  HTTP         {http_url}",
         f"  data port    {data_port}          (sessions' large values: open it beside the gRPC port)",
         f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
-        f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
+        "  GPUs         those of the cluster's nodes (below)"
+        if on_cluster
+        else f"  GPUs         {len(gpus)} ({', '.join(f'{g.name} {format_size(g.memory_total)}' for g in gpus)})"
         if gpus
         else f"  GPUs         none: {inventory.note}",
         f"  isolation    {sandbox.describe()}",
+        *(_cluster_lines(executor) if executor is not None and on_cluster else []),
         f"  memory floor {format_size(memory_floor)} free (below it, work that reserves no memory waits)"
         if memory_floor
         else "  memory floor none (--memory-floor 0)",
@@ -142,6 +148,17 @@ def _banner(
             f"               gpuport login {grpc_url} --token {new_token}",
         ]
     return "\n".join([*lines, "ready"])
+
+
+def _cluster_lines(executor: Executor) -> list[str]:
+    nodes = executor.nodes()
+    address = getattr(executor, "address", "?")
+    lines = [f"  cluster      Ray at {address}: {len(nodes)} node{'s' if len(nodes) != 1 else ''}"]
+    for node in nodes:
+        m = node.machine
+        size = f"{m.describe_gpus()}, {m.cpus:g} CPUs, {format_size(m.memory)}"
+        lines.append(f"               {node.name} ({node.address}): {size}")
+    return lines
 
 
 async def serve(
@@ -156,6 +173,8 @@ async def serve(
     job_uids: tuple[int, int] = isolation.DEFAULT_JOB_UIDS,
     sandbox: bool = True,
     memory_floor: int | None = None,
+    ray_address: str | None = None,
+    ray_insecure: bool = False,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
@@ -165,7 +184,7 @@ async def serve(
     free port when that is 0) carries sessions' large values (see api/data_port.py). ``job_uids``
     and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py). Below
     ``memory_floor`` bytes of free memory (None: the default; 0: no floor), work that reserves no
-    memory waits.
+    memory waits. ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -186,7 +205,13 @@ async def serve(
             )
     inventory = detect_inventory()
     isolated = isolation.detect(job_uids) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
-    app = ServerApp(state, inventory, isolated, memory_floor=resolve_memory_floor(memory_floor))
+    executor = None
+    if ray_address:
+        from gpuport.server.executors.ray import RayExecutor
+        from gpuport.server.services.blobs import BlobStore
+
+        executor = RayExecutor(ray_address, state.jobs_dir, BlobStore(state.blobs_dir), insecure=ray_insecure)
+    app = ServerApp(state, inventory, isolated, executor, memory_floor=resolve_memory_floor(memory_floor))
     data: DataPort | None = None
     try:
         credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
@@ -250,6 +275,7 @@ async def serve(
             isolated,
             new_token,
             app.jobs.memory_floor,
+            app.executor,
         )
         # Everything imported and built so far lives as long as the server: move it out of the
         # cyclic GC's sight, so that collections triggered by per-call garbage stay cheap.

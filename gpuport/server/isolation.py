@@ -18,6 +18,7 @@ it refuses to make tokens that are not admin tokens, since any job could act as 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pwd
 import shutil
@@ -128,6 +129,14 @@ def detect(uids: tuple[int, int] = DEFAULT_JOB_UIDS) -> Sandbox:
         uids=uids,
         python_paths=_python_paths(),
     )
+
+
+def clean_python_paths() -> tuple[str, ...]:
+    """``_python_paths`` as a fresh ``python -I`` sees them from /: for a process whose sys.path was
+    added to by its host (a Ray worker's holds its driver's folders)."""
+    code = "import json, gpuport.server.isolation as i; print(json.dumps(i._python_paths()))"
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    return tuple(json.loads(done.stdout))
 
 
 def _python_paths() -> tuple[str, ...]:

@@ -86,6 +86,8 @@ class Executor(ABC):
     """Runs jobs on the nodes of a cluster. Methods may block (the job service calls them off its loop)."""
 
     kind: str = ""  # "local" or "ray", for the banner and `gpuport status`
+    # Called (from any thread) when the cluster's nodes change: the job service plans again.
+    on_change: Callable[[], None] | None = None
 
     @abstractmethod
     def nodes(self) -> list[Node]:

@@ -179,8 +179,10 @@ class JobFolders:
         spec = self.prepare(job)
         self.launch(job.job_id, spec, on_exit)
 
-    def launch(self, job_id: str, spec: dict[str, Any], on_exit: OnExit) -> subprocess.Popen[bytes]:
-        """Start the supervisor of a prepared job."""
+    def launch(
+        self, job_id: str, spec: dict[str, Any], on_exit: OnExit, preexec: Callable[[], None] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start the supervisor of a prepared job (``preexec``: run in its process before it starts)."""
         job_dir = self.folder(job_id)
         # Not fsynced: a machine that crashes takes the job's processes with it anyway.
         # In marshal: the supervisor reads it without importing json (see its imports).
@@ -193,6 +195,7 @@ class JobFolders:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a server killed with SIGKILL or Ctrl-C leaves its jobs running
                 close_fds=True,
+                preexec_fn=preexec,
             )
         with self._lock:
             self._processes[job_id] = process

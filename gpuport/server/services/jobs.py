@@ -238,6 +238,7 @@ class JobService:
         self._plan: dict[str, Decision] | None = {}
         self._schedule_pending = False
         self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
+        self.executor.on_change = self._nodes_changed  # a node that joins may let jobs start
         self.memory_floor = memory_floor  # bytes free below which work that reserves no memory waits
         self._floor_check: asyncio.TimerHandle | None = None
 
@@ -617,6 +618,12 @@ class JobService:
         self._plan = None
         self._schedule_soon()
 
+    def _nodes_changed(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the server is stopping
+                loop.call_soon_threadsafe(self.reschedule)
+
     def _schedule_soon(self) -> None:
         """One scheduling pass on the next turn of the loop, however many jobs end meanwhile."""
         if self._loop is None or self._schedule_pending:
@@ -747,7 +754,8 @@ class JobService:
             argv=json.loads(row["command"]),
             env=env,
             user_env=frozenset(spec["env"]),
-            uid=self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" else None,
+            # A cluster's nodes run jobs as a uid per user when they can, whatever this machine does.
+            uid=self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" or self.executor.kind != "local" else None,
             workdir=workdir,
             datasets=datasets,
             hyperparameters=spec["hyperparameters"],

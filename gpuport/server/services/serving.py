@@ -205,6 +205,11 @@ class ServingService:
     # ---- deploying --------------------------------------------------------------------------------
 
     def deploy(self, caller: Identity, spec: DeploySpec) -> DeploymentRecord:
+        if self.jobs.executor.kind != "local":
+            raise InvalidRequest(
+                "models are served by a one-machine gpuport server for now; this server places jobs on a "
+                f"{self.jobs.executor.kind} cluster — deploy on a server without --ray"
+            )
         self._check(spec)
         snapshot, path = self._source(caller, spec.source)
         owners = {

@@ -435,6 +435,12 @@ class SessionService:
 
     def open(self, caller: Identity, spec: SessionSpec) -> SessionRecord:
         """A new session for ``caller``, or their live session named ``spec.name``."""
+        if self.jobs.executor.kind != "local":
+            raise InvalidRequest(
+                "sessions run on a one-machine gpuport server for now; this server places jobs on a "
+                f"{self.jobs.executor.kind} cluster — send jobs (`gpuport run`), or open sessions on a "
+                "server without --ray"
+            )
         if spec.python_version or spec.cloudpickle_version:
             problem = check_compatible(spec.python_version, spec.cloudpickle_version, remote="client", local="server")
             if problem:

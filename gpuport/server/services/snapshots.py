@@ -154,12 +154,16 @@ class SnapshotService:
 
     def ingest_folder(self, owner: str, files: Iterable[tuple[str, BinaryIO]]) -> SnapshotRecord:
         """Make a snapshot from files on the server's disk (a job's outputs): (snapshot path, open
-        file) pairs, each read and closed here."""
+        file) pairs, each read and closed here. A file read from elsewhere (another node) gives its
+        mode as ``file_mode``."""
         entries = []
         for path, file in files:
             with file:
                 blob, size = self.blobs.ingest(file)
-                entries.append(Entry(path, blob, size, os.fstat(file.fileno()).st_mode & 0o777))
+                mode = getattr(file, "file_mode", None)
+                if mode is None:
+                    mode = os.fstat(file.fileno()).st_mode
+                entries.append(Entry(path, blob, size, mode & 0o777))
         entries = check_manifest(entries)
         sid = snapshot_id(entries)
         self._insert(owner, sid, entries)

@@ -1,0 +1,153 @@
+"""Scale-out on Ray: the launch of a job through the Ray executor, against its anchors in the same run.
+
+    .venv/bin/python bench/bench_ray.py            # about two minutes on 2 cores
+    .venv/bin/python bench/bench_ray.py --quick
+
+(a) submit -> exit of `python -c pass` through the Python API (gpu.submit(...) + job.wait(), on an
+    open connection), alternated one by one between a gpuport server that places jobs on a 2-node
+    Ray cluster (`--ray`; nodes on this machine: tests/_ray.py) and a one-machine gpuport server.
+    Goal: the Ray executor adds at most 150 ms.
+(b) the same job as a whole process: `gpuport run -- python -c pass` through the Ray executor,
+    against `ray job submit -- python -c pass` to a Ray head with its job server (token auth, on
+    127.0.0.1). Goal: at least 10x faster.
+(c) a 2-node TensorFlow MultiWorkerMirroredStrategy step through gpuport against the same script
+    started by hand on both nodes: not measured yet (jobs across nodes are not built yet).
+
+Every cluster, head and server runs in a temp dir removed at the end, and is stopped in `finally`
+by the pids it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+import _peers  # noqa: E402
+from _report import (  # noqa: E402
+    ROWS,
+    Row,
+    banner,
+    connect,
+    gpuport_server,
+    isolated_workdir,
+    median,
+    ms,
+    print_table,
+    rotate,
+    say,
+)
+
+from tests._ray import start_cluster  # noqa: E402
+
+PASS = ["python", "-c", "pass"]
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args()
+    if _peers.ray_cli() is None:
+        raise SystemExit("Ray is not installed: pip install 'gpuport[ray,bench]'")
+    n = 8 if args.quick else 20
+    banner(f"ray {_peers.ray_version()}", args.quick)
+    with isolated_workdir() as work:
+        start = time.perf_counter()
+        cluster = start_cluster(work / "cluster")
+        say(f"== a 2-node Ray cluster (token auth, 2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
+        try:
+            os.environ["RAY_AUTH_TOKEN"] = cluster.token  # the --ray server's (start_gpuport passes our env on)
+            with (
+                gpuport_server(work, "ray-server", ["--ray", cluster.address]) as on_ray,
+                gpuport_server(work, "local-server") as local,
+            ):
+                bench_api(n, work, on_ray, local)
+                cli_s = bench_cli(n, work, on_ray)
+        finally:
+            cluster.close()
+        bench_ray_submit(work, cli_s, max(3, n // 4))
+    say("== (c) 2-node MultiWorkerMirroredStrategy step: not measured (jobs across nodes are not built yet)")
+    print_table(["launch: API", "launch: CLI"], 40, "")
+
+
+def bench_api(n: int, work: Path, on_ray: object, local: object) -> None:
+    say("== (a) launch: API submit+wait of `python -c pass` (a 1-file workdir), Ray executor vs local executor")
+    workdir = work / "project"
+    workdir.mkdir()
+    (workdir / "train.py").write_text("print('hello')\n")
+    with connect(on_ray) as ray_gpu, connect(local) as local_gpu:  # type: ignore[arg-type]
+
+        def run(gpu: object) -> Callable[[], None]:
+            def once() -> None:
+                job = gpu.submit(PASS, workdir=workdir)  # type: ignore[attr-defined]
+                job.wait()
+                if job.info.exit_code != 0:
+                    raise RuntimeError(f"job {job.id} ended {job.info.state}: {job.info.message}")
+
+            return once
+
+        rotate(3, {"ray": timed(run(ray_gpu)), "local": timed(run(local_gpu))})  # warm-up
+        t = rotate(n, {"ray": timed(run(ray_gpu)), "local": timed(run(local_gpu))})
+    ray_s, local_s = median(t["ray"]), median(t["local"])
+    say(f"  Ray executor median {ms(ray_s)} (min {ms(min(t['ray']))}), local median {ms(local_s)} of {n} each")
+    extra = ray_s - local_s
+    ROWS.append(Row("launch: API, Ray executor", ray_s, local_s, "local executor", "<= local + 150 ms", extra <= 0.150))
+
+
+def bench_cli(n: int, work: Path, on_ray: object) -> float:
+    say("== (b) launch: `gpuport run -- python -c pass` through the Ray executor, as a whole process")
+    cwd = work / "cli-cwd"
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+    env.update(
+        GPUPORT_URL=on_ray.url,  # type: ignore[attr-defined]
+        GPUPORT_TOKEN=on_ray.token,  # type: ignore[attr-defined]
+        GPUPORT_FINGERPRINT=on_ray.fingerprint,  # type: ignore[attr-defined]
+        GPUPORT_CONFIG_DIR=str(work / "config"),
+    )
+
+    def once() -> None:
+        subprocess.run(
+            [sys.executable, "-m", "gpuport", "run", "--", *PASS], cwd=cwd, env=env, check=True, capture_output=True
+        )
+
+    times = [timed(once)() for _ in range(n // 2 + 1)][1:]
+    cli_s = median(times)
+    say(f"  gpuport run median {ms(cli_s)} (min {ms(min(times))}) of {len(times)}")
+    return cli_s
+
+
+def bench_ray_submit(work: Path, cli_s: float, n: int) -> None:
+    say("== (b) the peer: `ray job submit -- python -c pass` to a Ray head with its job server")
+    folder = work / "ray-cwd"
+    folder.mkdir()
+    head = _peers.start_ray(work)
+    try:
+        head.submit(PASS, folder)  # warm-up
+        times = [head.submit(PASS, folder) for _ in range(n)]
+    finally:
+        head.stop()
+    ray_s = median(times)
+    say(f"  ray job submit median {ms(ray_s)} (min {ms(min(times))}) of {n}")
+    ROWS.append(
+        Row("launch: CLI via Ray vs ray job submit", cli_s, ray_s, "ray job submit", "<= 0.1x", cli_s <= ray_s / 10)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,648 @@
+"""The Ray executor: jobs run on the nodes of an existing Ray cluster (``gpuport server --ray ADDRESS``).
+
+The server stays the only door users see (TLS, tokens, sync, the fair queue, logs, outputs); it
+joins the cluster as a Ray driver, and gpuport's scheduler picks each job's node and GPUs. On every
+node the server starts one agent: a detached, named Ray actor (``gpuport-agent-<node id>``, with
+no CPU or GPU of its own) that does there what the local executor does here (``workspace.py``):
+it makes the job's folders, runs the job under the same supervisor and sandbox, and answers for
+its log, exit status, outputs and usage. A restarted server finds the agents by name, and through
+them the jobs it left running.
+
+- **Files**: a job's snapshot and datasets reach its node as blobs, content-addressed: the agent
+  keeps a blob store of its own and is sent only the blobs it lacks, so a dataset crosses the
+  network once per node, not once per job.
+- **Logs and outputs**: read from the agent while the job runs; at its end the log and exit status
+  are copied into the server's state dir (``jobs/<id>/``) and its outputs into the blob store.
+- **Faults**: a job's supervisor gets SIGUSR1 (kill at once) when its agent's process ends, so a
+  job never outlives its node's agent (a raylet killed with SIGKILL takes its workers, and with
+  them the agent); the server records the job as failed with "node lost: <node>".
+- **Security**: the server refuses a cluster that answers without Ray's token (``RAY_AUTH_MODE=token``)
+  unless told ``--ray-insecure`` for a cluster on loopback; jobs never see Ray's variables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import io
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpuport._files import atomic_write
+from gpuport._packages import missing_package
+from gpuport.protocol.errors import ConfigError
+from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.inventory import GpuInfo
+from gpuport.server.services.blobs import BlobStore, BlobWriter, read_parts
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "gpuport"
+ENV_NODE_DIR = "GPUPORT_NODE_DIR"  # where an agent keeps its jobs and blobs (default: under Ray's temp dir)
+_PART_BYTES = 8 << 20  # blob bytes per call to an agent
+_READ_BYTES = 8 << 20  # output bytes per call
+_CALL_TIMEOUT = 30.0  # seconds for an agent's answer
+_LOST_AFTER = 6.0  # seconds an agent may stay unreachable before its node counts as lost
+_REFRESH = 2.0  # seconds between looks at the cluster's nodes
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError(missing_package(e, "gpuport server --ray")) from None
+    return ray
+
+
+def _token() -> str:
+    """The Ray token this process would send: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token."""
+    token = os.environ.get("RAY_AUTH_TOKEN", "").strip()
+    if token:
+        return token
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    with contextlib.suppress(OSError):
+        return Path(path).read_text().strip()
+    return ""
+
+
+def check_cluster(address: str, insecure: bool) -> None:
+    """Refuse a cluster that is unreachable, or that answers without a token (unless ``insecure`` on
+    loopback): unauthenticated Ray is remote code execution for anyone who reaches its port
+    (CVE-2023-48022). Asks the cluster's GCS for its id, without a token and with ours."""
+    import grpc
+
+    from gpuport.server.daemon import is_loopback
+
+    if _token():  # read by Ray when it is first imported: the driver then sends the token
+        os.environ["RAY_AUTH_MODE"] = "token"
+    _ray()
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    host = address.rsplit(":", 1)[0]
+    channel = grpc.insecure_channel(address)
+    stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+    try:
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=10)
+            open_door = True
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                raise ConfigError(
+                    f"cannot reach the Ray cluster at {address} ({e.code().name}: {e.details()}) — is "
+                    "`ray start --head` running there, and is that its GCS address (host:port)?"
+                ) from None
+            open_door = False
+        if open_door:
+            if not insecure:
+                raise ConfigError(
+                    f"the Ray cluster at {address} accepts requests without a token: anyone who reaches "
+                    "it can run code on every node (CVE-2023-48022). Start each node with "
+                    "RAY_AUTH_MODE=token and the same RAY_AUTH_TOKEN (see the README's scale-out section); "
+                    "--ray-insecure allows it for a cluster on loopback only"
+                )
+            if not is_loopback(host):
+                raise ConfigError(f"--ray-insecure is refused for {address}: it is allowed on loopback only")
+            return
+        token = _token()
+        if not token:
+            raise ConfigError(
+                f"the Ray cluster at {address} wants a token: give the server the cluster's token in "
+                "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token)"
+            )
+        try:
+            stub.GetClusterId(
+                gcs_service_pb2.GetClusterIdRequest(), metadata=[("authorization", f"Bearer {token}")], timeout=10
+            )
+        except grpc.RpcError as e:
+            raise ConfigError(
+                f"the Ray cluster at {address} refused this server's token ({e.details()}): give it the "
+                "cluster's token in RAY_AUTH_TOKEN"
+            ) from None
+    finally:
+        channel.close()
+
+
+# ---- on each node ---------------------------------------------------------------------------------
+
+
+class NodeAgent:
+    """gpuport on one node of the cluster: runs as a Ray actor there (see ``RayExecutor._agent``)."""
+
+    def __init__(self, name: str, address: str) -> None:
+        from gpuport.server import isolation
+        from gpuport.server.executors.local import this_machine
+        from gpuport.server.executors.workspace import JobFolders
+        from gpuport.server.inventory import FakeInventory, detect_inventory
+
+        ray = _ray()
+        root = Path(os.environ.get(ENV_NODE_DIR) or Path(ray.get_runtime_context().get_temp_dir()) / "gpuport")
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.umask(0o077)
+        inventory = detect_inventory()
+        if isinstance(inventory, FakeInventory):
+            inventory.usage_dir = root / "fake-gpus"
+            inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
+        self.name, self.address = name, address
+        # Ray puts its driver's folders on its workers' sys.path: they are not this Python's, and a
+        # job must not see them (the server's working folder, say). The paths come from a clean Python.
+        sandbox = isolation.detect()
+        self.sandbox = dataclasses.replace(sandbox, python_paths=isolation.clean_python_paths())
+        self.blobs = BlobStore(root / "blobs")
+        self.folders = JobFolders(root / "jobs", self.blobs, self.sandbox, inventory, node=name)
+        self.machine = this_machine(inventory)
+        self.inventory = inventory
+        self.received = 0  # blob bytes received: what crossed the network
+        self._writers: dict[str, BlobWriter] = {}  # blob → the writer that has its first parts
+        # Supervisors are started from this one thread, which lives as long as the agent: their
+        # parent-death signal is tied to the thread that forked them.
+        self._spawns: queue.Queue[tuple[JobLaunch, queue.Queue[BaseException | None]]] = queue.Queue()
+        threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
+        # Jobs of an agent that ended (its raylet died) were killed when it did; any left are ended now.
+        for job_id in self.folders.kill_all(f"node lost: {name} (its gpuport agent ended)"):
+            log.warning("job %s outlived this node's previous agent: killed", job_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "address": self.address,
+            "hostname": socket.gethostname(),
+            "machine": self.machine,
+            "sandbox": self.sandbox.describe(),
+            "isolated": self.sandbox.isolated,
+            "pid": os.getpid(),
+        }
+
+    def ping(self) -> bool:
+        return True
+
+    # files
+    def missing(self, blobs: list[str]) -> list[str]:
+        sizes = self.blobs.sizes(blobs)
+        return [b for b in blobs if sizes.get(b) is None]
+
+    def write(self, parts: list[tuple[str, int, bytes, bool]]) -> int:
+        """Whole blobs, or a blob's parts in order from its offset 0 (one call per blob at a time)."""
+        writer = self._writers.get(parts[0][0]) if parts[0][1] else None
+        if writer is None:
+            writer = BlobWriter(self.blobs)
+        for blob, offset, data, last in parts:
+            writer.write([_Part(blob, offset, data, last)])
+            self.received += len(data)
+            if last:
+                self._writers.pop(blob, None)
+            else:
+                self._writers[blob] = writer
+        return self.received
+
+    # processes
+    def _spawner(self) -> None:
+        while True:
+            job, done = self._spawns.get()
+            try:
+                spec = self.folders.prepare(job)
+                # Written now, read only if this agent's end kills the job (a deliberate kill rewrites it).
+                reason = {"reason": f"node lost: {self.name} (its gpuport agent ended)"}
+                atomic_write(self.folders.folder(job.job_id) / "kill.json", json.dumps(reason).encode(), 0o600)
+                self.folders.launch(job.job_id, spec, lambda: None, preexec=_die_with_agent)
+                done.put(None)
+            except BaseException as e:  # said to the server
+                done.put(e)
+
+    def start(self, job: JobLaunch) -> None:
+        if job.uid is None and self.sandbox.mode == "uids":
+            raise RuntimeError(f"node {self.name} runs jobs as a uid per user, and the server gave none")
+        done: queue.Queue[BaseException | None] = queue.Queue()
+        self._spawns.put((job, done))
+        error = done.get()
+        if error is not None:
+            raise error
+
+    def wait(self, job_id: str) -> dict[str, Any] | None:
+        self.folders.wait(job_id)
+        return self.folders.exit_status(job_id)
+
+    def is_running(self, job_id: str) -> bool:
+        return self.folders.is_running(job_id)
+
+    def cancel(self, job_id: str) -> None:
+        self.folders.cancel(job_id)
+
+    def kill(self, job_id: str, reason: str) -> None:
+        self.folders.kill(job_id, reason)
+
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        return self.folders.read_log(job_id, offset, limit)
+
+    def log_size(self, job_id: str) -> int:
+        return self.folders.log_size(job_id)
+
+    def exit_status(self, job_id: str) -> dict[str, Any] | None:
+        return self.folders.exit_status(job_id)
+
+    def was_started(self, job_id: str) -> bool:
+        return self.folders.was_started(job_id)
+
+    def usage(self, job_ids: list[str]) -> dict[str, Usage]:
+        return self.folders.usage(job_ids)
+
+    def gpus(self, job_ids: list[str]) -> list[GpuInfo]:
+        return self.folders.gpus(job_ids)
+
+    def outputs(self, job_id: str, declared: list[str]) -> tuple[list[tuple[str, str, str, int]], list[str]]:
+        """The job's output files, each as (path in the snapshot, "work" or "out", path below it, mode)."""
+        found, missing = self.folders.output_files(job_id, declared)
+        root = self.folders.folder(job_id)
+        files = []
+        for path, (base, below) in sorted(found.items()):
+            f = self.folders.open_output(base, below)
+            if f is not None:
+                with f:
+                    files.append((path, str(base.relative_to(root)), below, os.fstat(f.fileno()).st_mode))
+        return files, missing
+
+    def read_output(self, job_id: str, base: str, path: str, offset: int, size: int) -> bytes | None:
+        """Bytes of an output file (None: it is no longer a regular file there)."""
+        if base not in ("work", "out"):
+            return None
+        f = self.folders.open_output(self.folders.folder(job_id) / base, path)
+        if f is None:
+            return None
+        with f:
+            f.seek(offset)
+            return f.read(size)
+
+    def tidy(self, job_id: str, everything: bool = False) -> None:
+        self.folders.tidy(job_id)
+        if everything:
+            shutil.rmtree(self.folders.folder(job_id), ignore_errors=True)
+
+    def stats(self) -> dict[str, int]:
+        return {"received": self.received}
+
+
+class _Part:
+    __slots__ = ("blob", "offset", "data", "last")
+
+    def __init__(self, blob: str, offset: int, data: bytes, last: bool) -> None:
+        self.blob, self.offset, self.data, self.last = blob, offset, data, last
+
+
+def _die_with_agent() -> None:
+    """In a supervisor before it runs: SIGUSR1 (kill the job at once) when the agent's thread ends."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGUSR1)
+
+
+# ---- on the server --------------------------------------------------------------------------------
+
+
+class _RemoteFile(io.RawIOBase):
+    """An output file read from its node in parts, as the snapshot service ingests it."""
+
+    def __init__(self, read: Callable[[int, int], bytes | None], mode: int) -> None:
+        self._read, self._offset = read, 0
+        self.file_mode = mode  # read by SnapshotService.ingest_folder
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._read(self._offset, min(len(buffer), _READ_BYTES)) or b""
+        buffer[: len(data)] = data
+        self._offset += len(data)
+        return len(data)
+
+
+class RayExecutor(Executor):
+    kind = "ray"
+
+    def __init__(self, address: str, root: Path, blobs: BlobStore, *, insecure: bool = False) -> None:
+        check_cluster(address, insecure)
+        ray = self._ray = _ray()
+        try:
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        except Exception as e:
+            raise ConfigError(f"cannot join the Ray cluster at {address}: {e}") from None
+        self.address = address
+        self.root = root
+        self.root.mkdir(mode=0o700, exist_ok=True)
+        self.blobs = blobs
+        self._agents: dict[str, Any] = {}  # node id → actor handle
+        self._described: dict[str, dict[str, Any]] = {}  # node id → its agent's description
+        self._nodes: list[Node] = []
+        self._ids: dict[str, str] = {}  # node name → node id
+        self._lost: set[str] = set()  # node ids whose agent stopped answering (Ray may not know yet)
+        self._lock = threading.Lock()
+        self._refreshing = threading.Lock()
+        self._stopped = threading.Event()
+        self.refresh()
+        if not self._nodes:
+            log.warning("the Ray cluster at %s has no node gpuport can use yet", address)
+        threading.Thread(target=self._watch, name="ray nodes", daemon=True).start()
+
+    # ---- the cluster ------------------------------------------------------------------------------
+
+    def _agent(self, node_id: str, ray_name: str, address: str) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor = self._ray.remote(num_cpus=0, max_concurrency=256, max_restarts=0)(NodeAgent)
+        return actor.options(
+            name=f"gpuport-agent-{node_id}",
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(ray_name, address)
+
+    def refresh(self) -> None:
+        """Look at the cluster's nodes: start an agent on each new one, drop those that left."""
+        with self._refreshing:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        ray = self._ray
+        alive = [n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in self._lost]
+        pending = {}
+        for n in alive:
+            node_id = n["NodeID"]
+            if node_id not in self._described:
+                handle = self._agents.get(node_id) or self._agent(node_id, n["NodeName"], n["NodeManagerAddress"])
+                self._agents[node_id] = handle
+                pending[node_id] = handle.describe.remote()
+        for node_id, ref in pending.items():
+            try:
+                self._described[node_id] = ray.get(ref, timeout=60)
+            except Exception as e:
+                log.warning("the gpuport agent of Ray node %s did not start: %s", node_id, e)
+                self._agents.pop(node_id, None)
+        ids = {n["NodeID"] for n in alive}
+        nodes, names = [], {}
+        for node_id, info in sorted(self._described.items(), key=lambda item: item[1]["name"]):
+            if node_id not in ids:
+                continue
+            name = info["name"]
+            if name in names:  # two nodes of one name (the default, their address, on one host)
+                name = f"{name}-{node_id[:6]}"
+            if not info["isolated"]:
+                log.warning("node %s has no sandbox (%s): no work is placed there", name, info["sandbox"])
+                continue
+            names[name] = node_id
+            nodes.append(Node(name, info["machine"], info["address"]))
+        with self._lock:
+            changed = nodes != self._nodes
+            self._nodes, self._ids = nodes, names
+            for node_id in set(self._described) - ids:
+                self._described.pop(node_id, None)
+                self._agents.pop(node_id, None)
+        if changed and self.on_change is not None:
+            self.on_change()
+
+    def _lose(self, node_id: str) -> None:
+        """Stop placing work on a node whose agent cannot be reached (before Ray marks it dead)."""
+        with self._lock:
+            self._lost.add(node_id)
+        self.refresh()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(_REFRESH):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("looking at the Ray cluster's nodes failed")
+
+    def nodes(self) -> list[Node]:
+        with self._lock:
+            return self._nodes
+
+    def _handle(self, job_id: str) -> tuple[str, Any | None]:
+        """The job's node name and its agent (None when that node is gone)."""
+        placed = self._placement(job_id)
+        if placed is None:
+            return "", None
+        node_id, name = placed["node_id"], placed["node"]
+        with self._lock:
+            handle = self._agents.get(node_id)
+        if handle is None:
+            try:
+                handle = self._ray.get_actor(f"gpuport-agent-{node_id}", namespace=NAMESPACE)
+            except ValueError:
+                return name, None
+        return name, handle
+
+    def _placement(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.root / job_id / "placement.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _call(self, job_id: str, method: str, *args: Any, default: Any = None) -> Any:
+        _, handle = self._handle(job_id)
+        if handle is None:
+            return default
+        try:
+            return self._ray.get(getattr(handle, method).remote(*args), timeout=_CALL_TIMEOUT)
+        except Exception as e:
+            log.debug("job %s: %s on its node failed: %s", job_id, method, e)
+            return default
+
+    # ---- jobs -------------------------------------------------------------------------------------
+
+    def start(self, job: JobLaunch, on_exit: OnExit) -> None:
+        ray = self._ray
+        with self._lock:
+            node_id = self._ids.get(job.placement.node)
+            handle = self._agents.get(node_id or "")
+        if handle is None:
+            raise RuntimeError(f"node {job.placement.node} has left the cluster")
+        self._send_files(handle, job)
+        folder = self.root / job.job_id
+        folder.mkdir(mode=0o700, exist_ok=True)
+        for name in ("log", "exit.json"):
+            (folder / name).unlink(missing_ok=True)
+        placed = {"node_id": node_id, "node": job.placement.node}
+        atomic_write(folder / "placement.json", json.dumps(placed).encode(), 0o600)
+        ray.get(handle.start.remote(job), timeout=300)
+        self.reattach(job.job_id, on_exit)
+
+    def _send_files(self, handle: Any, job: JobLaunch) -> None:
+        ray = self._ray
+        files = [job.workdir] if job.workdir else []
+        files += list(job.datasets.values())
+        wanted = sorted({e[1] for f in files for e in f.entries if e[1]})
+        if not wanted:
+            return
+        missing = ray.get(handle.missing.remote(wanted), timeout=_CALL_TIMEOUT)
+        batch: list[tuple[str, int, bytes, bool]] = []
+        size = 0
+        for part in read_parts(self.blobs, missing, _PART_BYTES):
+            batch.append(part)
+            size += len(part[2])
+            if size >= _PART_BYTES or not part[3] and len(batch) > 1:
+                # A blob's later parts go alone: they continue that blob's writer on the agent.
+                ray.get(handle.write.remote(batch), timeout=300)
+                batch, size = [], 0
+        if batch:
+            ray.get(handle.write.remote(batch), timeout=300)
+        if missing:
+            log.info("job %s: sent %d blobs to node %s", job.job_id, len(missing), job.placement.node)
+
+    def reattach(self, job_id: str, on_exit: OnExit) -> None:
+        threading.Thread(target=self._wait, args=(job_id, on_exit), name=f"job {job_id}", daemon=True).start()
+
+    def _wait(self, job_id: str, on_exit: OnExit) -> None:
+        ray = self._ray
+        name, handle = self._handle(job_id)
+        status = None
+        unreachable_since = None
+        while handle is not None:
+            try:
+                status = ray.get(handle.wait.remote(job_id))
+                break
+            except Exception as e:  # the agent is unreachable: for a moment, or its node is gone
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since >= _LOST_AFTER or "ActorDiedError" in type(e).__name__:
+                    handle = None
+                    break
+                time.sleep(0.5)
+                with contextlib.suppress(Exception):
+                    ray.get(handle.ping.remote(), timeout=2)
+                    unreachable_since = None
+        folder = self.root / job_id
+        if handle is None:
+            placed = self._placement(job_id)
+            if placed is not None:
+                with contextlib.suppress(Exception):
+                    self._lose(placed["node_id"])
+            status = {"lost": f"node lost: {name} (its gpuport agent cannot be reached)", "ended_at": time.time()}
+        else:
+            with contextlib.suppress(Exception):
+                self._copy_log(handle, job_id)
+        if status is not None:
+            atomic_write(folder / "exit.json", json.dumps(status).encode(), 0o600)
+        on_exit()
+
+    def _copy_log(self, handle: Any, job_id: str) -> None:
+        """Bring an ended job's log into the server's state dir."""
+        ray = self._ray
+        temp = self.root / job_id / "log.part"
+        with open(temp, "wb") as f:
+            while True:
+                data = ray.get(handle.read_log.remote(job_id, f.tell(), _READ_BYTES), timeout=_CALL_TIMEOUT)
+                if not data:
+                    break
+                f.write(data)
+        os.replace(temp, self.root / job_id / "log")
+
+    def is_running(self, job_id: str) -> bool:
+        return bool(self._call(job_id, "is_running", job_id, default=False))
+
+    def was_started(self, job_id: str) -> bool:
+        return self._placement(job_id) is not None
+
+    def cancel(self, job_id: str) -> None:
+        _, handle = self._handle(job_id)
+        if handle is not None:  # not waited for: a node that stopped answering must not hold the caller
+            handle.cancel.remote(job_id)
+
+    def kill(self, job_id: str, reason: str) -> None:
+        _, handle = self._handle(job_id)
+        if handle is not None:
+            handle.kill.remote(job_id, reason)
+
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        local = self.root / job_id / "log"
+        if local.exists():
+            with open(local, "rb") as f:
+                f.seek(offset)
+                return f.read(limit)
+        return self._call(job_id, "read_log", job_id, offset, limit, default=b"")
+
+    def log_size(self, job_id: str) -> int:
+        with contextlib.suppress(OSError):
+            return (self.root / job_id / "log").stat().st_size
+        if self._placement(job_id) is None:
+            return 0
+        return int(self._call(job_id, "log_size", job_id, default=0))
+
+    def exit_status(self, job_id: str) -> dict[str, Any] | None:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads((self.root / job_id / "exit.json").read_text())
+        name, handle = self._handle(job_id)
+        if handle is None:
+            return {"lost": f"node lost: {name or 'unknown'}", "ended_at": time.time()}
+        return self._call(job_id, "exit_status", job_id)
+
+    def collect_outputs(self, job_id: str, declared: list[str], ingest: Ingest) -> tuple[str, list[str]]:
+        ray = self._ray
+        name, handle = self._handle(job_id)
+        if handle is None:
+            return "", [f"(its node {name} was lost)"] if declared else []
+        found, missing = ray.get(handle.outputs.remote(job_id, declared), timeout=_CALL_TIMEOUT)
+        if not found and not declared:
+            return "", missing
+
+        def opened(base: str, path: str, mode: int) -> BinaryIO:
+            def read(offset: int, size: int) -> bytes | None:
+                return ray.get(handle.read_output.remote(job_id, base, path, offset, size), timeout=_CALL_TIMEOUT)
+
+            return _RemoteFile(read, mode)  # type: ignore[return-value]
+
+        return ingest((path, opened(base, below, mode)) for path, base, below, mode in found), missing
+
+    def usage(self, job_ids: list[str]) -> dict[str, Usage]:
+        by_node: dict[str, list[str]] = {}
+        for job_id in job_ids:
+            placed = self._placement(job_id)
+            if placed is not None:
+                by_node.setdefault(placed["node_id"], []).append(job_id)
+        out: dict[str, Usage] = {}
+        for node_id, ids in by_node.items():
+            handle = self._agents.get(node_id)
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    out.update(self._ray.get(handle.usage.remote(ids), timeout=_CALL_TIMEOUT))
+        return out
+
+    def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
+        with self._lock:
+            names = dict(self._ids)
+        refs = {name: self._agents[node_id].gpus.remote(job_ids) for name, node_id in names.items()}
+        out = {}
+        for name, ref in refs.items():
+            with contextlib.suppress(Exception):
+                out[name] = self._ray.get(ref, timeout=_CALL_TIMEOUT)
+        return out
+
+    def tidy(self, job_id: str) -> None:
+        _, handle = self._handle(job_id)
+        if handle is not None:  # the whole folder once its log is here; else its working copies only
+            handle.tidy.remote(job_id, everything=(self.root / job_id / "log").exists())
+
+    def stats(self, node: str) -> dict[str, int]:
+        """What the agent of ``node`` counted (bytes of blobs received)."""
+        with self._lock:
+            node_id = self._ids[node]
+        return self._ray.get(self._agents[node_id].stats.remote(), timeout=_CALL_TIMEOUT)
+
+    def close(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(Exception):
+            self._ray.shutdown()

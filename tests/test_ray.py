@@ -1,0 +1,290 @@
+"""Scale-out on Ray: one gpuport server, jobs placed on the nodes of a real 2-node Ray cluster.
+
+The cluster (tests/_ray.py) runs on this machine: two `ray start` nodes with their own loopback
+addresses, 2 fake GPUs each, token authentication. The server joins it with --ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._ray import RayCluster, start_cluster
+from tests.conftest import JobFlag, RunningServer, client_env, server_env, start_server, wait_for
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpuport[ray]')")
+
+pytestmark = pytest.mark.timeout(300)
+
+HOLD = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    cluster = start_cluster(tmp_path_factory.mktemp("ray"))
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _start(cluster: RayCluster, state_dir: Path, *args: str, token: str | None = None) -> RunningServer:
+    env = server_env(RAY_AUTH_TOKEN=token or cluster.token)
+    return start_server(state_dir, "--ray", cluster.address, *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def server(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = _start(cluster, tmp_path_factory.mktemp("state"))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+class Flags:
+    """A JobFlag on every node: holding jobs wait for the file 'go' in their working folder there."""
+
+    def __init__(self, cluster: RayCluster) -> None:
+        self.flags = [JobFlag(node.root / "gpuport") for node in cluster.nodes]
+
+    def touch(self) -> None:
+        for flag in self.flags:
+            flag.touch()
+
+    def close(self) -> None:
+        for flag in self.flags:
+            flag.close()
+
+
+def _submit(server: RunningServer, code: str, token: str | None = None, **spec: object) -> dict:
+    reply = server.rest(
+        "POST", "/v1/jobs", token or server.admin_token, json={"command": [sys.executable, "-c", code], **spec}
+    )
+    assert reply.status_code == 201, reply.text
+    return reply.json()
+
+
+def _job(server: RunningServer, job_id: str, token: str | None = None) -> dict:
+    reply = server.rest("GET", f"/v1/jobs/{job_id}", token or server.admin_token)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _ended(server: RunningServer, job_id: str, timeout: float = 60, token: str | None = None) -> dict:
+    return wait_for(
+        lambda: (j := _job(server, job_id, token))["state"] not in ("queued", "running") and j,
+        timeout,
+        f"job {job_id} to end",
+    )
+
+
+def _log(server: RunningServer, job_id: str) -> str:
+    reply = server.rest("GET", f"/v1/jobs/{job_id}/logs", server.admin_token)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["data"]
+
+
+def _cli(server: RunningServer, *args: str, cwd: Path | None = None) -> str:
+    env = {**os.environ, **client_env(server)}
+    done = subprocess.run([sys.executable, "-m", "gpuport", *args], env=env, cwd=cwd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_the_banner_lists_the_nodes(server: RunningServer, cluster: RayCluster) -> None:
+    assert f"cluster      Ray at {cluster.address}: 2 nodes" in server.banner
+    assert "node-a (127.0.0.2): 2 x 16GiB, 2 CPUs" in server.banner
+    assert "node-b (127.0.0.3): 2 x 16GiB, 2 CPUs" in server.banner
+
+
+def test_a_job_runs_on_a_node_in_its_sandbox_and_brings_back_its_log_outputs_and_code(
+    server: RunningServer, cluster: RayCluster, tmp_path: Path
+) -> None:
+    # The node's blob store and Ray's own folder (its session: sockets, logs) stay out of the sandbox.
+    private = [str(n.root / name) for n in cluster.nodes for name in ("gpuport/blobs", "session_latest")]
+    code = (
+        "import os, sys\n"
+        "print('node', os.environ['GPUPORT_NODE'], 'gpus', repr(os.environ['CUDA_VISIBLE_DEVICES']), flush=True)\n"
+        "print('uid', os.getuid(), 'ray', sorted(k for k in os.environ if 'RAY' in k), flush=True)\n"
+        f"print('sees node dir', any(os.path.exists(p) for p in {private!r}))\n"
+        "open(os.path.join(os.environ['GPUPORT_OUTPUT_DIR'], 'result.txt'), 'w').write('made on ' + "
+        "os.environ['GPUPORT_NODE'])\n"
+        "sys.exit(3)\n"
+    )
+    job = _ended(server, _submit(server, code)["job_id"])
+    assert (job["state"], job["exit_code"]) == ("failed", 3), job
+    assert job["node"] in ("node-a", "node-b")
+    log = _log(server, job["job_id"])
+    assert f"node {job['node']} gpus ''" in log  # a CPU-only job sees no GPU
+    assert "ray []" in log  # nor Ray's token and settings
+    assert "sees node dir False" in log
+    uid = int(log.split("uid ")[1].split()[0])
+    assert uid >= 61000  # its owner's uid, as on one machine
+    said = _cli(server, "download", job["job_id"], "-o", str(tmp_path / "got"))
+    assert (tmp_path / "got" / "result.txt").exists(), (said, job["message"], job["output_snapshot_id"])
+    assert (tmp_path / "got" / "result.txt").read_text() == f"made on {job['node']}"
+
+
+def test_jobs_fill_both_nodes_and_a_two_gpu_job_is_never_split(server: RunningServer, cluster: RayCluster) -> None:
+    flags = Flags(cluster)
+    try:
+        one = [
+            _submit(server, HOLD + "print(os.environ['GPUPORT_NODE'], os.environ['CUDA_VISIBLE_DEVICES'])", gpus=1)
+            for _ in range(2)
+        ]
+        running = [wait_for(lambda j=j: (r := _job(server, j["job_id"]))["state"] == "running" and r) for j in one]
+        # Packed onto one node, so that the other keeps both its GPUs for a 2-GPU job.
+        assert len({j["node"] for j in running}) == 1, running
+        assert sorted(tuple(j["gpu_indices"]) for j in running) == [(0,), (1,)]
+        two = _submit(server, HOLD + "print(os.environ['GPUPORT_NODE'], os.environ['CUDA_VISIBLE_DEVICES'])", gpus=2)
+        two = wait_for(lambda: (r := _job(server, two["job_id"]))["state"] == "running" and r)
+        assert two["node"] != running[0]["node"] and two["gpu_indices"] == [0, 1]
+        # The cluster is full: a 1-GPU job waits, saying so.
+        third = _submit(server, "pass", gpus=1)
+        assert third["state"] == "queued" and "GPU" in third["message"], third
+        flags.touch()
+        for job in [*running, two]:
+            ended = _ended(server, job["job_id"])
+            assert ended["state"] == "succeeded"
+            assert _log(server, job["job_id"]).split() == [job["node"], ",".join(map(str, job["gpu_indices"]))]
+        assert _ended(server, third["job_id"])["state"] == "succeeded"
+    finally:
+        flags.close()
+
+
+def test_logs_follow_live_and_cancel_stops_the_job(server: RunningServer, cluster: RayCluster) -> None:
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
+        "print('started', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    job = _submit(server, code)
+    wait_for(lambda: "started" in _log(server, job["job_id"]), 60, "the log's first line, live")
+    assert _job(server, job["job_id"])["state"] == "running"
+    server.rest("POST", f"/v1/jobs/{job['job_id']}/cancel", server.admin_token)
+    ended = _ended(server, job["job_id"])
+    assert ended["state"] == "cancelled" and ended["exit_code"] == 7, ended
+    assert "got SIGTERM" in _log(server, job["job_id"])
+
+
+def test_a_dataset_crosses_to_a_node_once(server: RunningServer, cluster: RayCluster, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "big.bin").write_bytes(os.urandom(3 << 20))
+    _cli(server, "push", str(data), "--name", "rays-data")
+    code = "import os; print(os.path.getsize(os.path.join(os.environ['GPUPORT_DATASETS_DIR'], 'rays-data', 'big.bin')))"
+    first = _ended(server, _submit(server, code, datasets=["rays-data"], gpus=2)["job_id"])
+    assert first["state"] == "succeeded" and _log(server, first["job_id"]).strip() == str(3 << 20)
+    node = next(n for n in cluster.nodes if n.name == first["node"])
+    blobs = [p for p in (node.root / "gpuport" / "blobs").rglob("*") if p.is_file() and p.stat().st_size == 3 << 20]
+    assert len(blobs) == 1, blobs
+    placed = blobs[0].stat().st_ino
+    second = _ended(server, _submit(server, code, datasets=["rays-data"], gpus=2)["job_id"])
+    assert second["state"] == "succeeded" and second["node"] == first["node"]
+    assert blobs[0].stat().st_ino == placed  # not sent again: the node's copy is the one placed first
+
+
+def test_the_fair_queue_spans_the_nodes(server: RunningServer, cluster: RayCluster) -> None:
+    tokens = {}
+    for name in ("ray-alice", "ray-bob"):
+        reply = server.rest("POST", "/v1/tokens", server.admin_token, json={"name": name})
+        assert reply.status_code == 201, reply.text
+        tokens[name] = reply.json()["token"]
+    flags = Flags(cluster)
+    try:
+        alice = [_submit(server, HOLD, tokens["ray-alice"], gpus=1) for _ in range(6)]
+        wait_for(lambda: sum(_job(server, j["job_id"])["state"] == "running" for j in alice) == 4)
+        assert {_job(server, j["job_id"])["node"] for j in alice[:4]} == {"node-a", "node-b"}
+        bob = _submit(server, "print('bob ran')", tokens["ray-bob"], gpus=1)
+        queue = server.rest("GET", "/v1/queue", server.admin_token).json()
+        # Alice's 5th holds the reservation (the first that waited); then Bob, who holds nothing,
+        # goes ahead of Alice's 6th although he came later: the cluster's 4 GPUs are all hers.
+        assert [j["id"] for j in queue] == [alice[4]["job_id"], bob["job_id"], alice[5]["job_id"]]
+        flags.touch()
+        assert _ended(server, bob["job_id"])["state"] == "succeeded"
+        for job in alice:
+            assert _ended(server, job["job_id"])["state"] == "succeeded"
+    finally:
+        flags.close()
+
+
+def test_a_wrong_or_missing_token_or_address_stops_the_server_saying_why(cluster: RayCluster, tmp_path: Path) -> None:
+    def refused(address: str, token: str) -> str:
+        env = server_env(RAY_AUTH_TOKEN=token) if token else server_env()
+        done = start_server(tmp_path / "state", "--ray", address, env=env, expect_ready=False)
+        assert done.process.returncode != 0
+        return "\n".join(done.output)
+
+    said = refused(cluster.address, "not-the-token")
+    assert f"the Ray cluster at {cluster.address} refused this server's token" in said, said
+    said = refused(cluster.address, "")
+    assert "wants a token: give the server the cluster's token in RAY_AUTH_TOKEN" in said, said
+    said = refused("127.0.0.9:9", cluster.token)
+    assert "cannot reach the Ray cluster at 127.0.0.9:9" in said, said
+
+
+def test_a_restarted_server_finds_its_jobs_running_on_the_nodes(cluster: RayCluster, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = _start(cluster, state)
+    flags = Flags(cluster)
+    try:
+        job = _submit(first, HOLD + "print('released', flush=True)\nraise SystemExit(5)\n", gpus=1)
+        wait_for(lambda: _job(first, job["job_id"])["state"] == "running")
+        first.stop(signal.SIGKILL)
+        second = _start(cluster, state)
+        second.admin_token = first.admin_token  # shown on the first start only
+        try:
+            assert _job(second, job["job_id"])["state"] == "running"
+            flags.touch()
+            ended = _ended(second, job["job_id"])
+            assert (ended["state"], ended["exit_code"]) == ("failed", 5), ended
+            assert _log(second, job["job_id"]) == "released\n"
+        finally:
+            second.stop()
+    finally:
+        flags.close()
+
+
+def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
+    server: RunningServer, cluster: RayCluster
+) -> None:
+    flags = Flags(cluster)
+    try:
+        # node-a is packed first: fill it, so that the next job goes to node-b.
+        filler = _submit(server, HOLD, gpus=2)
+        wait_for(lambda: _job(server, filler["job_id"])["node"] == "node-a")
+        victim = _submit(server, HOLD, gpus=1)
+        victim = wait_for(lambda: (j := _job(server, victim["job_id"]))["state"] == "running" and j)
+        assert victim["node"] == "node-b"
+        node = next(n for n in cluster.nodes if n.name == "node-b")
+        holders = wait_for(
+            lambda: [p for p in node.processes() if victim["job_id"] in " ".join(p.cmdline())],
+            30,
+            "the job's supervisor to run under node-b's raylet",
+        )
+        lost_at = time.monotonic()
+        node.raylet().kill()
+        ended = _ended(server, victim["job_id"], timeout=60)
+        took = time.monotonic() - lost_at
+        assert ended["state"] == "failed" and ended["message"].startswith("node lost: node-b"), ended
+        assert took < 30, f"the loss took {took:.1f}s to be seen"
+        wait_for(lambda: not any(p.is_running() for p in holders), 15, "the lost node's job processes to end")
+        # The node comes back: the cluster has two nodes again, and work goes to it.
+        node.kill()
+        cluster.nodes.remove(node)
+        cluster.wait_ready(cluster.start_node("node-b", "127.0.0.3"))
+        again = _submit(server, "import os; print(os.environ['GPUPORT_NODE'])", gpus=1)
+        ended = _ended(server, again["job_id"], 90)
+        assert ended["state"] == "succeeded", (ended["message"], ended["node"], _log(server, again["job_id"]))
+        assert _log(server, again["job_id"]).strip() == "node-b"
+    finally:
+        flags.close()

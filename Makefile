@@ -56,6 +56,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_sessions.py
 	$(PY) bench/bench_serving.py
 	$(PY) bench/bench_isolation.py
+	$(PY) bench/bench_ray.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

@@ -93,7 +93,7 @@ def _log(server: RunningServer, job_id: str) -> str:
 
 
 def _cli(server: RunningServer, *args: str, cwd: Path | None = None) -> str:
-    env = {**os.environ, **client_env(server)}
+    env = {**os.environ, **client_env(server), "COLUMNS": "200"}
     done = subprocess.run([sys.executable, "-m", "gpuport", *args], env=env, cwd=cwd, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -147,6 +147,18 @@ def test_jobs_fill_both_nodes_and_a_two_gpu_job_is_never_split(server: RunningSe
         two = _submit(server, HOLD + "print(os.environ['GPUPORT_NODE'], os.environ['CUDA_VISIBLE_DEVICES'])", gpus=2)
         two = wait_for(lambda: (r := _job(server, two["job_id"]))["state"] == "running" and r)
         assert two["node"] != running[0]["node"] and two["gpu_indices"] == [0, 1]
+        # `gpuport gpus` and `gpuport jobs` say which node each GPU and job is on.
+        listing = server.rest("GET", "/v1/gpus", server.admin_token).json()
+        held = {(g["node"], g["index"]): g["jobs"] for g in listing["gpus"]}
+        assert len(held) == 4 and {node for node, _ in held} == {"node-a", "node-b"}
+        assert held[(two["node"], 0)] == held[(two["node"], 1)] == [two["job_id"]]
+        gpus_table = _cli(server, "gpus")
+        assert "NODE" in gpus_table and all(f"{j['node']}  " in gpus_table for j in [*running, two])
+        jobs_table = _cli(server, "jobs")
+        for job in [*running, two]:
+            row = next((line for line in jobs_table.splitlines() if line.startswith(job["job_id"])), None)
+            assert row is not None, jobs_table
+            assert f" {job['node']} " in row, row
         # The cluster is full: a 1-GPU job waits, saying so.
         third = _submit(server, "pass", gpus=1)
         assert third["state"] == "queued" and "GPU" in third["message"], third

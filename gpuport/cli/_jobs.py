@@ -305,8 +305,12 @@ def resources(j: JobInfo) -> str:
 
 def _jobs_table(jobs: list[JobInfo]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("JOB", "NAME", "OWNER", "STATE", "RESOURCES", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
-        table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
+    nodes = len({j.node for j in jobs if j.node}) > 1  # a cluster's: each job's node is said
+    for column in ("JOB", "NAME", "OWNER", "STATE", "NODE", "RESOURCES", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
+        if column == "JOB":
+            table.add_column(column, no_wrap=True, min_width=10)  # an id is never cut: it is what you type next
+        elif column != "NODE" or nodes:
+            table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
     for j in jobs:
         ran = "-"
         if j.started_at:
@@ -318,6 +322,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
             escape(j.name) or "-",
             escape(j.owner),
             j.state + (f" ({escape(j.message)})" if j.state == "queued" and j.message else ""),
+            *([escape(j.node) or "-"] if nodes else []),
             resources(j),
             f"{ago(j.created_at)} ago",
             ran,

@@ -36,8 +36,10 @@ def print_error(message: str) -> None:
 
 def gpu_table(gpus: list[GPU] | tuple[GPU, ...]) -> Table:
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("GPU", "NAME", "MEMORY USED / TOTAL", "UTIL", "JOBS (OWNER, SLICE, MEMORY USED)"):
-        table.add_column(column)
+    nodes = len({g.node for g in gpus}) > 1  # a cluster's: each GPU's node is said
+    for column in ("NODE", "GPU", "NAME", "MEMORY USED / TOTAL", "UTIL", "JOBS (OWNER, SLICE, MEMORY USED)"):
+        if column != "NODE" or nodes:
+            table.add_column(column)
     for g in gpus:
         util = "?" if g.utilization is None else f"{g.utilization}%"
         held = [
@@ -46,6 +48,7 @@ def gpu_table(gpus: list[GPU] | tuple[GPU, ...]) -> Table:
             for a in g.allocations
         ]
         table.add_row(
+            *([escape(g.node)] if nodes else []),
             str(g.index),
             escape(g.name),
             f"{format_size(g.memory_used)} / {format_size(g.memory_total)}",

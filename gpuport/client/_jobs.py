@@ -54,6 +54,7 @@ class JobInfo:
     priority: int = 0
     nprocs: int = 1
     position: int = 0
+    node: str = ""  # where it runs or ran: a cluster's node, or the server's hostname
 
     @property
     def ended(self) -> bool:
@@ -84,6 +85,7 @@ class JobInfo:
             priority=m.priority,
             nprocs=m.nprocs or 1,
             position=m.position,
+            node=m.node,
         )
 
 

@@ -40,6 +40,7 @@ class GPU:
     processes: tuple[GpuProcess, ...] = ()
     jobs: tuple[str, ...] = ()  # gpuport jobs holding (part of) this GPU
     allocations: tuple[GpuAllocation, ...] = ()
+    node: str = ""  # the node it is on: a cluster's, or the server's hostname
 
     @classmethod
     def _from_message(cls, m: pb.Gpu) -> GPU:
@@ -53,6 +54,7 @@ class GPU:
             processes=tuple(GpuProcess(p.pid, p.memory_used, p.job_id) for p in m.processes),
             jobs=tuple(m.jobs),
             allocations=tuple(GpuAllocation(a.job_id, a.owner, a.memory, a.memory_used) for a in m.allocations),
+            node=m.node,
         )
 
 

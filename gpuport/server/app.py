@@ -50,7 +50,7 @@ class GpuListing:
     inventory: str  # "nvml", "fake" or "cpu"
     note: str
     gpus: list[GpuInfo]
-    allocations: dict[int, list[GpuAllocation]] = field(default_factory=dict)  # GPU index → its holders
+    allocations: dict[int, list[GpuAllocation]] = field(default_factory=dict)  # place in ``gpus`` → its holders
 
 
 @dataclass(frozen=True)
@@ -163,16 +163,20 @@ class ServerApp:
     def gpus(self, caller: Identity) -> GpuListing:
         """Every GPU read live, with the jobs holding it: whole or by slices, and what each uses."""
         holdings = self.jobs.running()
-        gpus = [g for node in self.executor.gpus([h.job_id for h in holdings]).values() for g in node]
+        gpus = []
+        for node, found in self.executor.gpus([h.job_id for h in holdings]).items():
+            for gpu in found:
+                gpu.node = node
+                gpus.append(gpu)
         allocations: dict[int, list[GpuAllocation]] = {}
-        for gpu in gpus:
+        for place, gpu in enumerate(gpus):
             for holding in holdings:
-                if gpu.index in holding.gpu_indices:
+                if holding.node in ("", gpu.node) and gpu.index in holding.gpu_indices:
                     used = sum(p.memory_used for p in gpu.processes if p.job_id == holding.job_id)
-                    allocations.setdefault(gpu.index, []).append(
+                    allocations.setdefault(place, []).append(
                         GpuAllocation(holding.job_id, holding.owner, holding.request.gpu_memory, used)
                     )
-            gpu.jobs = [a.job_id for a in allocations.get(gpu.index, [])]
+            gpu.jobs = [a.job_id for a in allocations.get(place, [])]
         return GpuListing(self.inventory.kind, self.inventory.note, gpus, allocations)
 
     def status(self, caller: Identity) -> ServerStatus:

@@ -39,6 +39,7 @@ class GpuInfo:
     utilization: int | None  # percent, None when unknown
     processes: list[GpuProcess] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)
+    node: str = ""  # the node it is on, set by the executor that read it
 
 
 class Inventory(ABC):

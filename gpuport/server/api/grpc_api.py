@@ -116,10 +116,11 @@ def gpu_list_message(listing: GpuListing) -> pb.GpuList:
                 jobs=g.jobs,
                 allocations=[
                     pb.GpuAllocation(job_id=a.job_id, owner=a.owner, memory=a.memory, memory_used=a.memory_used)
-                    for a in listing.allocations.get(g.index, ())
+                    for a in listing.allocations.get(place, ())
                 ],
+                node=g.node,
             )
-            for g in listing.gpus
+            for place, g in enumerate(listing.gpus)
         ],
     )
 
@@ -307,6 +308,7 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         priority=job.priority,
         nprocs=job.nprocs,
         position=job.position,
+        node=job.node,
     )
 
 

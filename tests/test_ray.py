@@ -277,6 +277,8 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         victim = _submit(server, HOLD, gpus=1)
         victim = wait_for(lambda: (j := _job(server, victim["job_id"]))["state"] == "running" and j)
         assert victim["node"] == "node-b"
+        retried = _submit(server, HOLD + "print('ran on', os.environ['GPUPORT_NODE'])", gpus=1, retries=1)
+        assert wait_for(lambda: (j := _job(server, retried["job_id"]))["state"] == "running" and j)["node"] == "node-b"
         node = next(n for n in cluster.nodes if n.name == "node-b")
         holders = wait_for(
             lambda: [p for p in node.processes() if victim["job_id"] in " ".join(p.cmdline())],
@@ -290,6 +292,8 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         assert ended["state"] == "failed" and ended["message"].startswith("node lost: node-b"), ended
         assert took < 30, f"the loss took {took:.1f}s to be seen"
         wait_for(lambda: not any(p.is_running() for p in holders), 15, "the lost node's job processes to end")
+        # The job with a retry is queued again instead: it waits for a GPU (node-a's are taken).
+        assert _job(server, retried["job_id"])["state"] == "queued"
         # The node comes back: the cluster has two nodes again, and work goes to it.
         node.kill()
         cluster.nodes.remove(node)
@@ -298,5 +302,8 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         ended = _ended(server, again["job_id"], 90)
         assert ended["state"] == "succeeded", (ended["message"], ended["node"], _log(server, again["job_id"]))
         assert _log(server, again["job_id"]).strip() == "node-b"
+        flags.touch()
+        ended = _ended(server, retried["job_id"], 90)
+        assert ended["state"] == "succeeded" and _log(server, retried["job_id"]) == "ran on node-b\n", ended
     finally:
         flags.close()

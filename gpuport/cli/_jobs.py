@@ -191,6 +191,13 @@ def _roles(text: str | None) -> dict[str, int] | None:
 @click.option("--project", help="Run in a snapshot pushed under this name instead of syncing --workdir.")
 @click.option("--dataset", "datasets", multiple=True, metavar="NAME", help="Mount a pushed snapshot read-only.")
 @click.option("--time", "time_limit", metavar="DURATION", help="Stop the job after this long (90s, 2h); exit 124.")
+@click.option(
+    "--retries",
+    type=click.IntRange(0, 100),
+    default=0,
+    show_default=True,
+    help="On a server in front of a cluster: times the job is queued again when its node is lost.",
+)
 @click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
@@ -211,6 +218,7 @@ def run_command(
     project: str | None,
     datasets: tuple[str, ...],
     time_limit: str | None,
+    retries: int,
     detach: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -248,6 +256,7 @@ def run_command(
             priority=priority,
             nprocs=nprocs,
             tf_roles=roles,
+            retries=retries,
             progress=progress,
         )
     if detach:

@@ -343,6 +343,7 @@ class Client:
         priority: int = 0,
         nprocs: int = 1,
         tf_roles: dict[str, int] | None = None,
+        retries: int = 0,
         progress: Progress | None = None,
     ) -> Job:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -358,7 +359,8 @@ class Client:
         ("16GiB", enforced too) reserved for it; ``priority`` -100 .. 100 (above 0: admins only).
         ``nprocs`` starts that many processes with TF_CONFIG and RANK/WORLD_SIZE/MASTER_ADDR/
         MASTER_PORT set (the GPUs spread over them); ``tf_roles`` ({"chief": 1, "worker": 2}) names
-        their TF_CONFIG roles instead of all workers.
+        their TF_CONFIG roles instead of all workers. ``retries``: on a server in front of a cluster,
+        the times the job is queued again (instead of failing) when its node is lost.
 
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
         ``ResourceUnavailable`` (more than the server has, or than your quota allows), ``NotFound``
@@ -377,6 +379,7 @@ class Client:
             priority=priority,
             nprocs=nprocs,
             tf_roles=tf_roles or {},
+            retries=retries,
         )
         if isinstance(cmd, str):
             spec.shell = cmd

@@ -345,6 +345,7 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
                 priority=request.priority,
                 nprocs=request.nprocs or 1,
                 tf_roles=tf_roles(dict(request.tf_roles)),
+                retries=request.retries,
             ),
         )
         return job_message(job)

@@ -61,6 +61,7 @@ class JobCreate(BaseModel):
     tf_roles: dict[str, int] = Field(
         default_factory=dict, description='TF_CONFIG roles, e.g. {"chief": 1, "worker": 2}'
     )
+    retries: int = Field(0, description="Times the job is queued again when its node of a cluster is lost")
 
 
 class QuotaSet(BaseModel):
@@ -106,6 +107,7 @@ def job_request(body: JobCreate) -> JobRequest:
         priority=body.priority,
         nprocs=body.nprocs,
         tf_roles=tf_roles(body.tf_roles),
+        retries=body.retries,
     )
 
 

@@ -61,6 +61,7 @@ _RESERVED_ENV = ("GPUPORT_", "CUDA_VISIBLE_DEVICES")
 _MAX_OUTPUTS = 100
 _MAX_DATASETS = 16
 _MAX_NPROCS = 64
+_MAX_RETRIES = 100
 _TF_ROLES = ("chief", "worker", "ps")  # in rank order
 _PRIORITIES = range(-100, 101)
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
@@ -122,6 +123,7 @@ class JobRequest:
     priority: int = 0
     nprocs: int = 1
     tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles of the processes, in rank order
+    retries: int = 0  # times it is queued again when its node is lost
     # Set by the server only (never from a request): a session's worker is a job of kind "session",
     # with settings of gpuport's own (GPUPORT_SESSION_DIR) in its environment.
     kind: str = "job"
@@ -288,6 +290,8 @@ class JobService:
         snapshot = ""
         if request.snapshot_id or request.project:
             snapshot = self.snapshots.resolve(caller, request.snapshot_id, request.project).id
+        if not 0 <= request.retries <= _MAX_RETRIES:
+            raise InvalidRequest(f"retries must be 0 .. {_MAX_RETRIES}, not {request.retries}")
         if len(request.datasets) > _MAX_DATASETS:
             raise InvalidRequest(f"{len(request.datasets)} datasets; the limit is {_MAX_DATASETS}")
         datasets = {}
@@ -300,6 +304,7 @@ class JobService:
             "tf_roles": request.tf_roles,
             "internal_env": request.internal_env,
             "folders": request.folders,
+            "retries": request.retries,
         }
         return argv, snapshot, outputs, spec
 
@@ -803,6 +808,11 @@ class JobService:
             state, code = JobState.LOST, None
             message = "its supervisor ended without recording an exit code (killed, or the machine restarted)"
         elif status.get("lost"):  # its node left the cluster
+            spec = json.loads(row["spec"])
+            tried = spec.get("lost", 0) + 1
+            if tried <= spec.get("retries", 0):
+                self._requeue(row, spec, tried, status["lost"])
+                return
             state, code, message = JobState.FAILED, None, status["lost"]
         else:
             code = status["exit_code"]
@@ -820,6 +830,22 @@ class JobService:
                 state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
         self._end(job_id, state, code, message + note, outputs, (status or {}).get("ended_at"))
         await asyncio.to_thread(self.executor.tidy, job_id)
+
+    def _requeue(self, row: Any, spec: dict[str, Any], tried: int, why: str) -> None:
+        """Queue a job again whose node was lost (its retries allow it), keeping its place in the queue."""
+        spec["lost"] = tried
+        message = f"queued again after {why} (retry {tried} of {spec['retries']})"
+        self._move(
+            row["id"], JobState.RUNNING, JobState.QUEUED,
+            gpu_indices="[]", node="", started_at=None, spec=json.dumps(spec), message=message,
+        )  # fmt: skip
+        log.warning("job %s: %s", row["id"], message)
+        resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"])
+        self._queued[row["id"]] = Pending(
+            row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"]
+        )
+        self.executor.tidy(row["id"])
+        self.reschedule()
 
     def _end(
         self,

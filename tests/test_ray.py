@@ -6,6 +6,7 @@ addresses, 2 fake GPUs each, token authentication. The server joins it with --ra
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -307,3 +308,71 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         assert ended["state"] == "succeeded" and _log(server, retried["job_id"]) == "ran on node-b\n", ended
     finally:
         flags.close()
+
+
+SCRIPTS = Path(__file__).parent / "_distributed"
+
+
+def test_a_job_over_two_nodes_gets_the_ranks_environment_and_logs_of_both(
+    server: RunningServer, cluster: RayCluster
+) -> None:
+    code = (
+        "import json, os\n"
+        "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'NODE_RANK', 'MASTER_ADDR', 'GPUPORT_NODE',"
+        " 'GPUPORT_NODE_RANK', 'GPUPORT_NODE_IPS', 'CUDA_VISIBLE_DEVICES']\n"
+        "print(json.dumps({k: os.environ.get(k) for k in keys}))\n"
+        "print(json.dumps(json.loads(os.environ['TF_CONFIG'])))\n"
+    )
+    job = _submit(server, code, nodes=2, nprocs_per_node=1, gpus_per_node=1)
+    ended = _ended(server, job["job_id"])
+    assert ended["state"] == "succeeded", (ended["message"], _log(server, job["job_id"]))
+    assert ended["nodes"] == 2 and sorted(node for node, _ in ended["placement"]) == ["node-a", "node-b"]
+    lines = _log(server, job["job_id"]).splitlines()
+    envs = {int(line[1]): json.loads(line[4:]) for line in lines if line[4:].startswith('{"RANK"')}
+    configs = {int(line[1]): json.loads(line[4:]) for line in lines if line[4:].startswith('{"cluster"')}
+    assert sorted(envs) == [0, 1], lines
+    ips = "127.0.0.2,127.0.0.3" if ended["placement"][0][0] == "node-a" else "127.0.0.3,127.0.0.2"
+    for rank, env in envs.items():
+        node, gpus = ended["placement"][rank]
+        assert env == {
+            "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+            "NODE_RANK": str(rank), "MASTER_ADDR": ips.split(",")[0], "GPUPORT_NODE": node,
+            "GPUPORT_NODE_RANK": str(rank), "GPUPORT_NODE_IPS": ips, "CUDA_VISIBLE_DEVICES": str(gpus[0]),
+        }  # fmt: skip
+        assert configs[rank]["task"] == {"type": "worker", "index": rank}
+        assert [a.split(":")[0] for a in configs[rank]["cluster"]["worker"]] == ips.split(",")
+
+
+def test_a_failing_rank_on_one_node_stops_the_job_on_the_other(server: RunningServer, cluster: RayCluster) -> None:
+    code = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(120)\n"
+    started = time.monotonic()
+    ended = _ended(server, _submit(server, code, nodes=2)["job_id"])
+    assert (ended["state"], ended["exit_code"]) == ("failed", 3), ended
+    assert ended["message"].startswith("rank 1 exited with code 3"), ended["message"]
+    assert time.monotonic() - started < 30
+
+
+def test_more_nodes_than_the_cluster_has_is_refused(server: RunningServer) -> None:
+    reply = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": ["true"], "nodes": 3})
+    assert reply.status_code == 409 or reply.status_code >= 400, reply.text
+    assert "asked for 3 nodes; the cluster has 2" in reply.text
+
+
+@pytest.mark.parametrize("script", ["torch_ddp.py", "tf_multiworker.py"], ids=["torch-ddp", "tf-mwms"])
+def test_distributed_training_across_two_nodes_ends_with_equal_weights(
+    server: RunningServer, cluster: RayCluster, script: str
+) -> None:
+    pytest.importorskip("torch" if script.startswith("torch") else "tensorflow")
+    _cli(server, "push", str(SCRIPTS), "--name", "distributed-scripts")
+    reply = server.rest(
+        "POST",
+        "/v1/jobs",
+        server.admin_token,
+        json={"command": ["python", script], "project": "distributed-scripts", "nodes": 2},
+    )
+    assert reply.status_code == 201, reply.text
+    ended = _ended(server, reply.json()["job_id"], timeout=240)
+    log = _log(server, ended["job_id"])
+    assert ended["state"] == "succeeded", (ended["message"], log)
+    sums = {line.split()[0]: line.rsplit(" ", 1)[1] for line in log.splitlines() if "sha256" in line}
+    assert sorted(sums) == ["[0]", "[1]"] and sums["[0]"] == sums["[1]"], log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gpuport.server.scheduler import (
+    Cluster,
     Decision,
     Holding,
     Machine,
@@ -177,3 +178,20 @@ def test_below_the_memory_floor_only_work_that_reserves_memory_starts() -> None:
     assert not could_start([Request()], [], MACHINE, low_memory=low)
     assert could_start([Request(), Request(memory=GiB)], [], MACHINE, low_memory=low)
     assert _by_id(plan(queued, [], MACHINE))["none"].gpu_indices == ()  # no floor: it starts
+
+
+def test_a_job_over_several_nodes_starts_only_when_each_node_has_its_share() -> None:
+    cluster = Cluster((("a", Machine((16 * GiB,) * 2, 4, 64 * GiB)), ("b", Machine((16 * GiB,) * 2, 4, 64 * GiB))))
+    gang = Pending("gang", "ann", Request(gpus=2, nodes=2), seq=2)
+    running = [Holding("one", "bob", Request(gpus=1), (0,), "a")]
+    [waiting] = plan([gang], running, cluster)
+    assert waiting.gpu_indices is None and waiting.reserves
+    assert waiting.reason == "needs 2 nodes with 2 GPUs free, 1 has it"
+    [started] = plan([gang], [], cluster)
+    assert started.placement == (("a", (0, 1)), ("b", (0, 1))) and (started.node, started.gpu_indices) == ("a", (0, 1))
+    # Held, it takes both nodes: a 1-GPU job waits.
+    holding = Holding("gang", "ann", Request(gpus=2, nodes=2), (0, 1), "a", started.placement)
+    [small] = plan([Pending("small", "bob", Request(gpus=1), seq=3)], [holding], cluster)
+    assert small.gpu_indices is None
+    # Its share counts both nodes: 4 of the cluster's 4 GPUs.
+    assert cluster.gpu_share(Request(gpus=2, nodes=2)) == 4

@@ -191,6 +191,9 @@ def _roles(text: str | None) -> dict[str, int] | None:
 @click.option("--project", help="Run in a snapshot pushed under this name instead of syncing --workdir.")
 @click.option("--dataset", "datasets", multiple=True, metavar="NAME", help="Mount a pushed snapshot read-only.")
 @click.option("--time", "time_limit", metavar="DURATION", help="Stop the job after this long (90s, 2h); exit 124.")
+@click.option("--nodes", type=click.IntRange(1, 64), default=1, help="On a cluster: run the job over this many nodes.")
+@click.option("--nprocs-per-node", type=click.IntRange(1, 64), default=1, help="With --nodes: processes on each node.")
+@click.option("--gpus-per-node", type=click.IntRange(0), help="With --nodes: whole GPUs on each node (as --gpus).")
 @click.option(
     "--retries",
     type=click.IntRange(0, 100),
@@ -218,6 +221,9 @@ def run_command(
     project: str | None,
     datasets: tuple[str, ...],
     time_limit: str | None,
+    nodes: int,
+    nprocs_per_node: int,
+    gpus_per_node: int | None,
     retries: int,
     detach: bool,
     command: tuple[str, ...],
@@ -243,7 +249,7 @@ def run_command(
         job = gpu.submit(
             list(command),
             workdir,
-            gpus=gpus,
+            gpus=gpus if gpus_per_node is None else gpus_per_node,
             env=_env(env),
             outputs=outputs,
             name=name,
@@ -257,6 +263,8 @@ def run_command(
             nprocs=nprocs,
             tf_roles=roles,
             retries=retries,
+            nodes=nodes,
+            nprocs_per_node=nprocs_per_node,
             progress=progress,
         )
     if detach:

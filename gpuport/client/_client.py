@@ -344,6 +344,8 @@ class Client:
         nprocs: int = 1,
         tf_roles: dict[str, int] | None = None,
         retries: int = 0,
+        nodes: int = 1,
+        nprocs_per_node: int = 1,
         progress: Progress | None = None,
     ) -> Job:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -360,7 +362,10 @@ class Client:
         ``nprocs`` starts that many processes with TF_CONFIG and RANK/WORLD_SIZE/MASTER_ADDR/
         MASTER_PORT set (the GPUs spread over them); ``tf_roles`` ({"chief": 1, "worker": 2}) names
         their TF_CONFIG roles instead of all workers. ``retries``: on a server in front of a cluster,
-        the times the job is queued again (instead of failing) when its node is lost.
+        the times the job is queued again (instead of failing) when its node is lost. ``nodes`` (a
+        cluster's) runs ``nprocs_per_node`` processes on each of that many nodes, as one job: ``gpus``,
+        ``cpus`` and ``memory`` are then per node, and the ranks find each other through TF_CONFIG and
+        MASTER_ADDR/MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK.
 
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
         ``ResourceUnavailable`` (more than the server has, or than your quota allows), ``NotFound``
@@ -380,6 +385,8 @@ class Client:
             nprocs=nprocs,
             tf_roles=tf_roles or {},
             retries=retries,
+            nodes=nodes,
+            nprocs_per_node=nprocs_per_node,
         )
         if isinstance(cmd, str):
             spec.shell = cmd

@@ -73,12 +73,17 @@ class Sandbox:
         who = f"uids {self.uids[0]}-{self.uids[1]}, one per user" if self.mode == "uids" else "the server's uid"
         return f"bubblewrap sandbox, {who}, network {network}"
 
-    def argv(self, *, uid: int | None, writable: list[Path], readable: list[Path], cwd: Path) -> list[str]:
+    def argv(
+        self, *, uid: int | None, writable: list[Path], readable: list[Path], cwd: Path, host_network: bool = False
+    ) -> list[str]:
         """The command prefix that runs a program in a new sandbox: ``writable`` and ``readable``
         folders appear at their own paths, ``cwd`` is the working directory, and with ``uid`` the
-        program runs as that uid and its group, with no supplementary groups and no capabilities."""
+        program runs as that uid and its group, with no supplementary groups and no capabilities.
+        ``host_network``: the machine's network (a job whose processes on other nodes reach it)."""
         argv = [self.bwrap, "--die-with-parent", "--as-pid-1", "--new-session"]
-        argv += ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-cgroup-try"]
+        argv += ["--unshare-pid", "--unshare-ipc", "--unshare-cgroup-try"]
+        if not host_network:
+            argv.append("--unshare-net")
         for path in _SYSTEM:
             if os.path.islink(path):
                 argv += ["--symlink", os.readlink(path), path]

@@ -36,6 +36,7 @@ work spreads. Shares and quotas count the whole cluster.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -55,6 +56,7 @@ class Request:
     gpu_memory: int = 0  # bytes: a slice of one GPU; 0: no slice
     cpus: float = 0.0  # 0: none reserved
     memory: int = 0  # bytes of RAM; 0: none reserved
+    nodes: int = 1  # a gang over this many nodes, each with all of the above
 
     def describe(self) -> str:
         parts = []
@@ -66,6 +68,8 @@ class Request:
             parts.append(f"{self.cpus:g} CPU{'s' if self.cpus != 1 else ''}")
         if self.memory:
             parts.append(f"{format_size(self.memory)} of memory")
+        if self.nodes > 1:
+            return f"{self.nodes} nodes, each with " + (", ".join(parts) or "nothing")
         return ", ".join(parts) or "nothing"
 
 
@@ -130,10 +134,10 @@ class Cluster:
         return "; ".join(f"{name}: {m.describe_gpus()}" for name, m in self.nodes)
 
     def gpu_share(self, request: Request) -> float:
-        return self.total.gpu_share(request)
+        return self.total.gpu_share(request) * request.nodes
 
     def dominant_share(self, request: Request) -> float:
-        return self.total.dominant_share(request)
+        return self.total.dominant_share(request) * request.nodes
 
     def most(self) -> Machine:
         """The most any one node has of each resource: what a single-node request can ever get."""
@@ -172,6 +176,7 @@ class Holding:
     request: Request
     gpu_indices: tuple[int, ...]
     node: str = ""
+    placement: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a gang's: (node, GPUs) per node rank
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,7 @@ class Decision:
     reason: str = ""  # why it waits
     reserves: bool = False  # it holds the reservation
     node: str = ""  # where it starts
+    placement: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a gang's: (node, GPUs) per node rank
 
 
 @dataclass
@@ -265,11 +271,16 @@ class _Free:
 
     def fit(self, request: Request) -> tuple[str, tuple[int, ...]] | None:
         """The node and GPUs the request would get now, or None when it fits no node."""
+        placed = self.fit_all(request)
+        return placed[0] if placed else None
+
+    def fit_all(self, request: Request) -> list[tuple[str, tuple[int, ...]]] | None:
+        """(node, GPUs) for each of the request's nodes (distinct ones), or None when they do not all fit."""
         fits = [(name, gpus) for name, pool in self.pools.items() if (gpus := pool.fit(request)) is not None]
-        if not fits:
+        if len(fits) < request.nodes:
             return None
         if len(fits) == 1:
-            return fits[0]
+            return fits
 
         def left(item: tuple[str, tuple[int, ...]]) -> tuple[float, ...]:
             pool = self.pools[item[0]]
@@ -279,23 +290,27 @@ class _Free:
                 return (pool.slice_free[item[1][0]], -pool.cpus)
             return (-pool.cpus, -pool.memory)
 
-        return min(fits, key=left)
+        return sorted(fits, key=left)[: request.nodes]
 
     def take(self, request: Request, node: str, gpus: tuple[int, ...]) -> None:
         if node in self.pools:
             self.pools[node].take(request, gpus)
 
     def reserve(self, request: Request) -> None:
-        """Set aside, on the node nearest to fitting it, what the request would take of what is free."""
-        pool = max(
+        """Set aside, on the nodes nearest to fitting it, what the request would take of what is free."""
+        pools = sorted(
             self.pools.values(),
             key=lambda p: (len(p.whole), max(p.slice_free.values(), default=0), p.cpus, p.memory),
-            default=None,
+            reverse=True,
         )
-        if pool is not None:
+        for pool in pools[: request.nodes]:
             pool.reserve(request)
 
     def shortfall(self, request: Request) -> list[str]:
+        if request.nodes > 1:
+            fit = sum(pool.fit(request) is not None for pool in self.pools.values())
+            each = dataclasses.replace(request, nodes=1).describe()
+            return [f"needs {request.nodes} nodes with {each} free, {fit} {'has' if fit == 1 else 'have'} it"]
         if len(self.pools) == 1:
             return next(iter(self.pools.values())).shortfall(request)
         # The node missing least: fewest words of shortfall, then most GPUs free.
@@ -307,7 +322,8 @@ def _initial_free(cluster: Cluster, running: Iterable[Holding]) -> _Free:
     free = _Free({name: _pool(machine) for name, machine in cluster.nodes})
     default = cluster.nodes[0][0] if cluster.nodes else ""
     for holding in running:
-        free.take(holding.request, holding.node or default, holding.gpu_indices)
+        for node, gpus in holding.placement or ((holding.node or default, holding.gpu_indices),):
+            free.take(holding.request, node, gpus)
         free.held_gpus[holding.owner] = free.held_gpus.get(holding.owner, 0.0) + cluster.gpu_share(holding.request)
         free.held_jobs[holding.owner] = free.held_jobs.get(holding.owner, 0) + 1
     return free
@@ -318,7 +334,9 @@ def could_start(
 ) -> bool:
     """Whether any of ``requests`` fits what is free: when none does, a pass would start nothing."""
     free = _initial_free(Cluster.of(machine), running)
-    return any(free.fit(request) is not None and not (low_memory and not request.memory) for request in set(requests))
+    return any(
+        free.fit_all(request) is not None and not (low_memory and not request.memory) for request in set(requests)
+    )
 
 
 def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine | Cluster) -> list[Pending]:
@@ -388,17 +406,18 @@ def plan(
         reason = _over_quota(job, free, quota, machine)
         if not reason and low_memory and not job.request.memory:
             reason = low_memory
-        fit = None if reason else free.fit(job.request)
-        if fit is not None:
-            node, gpus = fit
+        fits = None if reason else free.fit_all(job.request)
+        if fits is not None:
             for pool in (free, unreserved):
-                pool.take(job.request, node, gpus)
+                for node, gpus in fits:
+                    pool.take(job.request, node, gpus)
             free.held_gpus[job.owner] = free.held_gpus.get(job.owner, 0.0) + machine.gpu_share(job.request)
             free.held_jobs[job.owner] = free.held_jobs.get(job.owner, 0) + 1
-            decisions.append(Decision(job.job_id, position, gpus, node=node))
+            placement = tuple(fits) if job.request.nodes > 1 else ()
+            decisions.append(Decision(job.job_id, position, fits[0][1], node=fits[0][0], placement=placement))
             continue
         if not reason:
-            if reservation is not None and unreserved.fit(job.request) is not None:
+            if reservation is not None and unreserved.fit_all(job.request) is not None:
                 reason = f"what it needs is reserved for {reservation.job_id} (needs {reservation.request.describe()})"
             else:
                 reason = "; ".join(unreserved.shortfall(job.request))

@@ -154,6 +154,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE jobs ADD COLUMN node TEXT NOT NULL DEFAULT '';
     """,
+    # 11: jobs that span nodes: how many, and (once running) each node rank's node and GPUs, as JSON
+    """
+    ALTER TABLE jobs ADD COLUMN nodes INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE jobs ADD COLUMN placement TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 

@@ -13,6 +13,7 @@ A custom training loop, not ``model.fit``: Keras 3's fit fails under MultiWorker
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -77,4 +78,4 @@ for number in range(STEPS):
 weights = np.concatenate([w.ravel() for w in model.get_weights()])
 out = Path(os.environ.get("GPUPORT_OUTPUT_DIR") or ".")
 np.save(out / f"tf-weights-{index}.npy", weights)
-print(f"saved {weights.size} weights", flush=True)
+print(f"saved {weights.size} weights, sha256 {hashlib.sha256(weights.tobytes()).hexdigest()}", flush=True)

@@ -9,6 +9,7 @@ final parameters, flattened and concatenated, to ``torch-params-<rank>.npy`` in 
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -47,6 +48,6 @@ for step in range(STEPS):
 params = torch.cat([p.detach().flatten() for p in model.module.parameters()]).numpy()
 out = Path(os.environ.get("GPUPORT_OUTPUT_DIR") or ".")
 np.save(out / f"torch-params-{rank}.npy", params)
-print(f"saved {params.size} parameters", flush=True)
+print(f"saved {params.size} parameters, sha256 {hashlib.sha256(params.tobytes()).hexdigest()}", flush=True)
 dist.barrier()  # no rank leaves, taking down what the others still use (rank 0 holds the rendezvous store)
 dist.destroy_process_group()

@@ -343,9 +343,10 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
                 cpus=request.cpus,
                 memory=request.memory,
                 priority=request.priority,
-                nprocs=request.nprocs or 1,
+                nprocs=request.nodes * (request.nprocs_per_node or 1) if request.nodes > 1 else request.nprocs or 1,
                 tf_roles=tf_roles(dict(request.tf_roles)),
                 retries=request.retries,
+                nodes=request.nodes or 1,
             ),
         )
         return job_message(job)

@@ -62,6 +62,9 @@ class JobCreate(BaseModel):
         default_factory=dict, description='TF_CONFIG roles, e.g. {"chief": 1, "worker": 2}'
     )
     retries: int = Field(0, description="Times the job is queued again when its node of a cluster is lost")
+    nodes: int = Field(1, description="A job over this many nodes of a cluster (gpus, cpus, memory are per node)")
+    nprocs_per_node: int | None = Field(None, description="With nodes > 1: processes on each node (default 1)")
+    gpus_per_node: int | None = Field(None, description="With nodes > 1: GPUs on each node (the same as gpus)")
 
 
 class QuotaSet(BaseModel):
@@ -95,7 +98,7 @@ def job_request(body: JobCreate) -> JobRequest:
         snapshot_id=body.snapshot_id or "",
         project=body.project or "",
         datasets=body.datasets,
-        gpus=body.gpus,
+        gpus=body.gpus if body.gpus_per_node is None else body.gpus_per_node,
         env=body.env,
         outputs=body.outputs,
         name=body.name,
@@ -105,9 +108,10 @@ def job_request(body: JobCreate) -> JobRequest:
         cpus=body.cpus,
         memory=0 if body.memory is None else parse_size(body.memory),
         priority=body.priority,
-        nprocs=body.nprocs,
+        nprocs=body.nodes * (body.nprocs_per_node or 1) if body.nodes > 1 else body.nprocs,
         tf_roles=tf_roles(body.tf_roles),
         retries=body.retries,
+        nodes=body.nodes,
     )
 
 

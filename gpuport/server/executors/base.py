@@ -72,6 +72,14 @@ class JobLaunch:
     nprocs: int = 1
     tf_roles: list[tuple[str, int]] | None = None
     rank_gpus: list[list[int]] | None = None
+    # A job over several nodes: each node rank's node and GPUs (``placement`` is node rank 0's); the
+    # executor starts a part of ``nprocs // len(parts)`` processes on each.
+    parts: tuple[Placement, ...] = ()
+    # A part of such a job, as an executor hands it to its node: each process's environment to find
+    # its peers on the other nodes, the global rank of its first process, and the node's network.
+    rank_env: list[dict[str, str]] | None = None
+    rank_base: int = 0
+    host_network: bool = False
 
 
 @dataclass(frozen=True)

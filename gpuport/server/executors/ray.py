@@ -186,6 +186,18 @@ class NodeAgent:
     def ping(self) -> bool:
         return True
 
+    def free_ports(self, count: int) -> list[int]:
+        """``count`` distinct TCP ports free on this node's address now (for a job's ranks to listen on)."""
+        sockets = []
+        try:
+            for _ in range(count):
+                sockets.append(socket.socket())
+                sockets[-1].bind((self.address, 0))
+            return [s.getsockname()[1] for s in sockets]
+        finally:
+            for s in sockets:
+                s.close()
+
     # files
     def missing(self, blobs: list[str]) -> list[str]:
         sizes = self.blobs.sizes(blobs)
@@ -324,6 +336,45 @@ class _RemoteFile(io.RawIOBase):
         return len(data)
 
 
+class _LogPump:
+    """Copies the new whole lines of each part's log (a job over several nodes) into the job's log on
+    the server; a part of one process each has its lines prefixed with its rank, as the supervisor
+    prefixes those of a part of several."""
+
+    def __init__(self, ray: Any, folder: Path, handles: list[Any], per: int) -> None:
+        self.ray, self.folder, self.handles, self.per = ray, folder, handles, per
+        self.job_id = folder.name
+        try:  # where an earlier server's pump stopped
+            self.offsets = json.loads((folder / "pump.json").read_text())
+        except (OSError, ValueError):
+            self.offsets = [0] * len(handles)
+        self.partial = [b""] * len(handles)
+
+    def round(self, final: bool = False) -> None:
+        out: list[bytes] = []
+        for r, handle in enumerate(self.handles):
+            prefix = f"[{r * self.per}] ".encode() if self.per == 1 else b""
+            while handle is not None:
+                try:
+                    read = handle.read_log.remote(self.job_id, self.offsets[r], _READ_BYTES)
+                    data = self.ray.get(read, timeout=_CALL_TIMEOUT)
+                except Exception:
+                    break  # its node is gone: what it said so far stays
+                if not data:
+                    break
+                self.offsets[r] += len(data)
+                *lines, self.partial[r] = (self.partial[r] + data).split(b"\n")
+                out += [prefix + line + b"\n" for line in lines]
+            if final and self.partial[r]:
+                out.append(prefix + self.partial[r] + b"\n")
+                self.partial[r] = b""
+        if out:
+            with open(self.folder / "log", "ab") as log:
+                log.write(b"".join(out))
+            kept = [offset - len(partial) for offset, partial in zip(self.offsets, self.partial)]
+            atomic_write(self.folder / "pump.json", json.dumps(kept).encode(), 0o600, durable=False)
+
+
 class RayExecutor(Executor):
     kind = "ray"
 
@@ -446,6 +497,17 @@ class RayExecutor(Executor):
                 return name, None
         return name, handle
 
+    def _handles(self, job_id: str) -> list[Any]:
+        """The agents of every node the job runs on (a job over several nodes has more than one)."""
+        placed = self._placement(job_id) or {}
+        handles = []
+        for part in placed.get("parts") or ([placed] if placed else []):
+            with self._lock:
+                handle = self._agents.get(part["node_id"])
+            if handle is not None:
+                handles.append(handle)
+        return handles
+
     def _placement(self, job_id: str) -> dict[str, Any] | None:
         try:
             return json.loads((self.root / job_id / "placement.json").read_text())
@@ -465,6 +527,10 @@ class RayExecutor(Executor):
     # ---- jobs -------------------------------------------------------------------------------------
 
     def start(self, job: JobLaunch, on_exit: OnExit) -> None:
+        if job.parts:
+            self._start_gang(job)
+            self.reattach(job.job_id, on_exit)
+            return
         ray = self._ray
         with self._lock:
             node_id = self._ids.get(job.placement.node)
@@ -480,6 +546,86 @@ class RayExecutor(Executor):
         atomic_write(folder / "placement.json", json.dumps(placed).encode(), 0o600)
         ray.get(handle.start.remote(job), timeout=300)
         self.reattach(job.job_id, on_exit)
+
+    def _start_gang(self, job: JobLaunch) -> None:
+        """A job over several nodes: a part of ``nprocs // len(parts)`` processes on each, all told
+        where the others listen (TF_CONFIG, MASTER_ADDR/PORT, ranks), on their nodes' networks."""
+        ray = self._ray
+        with self._lock:
+            ids = [self._ids.get(part.node) for part in job.parts]
+            handles = [self._agents.get(node_id or "") for node_id in ids]
+            addresses = [self._described.get(node_id or "", {}).get("address", "") for node_id in ids]
+        gone = [part.node for part, handle in zip(job.parts, handles) if handle is None]
+        if gone:
+            raise RuntimeError(f"node {gone[0]} has left the cluster")
+        for handle in handles:
+            self._send_files(handle, job)
+        per = job.nprocs // len(job.parts)
+        ports = [
+            ray.get(handle.free_ports.remote(per + (1 if r == 0 else 0)), timeout=_CALL_TIMEOUT)
+            for r, handle in enumerate(handles)
+        ]
+        master = f"{addresses[0]}:{ports[0][-1]}"
+        roles = [role for role, count in job.tf_roles or [("worker", job.nprocs)] for _ in range(count)]
+        cluster: dict[str, list[str]] = {}
+        tasks = []
+        for rank, role in enumerate(roles):
+            listed = cluster.setdefault(role, [])
+            tasks.append({"type": role, "index": len(listed)})
+            listed.append(f"{addresses[rank // per]}:{ports[rank // per][rank % per]}")
+        folder = self.root / job.job_id
+        folder.mkdir(mode=0o700, exist_ok=True)
+        for name in ("exit.json", "pump.json"):
+            (folder / name).unlink(missing_ok=True)
+        (folder / "log").write_bytes(b"")  # the parts' logs are pumped into it as they run
+        placed = [{"node_id": node_id, "node": part.node} for node_id, part in zip(ids, job.parts)]
+        record = {**placed[0], "parts": placed, "per_node": per}
+        atomic_write(folder / "placement.json", json.dumps(record).encode(), 0o600)
+        started = []
+        try:
+            for r, (part, handle) in enumerate(zip(job.parts, handles)):
+                gpus = [list(part.gpu_indices)] * per
+                if len(part.gpu_indices) >= per:
+                    each = len(part.gpu_indices) // per
+                    gpus = [list(part.gpu_indices[i * each : (i + 1) * each]) for i in range(per)]
+                rank_env = []
+                for local in range(per):
+                    rank = r * per + local
+                    rank_env.append(
+                        {
+                            "TF_CONFIG": json.dumps({"cluster": cluster, "task": tasks[rank]}),
+                            "MASTER_ADDR": addresses[0],
+                            "MASTER_PORT": master.rsplit(":", 1)[1],
+                            "RANK": str(rank),
+                            "LOCAL_RANK": str(local),
+                            "WORLD_SIZE": str(job.nprocs),
+                            "LOCAL_WORLD_SIZE": str(per),
+                            "NODE_RANK": str(r),
+                            "GPUPORT_RANK": str(rank),
+                            "GPUPORT_NPROCS": str(job.nprocs),
+                            "GPUPORT_NODE_RANK": str(r),
+                            "GPUPORT_NODE_IPS": ",".join(addresses),
+                            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[local])),
+                        }
+                    )
+                piece = dataclasses.replace(
+                    job,
+                    placement=part,
+                    nprocs=per,
+                    tf_roles=None,
+                    rank_gpus=None,
+                    parts=(),
+                    rank_env=rank_env,
+                    rank_base=r * per,
+                    host_network=True,
+                    outputs=job.outputs if r == 0 else [],
+                )
+                ray.get(handle.start.remote(piece), timeout=300)
+                started.append(handle)
+        except BaseException:
+            for handle in started:
+                handle.kill.remote(job.job_id, "another node of the job could not start its part")
+            raise
 
     def _send_files(self, handle: Any, job: JobLaunch) -> None:
         ray = self._ray
@@ -507,8 +653,84 @@ class RayExecutor(Executor):
         threading.Thread(target=self._wait, args=(job_id, on_exit), name=f"job {job_id}", daemon=True).start()
 
     def _wait(self, job_id: str, on_exit: OnExit) -> None:
-        ray = self._ray
+        placed = self._placement(job_id) or {}
+        if len(placed.get("parts") or ()) > 1:
+            self._wait_gang(job_id, placed, on_exit)
+            return
         name, handle = self._handle(job_id)
+        status, handle = self._wait_part(job_id, handle)
+        folder = self.root / job_id
+        if handle is None:
+            with contextlib.suppress(Exception):
+                self._lose(placed["node_id"])
+            status = {"lost": f"node lost: {name} (its gpuport agent cannot be reached)", "ended_at": time.time()}
+        else:
+            with contextlib.suppress(Exception):
+                self._copy_log(handle, job_id)
+        if status is not None:
+            atomic_write(folder / "exit.json", json.dumps(status).encode(), 0o600)
+        on_exit()
+
+    def _wait_gang(self, job_id: str, placed: dict[str, Any], on_exit: OnExit) -> None:
+        """Wait for every part of a job over several nodes, pumping their logs into the job's log.
+        The first part to fail stops the others (SIGTERM, then SIGKILL after the grace), and its status
+        is the job's."""
+        parts, per = placed["parts"], int(placed.get("per_node") or 1)
+        handles = []
+        for part in parts:
+            with self._lock:
+                handle = self._agents.get(part["node_id"])
+            if handle is None:
+                with contextlib.suppress(ValueError):
+                    handle = self._ray.get_actor(f"gpuport-agent-{part['node_id']}", namespace=NAMESPACE)
+            handles.append(handle)
+        statuses: list[dict[str, Any] | None] = [None] * len(parts)
+        done = [threading.Event() for _ in parts]
+        first_failure: list[int] = []
+        lock = threading.Lock()
+
+        def wait(r: int) -> None:
+            status, handle = self._wait_part(job_id, handles[r])
+            if handle is None:
+                with contextlib.suppress(Exception):
+                    self._lose(parts[r]["node_id"])
+                status = {"lost": f"node lost: {parts[r]['node']} (its gpuport agent cannot be reached)"}
+                status["ended_at"] = time.time()
+            status = status or {"exit_code": 127, "error": "its part recorded no exit status"}
+            statuses[r] = status
+            with lock:
+                failed = status.get("lost") or status.get("exit_code") != 0
+                if failed and not first_failure:
+                    first_failure.append(r)
+                    for other, handle in enumerate(handles):
+                        if other != r and handle is not None and not done[other].is_set():
+                            handle.cancel.remote(job_id)
+            done[r].set()
+
+        for r in range(len(parts)):
+            threading.Thread(target=wait, args=(r,), name=f"job {job_id} part {r}", daemon=True).start()
+        pump = _LogPump(self._ray, self.root / job_id, handles, per)
+        while not all(event.is_set() for event in done):
+            pump.round()
+            time.sleep(0.25)
+        pump.round(final=True)
+        if first_failure:
+            r = first_failure[0]
+            status = dict(statuses[r] or {})
+            if not status.get("lost"):
+                status["failed_rank"] = r * per + int(status.get("failed_rank") or 0)
+        else:
+            status = {"exit_code": 0, "ended_at": max(float(s.get("ended_at") or 0) for s in statuses if s)}
+        started = [float(s["started_at"]) for s in statuses if s and s.get("started_at")]
+        if started:
+            status["started_at"] = min(started)
+        atomic_write(self.root / job_id / "exit.json", json.dumps(status).encode(), 0o600)
+        on_exit()
+
+    def _wait_part(self, job_id: str, handle: Any) -> tuple[dict[str, Any] | None, Any]:
+        """The status of the job's part on ``handle``'s node once it has ended; (None, None) when that
+        node is lost."""
+        ray = self._ray
         status = None
         unreachable_since = None
         while handle is not None:
@@ -525,19 +747,7 @@ class RayExecutor(Executor):
                 with contextlib.suppress(Exception):
                     ray.get(handle.ping.remote(), timeout=2)
                     unreachable_since = None
-        folder = self.root / job_id
-        if handle is None:
-            placed = self._placement(job_id)
-            if placed is not None:
-                with contextlib.suppress(Exception):
-                    self._lose(placed["node_id"])
-            status = {"lost": f"node lost: {name} (its gpuport agent cannot be reached)", "ended_at": time.time()}
-        else:
-            with contextlib.suppress(Exception):
-                self._copy_log(handle, job_id)
-        if status is not None:
-            atomic_write(folder / "exit.json", json.dumps(status).encode(), 0o600)
-        on_exit()
+        return status, handle
 
     def _copy_log(self, handle: Any, job_id: str) -> None:
         """Bring an ended job's log into the server's state dir."""
@@ -552,19 +762,23 @@ class RayExecutor(Executor):
         os.replace(temp, self.root / job_id / "log")
 
     def is_running(self, job_id: str) -> bool:
+        placed = self._placement(job_id) or {}
+        if len(placed.get("parts") or ()) > 1:
+            refs = [handle.is_running.remote(job_id) for handle in self._handles(job_id)]
+            with contextlib.suppress(Exception):
+                return any(self._ray.get(refs, timeout=_CALL_TIMEOUT))
+            return False
         return bool(self._call(job_id, "is_running", job_id, default=False))
 
     def was_started(self, job_id: str) -> bool:
         return self._placement(job_id) is not None
 
     def cancel(self, job_id: str) -> None:
-        _, handle = self._handle(job_id)
-        if handle is not None:  # not waited for: a node that stopped answering must not hold the caller
+        for handle in self._handles(job_id):  # not waited for: a node that stopped answering must not hold anyone
             handle.cancel.remote(job_id)
 
     def kill(self, job_id: str, reason: str) -> None:
-        _, handle = self._handle(job_id)
-        if handle is not None:
+        for handle in self._handles(job_id):
             handle.kill.remote(job_id, reason)
 
     def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
@@ -610,15 +824,18 @@ class RayExecutor(Executor):
     def usage(self, job_ids: list[str]) -> dict[str, Usage]:
         by_node: dict[str, list[str]] = {}
         for job_id in job_ids:
-            placed = self._placement(job_id)
-            if placed is not None:
-                by_node.setdefault(placed["node_id"], []).append(job_id)
+            placed = self._placement(job_id) or {}
+            for part in placed.get("parts") or ([placed] if placed else []):
+                by_node.setdefault(part["node_id"], []).append(job_id)
         out: dict[str, Usage] = {}
         for node_id, ids in by_node.items():
             handle = self._agents.get(node_id)
-            if handle is not None:
-                with contextlib.suppress(Exception):
-                    out.update(self._ray.get(handle.usage.remote(ids), timeout=_CALL_TIMEOUT))
+            if handle is None:
+                continue
+            with contextlib.suppress(Exception):
+                for job_id, used in self._ray.get(handle.usage.remote(ids), timeout=_CALL_TIMEOUT).items():
+                    before = out.get(job_id, Usage())  # a job over several nodes: what all its parts use
+                    out[job_id] = Usage(before.rss + used.rss, before.gpu_memory + used.gpu_memory)
         return out
 
     def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
@@ -632,9 +849,9 @@ class RayExecutor(Executor):
         return out
 
     def tidy(self, job_id: str) -> None:
-        _, handle = self._handle(job_id)
-        if handle is not None:  # the whole folder once its log is here; else its working copies only
-            handle.tidy.remote(job_id, everything=(self.root / job_id / "log").exists())
+        everything = (self.root / job_id / "log").exists()  # the whole folder once its log is here
+        for handle in self._handles(job_id):
+            handle.tidy.remote(job_id, everything=everything)
 
     def stats(self, node: str) -> dict[str, int]:
         """What the agent of ``node`` counted (bytes of blobs received)."""

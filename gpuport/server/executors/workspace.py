@@ -126,6 +126,8 @@ class JobFolders:
         env[ENV_OUTPUT_DIR] = str(out)
         if self.node:
             env[ENV_NODE] = self.node
+        if job.rank_env and job.nprocs == 1:  # one process of a job over several nodes: run direct
+            env.update(job.rank_env[0])
         fake_gpus = None
         if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir:
             fake_gpus = self.inventory.usage_dir / job.job_id if self.sandbox.isolated else self.inventory.usage_dir
@@ -143,6 +145,8 @@ class JobFolders:
             "network": None,
             "pidns_file": None,
         }
+        if job.rank_env and job.nprocs > 1:
+            spec["rank_env"], spec["rank_base"] = job.rank_env, job.rank_base
         if self.sandbox.isolated:
             spec.update(self._sandbox(job, work, out, env, fake_gpus))
         return spec
@@ -170,9 +174,9 @@ class JobFolders:
         if "HOME" not in job.user_env:
             env["HOME"] = "/tmp"  # the sandbox's own; the server's home is not there
         network = None
-        if self.sandbox.slirp4netns:
+        if self.sandbox.slirp4netns and not job.host_network:
             network = [self.sandbox.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback"]
-        argv = self.sandbox.argv(uid=uid, writable=writable, readable=readable, cwd=work)
+        argv = self.sandbox.argv(uid=uid, writable=writable, readable=readable, cwd=work, host_network=job.host_network)
         return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
 
     def start(self, job: JobLaunch, on_exit: OnExit) -> None:

@@ -62,6 +62,7 @@ _MAX_OUTPUTS = 100
 _MAX_DATASETS = 16
 _MAX_NPROCS = 64
 _MAX_RETRIES = 100
+_MAX_NODES = 64
 _TF_ROLES = ("chief", "worker", "ps")  # in rank order
 _PRIORITIES = range(-100, 101)
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
@@ -124,6 +125,7 @@ class JobRequest:
     nprocs: int = 1
     tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles of the processes, in rank order
     retries: int = 0  # times it is queued again when its node is lost
+    nodes: int = 1  # a gang over this many nodes of a cluster: nprocs spread evenly, gpus etc. per node
     # Set by the server only (never from a request): a session's worker is a job of kind "session",
     # with settings of gpuport's own (GPUPORT_SESSION_DIR) in its environment.
     kind: str = "job"
@@ -157,7 +159,9 @@ class JobRecord:
     nprocs: int = 1
     position: int = 0  # place in the queue while queued (1: next); 0 otherwise
     kind: str = "job"  # or "session": a session's worker
-    node: str = ""  # where it runs or ran
+    node: str = ""  # where it runs or ran (rank 0's, for a job over several nodes)
+    nodes: int = 1
+    placement: list[tuple[str, list[int]]] = field(default_factory=list)  # several nodes: (node, GPUs) each
 
 
 def exit_message(code: int) -> str:
@@ -351,7 +355,28 @@ class JobService:
         if quota is not None and quota.jobs == 0:
             raise ResourceUnavailable(f"the quota of {caller.name} allows no jobs — ask an admin to raise it")
 
+    def _check_nodes(self, request: JobRequest) -> None:
+        if request.nodes == 1:
+            return
+        if not 1 <= request.nodes <= _MAX_NODES:
+            raise InvalidRequest(f"nodes must be 1 .. {_MAX_NODES}, not {request.nodes}")
+        if self.executor.kind == "local":
+            raise InvalidRequest(
+                f"a job over {request.nodes} nodes needs a server in front of a cluster (gpuport server --ray); "
+                "this one runs jobs on one machine — use --nprocs for several processes here"
+            )
+        if request.nprocs % request.nodes:
+            raise InvalidRequest(f"{request.nprocs} processes do not spread evenly over {request.nodes} nodes")
+        if request.gpu_memory:
+            raise InvalidRequest("a job over several nodes takes whole GPUs (--gpus-per-node), not a slice")
+        count = len(self.cluster.nodes)
+        if request.nodes > count:
+            raise ResourceUnavailable(
+                f"asked for {request.nodes} nodes; the cluster has {count} that gpuport can use now"
+            )
+
     def _check_processes(self, request: JobRequest) -> None:
+        self._check_nodes(request)
         if not 1 <= request.nprocs <= _MAX_NPROCS:
             raise InvalidRequest(f"nprocs must be 1 .. {_MAX_NPROCS}, not {request.nprocs}")
         if request.tf_roles is not None:
@@ -365,10 +390,11 @@ class JobService:
                 raise InvalidRequest(
                     f"the TensorFlow roles add up to {total} processes, but nprocs is {request.nprocs}"
                 )
-        if request.gpus > request.nprocs and request.gpus % request.nprocs:
+        per_node = request.nprocs // max(1, request.nodes)
+        if request.gpus > per_node and request.gpus % per_node:
             raise InvalidRequest(
-                f"{request.gpus} GPUs do not spread evenly over {request.nprocs} processes: give a multiple "
-                f"of {request.nprocs}, or fewer GPUs than processes (they then share)"
+                f"{request.gpus} GPUs do not spread evenly over {per_node} processes: give a multiple "
+                f"of {per_node}, or fewer GPUs than processes (they then share)"
             )
 
     def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
@@ -381,8 +407,8 @@ class JobService:
                     break
             seq = db.execute(
                 "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
-                "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs, kind) "
-                "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs, kind, nodes) "
+                "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     caller.name,
@@ -400,9 +426,10 @@ class JobService:
                     request.priority,
                     request.nprocs,
                     request.kind,
+                    request.nodes,
                 ),
             ).lastrowid
-        resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory)
+        resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
         self._queued[job_id] = Pending(job_id, caller.name, resources, request.priority, seq or 0)
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
         self._schedule()  # at once, so that the reply says whether it started or why it waits
@@ -448,6 +475,8 @@ class JobService:
             position=position,
             kind=row["kind"],
             node=row["node"],
+            nodes=row["nodes"],
+            placement=[(node, gpus) for node, gpus in json.loads(row["placement"] or "[]")],
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -476,16 +505,17 @@ class JobService:
     def running(self) -> list[Holding]:
         """The allocations of the running jobs, oldest first."""
         rows = self.store.query(
-            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node FROM jobs WHERE state = 'running' "
-            "ORDER BY seq"
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node, nodes, placement FROM jobs "
+            "WHERE state = 'running' ORDER BY seq"
         )
         return [
             Holding(
                 r["id"],
                 r["owner"],
-                Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"]),
+                Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"], r["nodes"]),
                 tuple(json.loads(r["gpu_indices"])),
                 r["node"],
+                tuple((node, tuple(gpus)) for node, gpus in json.loads(r["placement"] or "[]")),
             )
             for r in rows
         ]
@@ -600,16 +630,18 @@ class JobService:
                 self._spawn(self._finish(job_id))  # it ended while no server was watching
             else:  # the server stopped between granting GPUs and launching: launch it again
                 log.info("job %s never launched: back to the queue", job_id)
-                self._move(job_id, JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", node="", started_at=None)
+                self._move(
+                    job_id, JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", node="", placement="", started_at=None
+                )
         rows = self.store.query(
-            "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at FROM jobs "
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at, nodes FROM jobs "
             "WHERE state = 'queued'"
         )
         self._queued = {
             r["id"]: Pending(
                 r["id"],
                 r["owner"],
-                Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"]),
+                Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"], r["nodes"]),
                 r["priority"],
                 r["seq"],
                 r["reserved_at"],
@@ -672,6 +704,7 @@ class JobService:
                 JobState.RUNNING,
                 gpu_indices=json.dumps(list(decision.gpu_indices)),
                 node=decision.node,
+                placement=json.dumps(decision.placement) if decision.placement else "",
                 started_at=time.time(),
                 message="",
             )
@@ -743,11 +776,12 @@ class JobService:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA's numbering = NVML's = ours
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_indices))
         env.update(self._caps_env(row, gpu_indices))
+        here = row["nprocs"] // row["nodes"]  # processes on each of its nodes
         if row["cpus"]:
             # As Ray does for its tasks: thread pools sized to the CPUs reserved, not to the machine
             # (OpenMP's, PyTorch's, and TensorFlow's, whose idle threads spin: a small model served on
             # 1 CPU used a quarter to a half more CPU time with a pool per core, on 2 cores).
-            threads = str(max(1, int(row["cpus"] // row["nprocs"])))
+            threads = str(max(1, int(row["cpus"] // here)))
             for name in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
                 if name not in spec["env"]:
                     env[name] = threads
@@ -770,7 +804,8 @@ class JobService:
             time_limit=row["time_limit"],
             nprocs=row["nprocs"],
             tf_roles=[(role, count) for role, count in tf_roles] if tf_roles else None,
-            rank_gpus=rank_gpus(gpu_indices, row["nprocs"]) if row["nprocs"] > 1 else None,
+            rank_gpus=rank_gpus(gpu_indices, row["nprocs"]) if row["nprocs"] > 1 and row["nodes"] == 1 else None,
+            parts=tuple(Placement(node, tuple(gpus)) for node, gpus in json.loads(row["placement"] or "[]")),
         )
 
     def _caps_env(self, row: Any, gpu_indices: list[int]) -> dict[str, str]:
@@ -837,10 +872,10 @@ class JobService:
         message = f"queued again after {why} (retry {tried} of {spec['retries']})"
         self._move(
             row["id"], JobState.RUNNING, JobState.QUEUED,
-            gpu_indices="[]", node="", started_at=None, spec=json.dumps(spec), message=message,
+            gpu_indices="[]", node="", placement="", started_at=None, spec=json.dumps(spec), message=message,
         )  # fmt: skip
         log.warning("job %s: %s", row["id"], message)
-        resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"])
+        resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"], row["nodes"])
         self._queued[row["id"]] = Pending(
             row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"]
         )

@@ -116,7 +116,7 @@ def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
     rank_gpus = spec.get("rank_gpus")
     roles = _roles(spec, nprocs)
     assert rank_gpus is None or len(rank_gpus) == nprocs, f"rank_gpus must have {nprocs} lists"
-    if nprocs > 1:
+    if nprocs > 1 and not spec.get("rank_env"):
         import json
 
         *ports, master_port = _free_ports(nprocs + 1)
@@ -127,9 +127,12 @@ def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
             tasks.append({"type": role, "index": len(addresses)})
             addresses.append(f"127.0.0.1:{port}")
     envs = []
+    given = spec.get("rank_env")  # a part of a job over several nodes: its peers are on other nodes
     for rank in range(nprocs):
         env = dict(spec["env"])
-        if nprocs > 1:
+        if given:
+            env.update(given[rank])
+        elif nprocs > 1:
             env.update(
                 TF_CONFIG=json.dumps({"cluster": cluster, "task": tasks[rank]}),
                 MASTER_ADDR="127.0.0.1",
@@ -273,7 +276,7 @@ def _start_ranks(spec: dict, nprocs: int, log, log_lock: threading.Lock):
             return ranks, readers, f"cannot start {spec['argv'][0]!r}: {e.strerror}"
         ranks.append(process)
         if nprocs > 1:
-            prefix = f"[{rank}] ".encode()
+            prefix = f"[{spec.get('rank_base', 0) + rank}] ".encode()
             readers.append(threading.Thread(target=_copy_lines, args=(process.output, prefix, log, log_lock)))
             readers[-1].daemon = True  # never keeps the supervisor: see _DRAIN_TIMEOUT
             readers[-1].start()

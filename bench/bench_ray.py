@@ -10,8 +10,10 @@
 (b) the same job as a whole process: `gpuport run -- python -c pass` through the Ray executor,
     against `ray job submit -- python -c pass` to a Ray head with its job server (token auth, on
     127.0.0.1). Goal: at least 10x faster.
-(c) a 2-node TensorFlow MultiWorkerMirroredStrategy step through gpuport against the same script
-    started by hand on both nodes: not measured yet (jobs across nodes are not built yet).
+(c) a 2-node TensorFlow MultiWorkerMirroredStrategy training step (bench/_jobs/mwms_step.py: a
+    dense 64x256x1 model, 256 rows per worker, RING all-reduce over gRPC; the median of 50 steps after
+    10), through gpuport (`--nodes 2`) against the same script started by hand as two processes with
+    TF_CONFIG on the nodes' addresses. Alternated, 2 runs each. Goal: at most 1.05x.
 
 Every cluster, head and server runs in a temp dir removed at the end, and is stopped in `finally`
 by the pids it started.
@@ -20,7 +22,10 @@ by the pids it started.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -78,11 +83,11 @@ def main() -> None:
             ):
                 bench_api(n, work, on_ray, local)
                 cli_s = bench_cli(n, work, on_ray)
+                bench_mwms(on_ray, 2)
         finally:
             cluster.close()
         bench_ray_submit(work, cli_s, max(3, n // 4))
-    say("== (c) 2-node MultiWorkerMirroredStrategy step: not measured (jobs across nodes are not built yet)")
-    print_table(["launch: API", "launch: CLI"], 40, "")
+    print_table(["launch: API", "launch: CLI", "2-node MWMS"], 40, "")
 
 
 def bench_api(n: int, work: Path, on_ray: object, local: object) -> None:
@@ -107,6 +112,58 @@ def bench_api(n: int, work: Path, on_ray: object, local: object) -> None:
     say(f"  Ray executor median {ms(ray_s)} (min {ms(min(t['ray']))}), local median {ms(local_s)} of {n} each")
     extra = ray_s - local_s
     ROWS.append(Row("launch: API, Ray executor", ray_s, local_s, "local executor", "<= local + 150 ms", extra <= 0.150))
+
+
+MWMS = Path(__file__).parent / "_jobs"
+
+
+def _step_ms(text: str) -> float:
+    return float(text.split("step median ", 1)[1].split()[0]) / 1000
+
+
+def bench_mwms(on_ray: object, runs: int) -> None:
+    say("== (c) a 2-node MultiWorkerMirroredStrategy step: through gpuport --nodes 2, and by hand")
+    if importlib.util.find_spec("tensorflow") is None:
+        say("  tensorflow: not installed (pip install 'gpuport[tf]'): skipped")
+        return
+    with connect(on_ray) as gpu:  # type: ignore[arg-type]
+        gpu.push(MWMS, name="bench-mwms")
+
+        def through_gpuport() -> float:
+            job = gpu.submit(["python", "mwms_step.py"], workdir=None, project="bench-mwms", nodes=2).wait(600)
+            log = "\n".join(job.logs())
+            if job.info.state != "succeeded":
+                raise RuntimeError(f"the MWMS job ended {job.info.state}: {job.info.message}\n{log[-3000:]}")
+            return _step_ms(log)
+
+        def by_hand() -> float:
+            addresses = ["127.0.0.2", "127.0.0.3"]
+            ports = []
+            for address in addresses:
+                with socket.socket() as s:
+                    s.bind((address, 0))
+                    ports.append(s.getsockname()[1])
+            cluster = {"worker": [f"{a}:{p}" for a, p in zip(addresses, ports)]}
+            workers = []
+            for index in range(2):
+                env = {
+                    **os.environ,
+                    "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+                }
+                workers.append(
+                    subprocess.Popen(
+                        [sys.executable, str(MWMS / "mwms_step.py")], env=env, stdout=subprocess.PIPE, text=True
+                    )
+                )
+            out = [w.communicate(timeout=600)[0] for w in workers]
+            return _step_ms(out[0])
+
+        t = rotate(runs, {"gpuport": through_gpuport, "by hand": by_hand})
+    ours, anchor = median(t["gpuport"]), median(t["by hand"])
+    say(f"  step median through gpuport {ms(ours)}, by hand {ms(anchor)} ({runs} runs each, alternated)")
+    ROWS.append(
+        Row("2-node MWMS step", ours, anchor, "the script by hand on both nodes", "<= 1.05x", ours <= anchor * 1.05)
+    )
 
 
 def bench_cli(n: int, work: Path, on_ray: object) -> float:

@@ -105,3 +105,8 @@ def test_distributed_training_ends_with_identical_weights_on_both_ranks(
     job.download(tmp_path)
     first, second = (np.load(tmp_path / f"{saved}-{i}.npy") for i in (0, 1))
     assert first.size > 100 and np.array_equal(first, second)
+
+
+def test_a_job_over_several_nodes_needs_a_server_in_front_of_a_cluster(admin: gpuport.Client) -> None:
+    with pytest.raises(gpuport.InvalidRequest, match="a job over 2 nodes needs a server in front of a cluster"):
+        admin.submit(["true"], workdir=None, nodes=2)

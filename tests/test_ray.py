@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import gpuport
 from tests._ray import RayCluster, start_cluster
 from tests.conftest import JobFlag, RunningServer, client_env, server_env, start_server, wait_for
 
@@ -376,3 +377,11 @@ def test_distributed_training_across_two_nodes_ends_with_equal_weights(
     assert ended["state"] == "succeeded", (ended["message"], log)
     sums = {line.split()[0]: line.rsplit(" ", 1)[1] for line in log.splitlines() if "sha256" in line}
     assert sorted(sums) == ["[0]", "[1]"] and sums["[0]"] == sums["[1]"], log
+
+
+def test_sessions_and_serving_are_refused_on_a_cluster_saying_why(server: RunningServer) -> None:
+    with server.connect() as gpu:
+        with pytest.raises(gpuport.InvalidRequest, match="sessions run on a one-machine gpuport server for now"):
+            gpu.session()
+        with pytest.raises(gpuport.InvalidRequest, match="models are served by a one-machine gpuport server"):
+            gpu.deploy("m", "some-snapshot")

@@ -346,7 +346,7 @@ class JobService:
             )
         self._check_processes(request)
         quota = self.quotas.of(caller.name)
-        wanted = cluster.gpu_share(Request(request.gpus, request.gpu_memory))
+        wanted = cluster.gpu_share(Request(request.gpus, request.gpu_memory, nodes=request.nodes))
         if quota is not None and quota.gpus is not None and wanted > quota.gpus + 1e-9:
             raise ResourceUnavailable(
                 f"asked for {wanted:g} GPUs; the quota of {caller.name} is {quota.gpus:g} at once — "

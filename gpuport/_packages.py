@@ -1,7 +1,8 @@
 """Which pip extra brings which package, for errors that say how to install what is missing.
 
 ``gpuport`` alone is the laptop's client; ``gpuport[server]`` the GPU machine's daemon; ``[tf]``,
-``[torch]``, ``[onnx]`` the frameworks that jobs, sessions and served models use. The table below
+``[torch]``, ``[onnx]`` the frameworks that jobs, sessions and served models use; ``[ray]`` a server
+in front of a Ray cluster, and its nodes. The table below
 names, for each module gpuport imports only when a feature needs it, the distribution that provides
 it and the extra that brings that distribution (a test checks it against ``pyproject.toml``).
 """
@@ -24,6 +25,7 @@ BROUGHT_BY: dict[str, tuple[str, str]] = {
     "keras": ("tensorflow-cpu", "tf"),
     "torch": ("torch", "torch"),
     "onnxruntime": ("onnxruntime", "onnx"),
+    "ray": ("ray", "ray"),
 }
 
 

@@ -54,13 +54,17 @@ class RayNode:
 @dataclass
 class RayCluster:
     address: str  # the head's GCS, host:port
-    token: str
+    token: str  # "": a cluster without authentication (what gpuport must refuse)
     base: Path
     nodes: list[RayNode] = field(default_factory=list)
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GPUPORT_"))}
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, RAY_USAGE_STATS_ENABLED="0", **extra)
+        env.update(RAY_USAGE_STATS_ENABLED="0", **extra)
+        if self.token:
+            env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+        else:
+            env.update(RAY_AUTH_MODE="disabled")
         return env
 
     def start_node(self, name: str, address: str, *, head: bool = False, gpus: str = "2x16GiB") -> RayNode:
@@ -98,9 +102,11 @@ class RayCluster:
             node.kill()
 
 
-def start_cluster(base: Path, names: tuple[str, ...] = ("node-a", "node-b")) -> RayCluster:
+def start_cluster(
+    base: Path, names: tuple[str, ...] = ("node-a", "node-b"), *, authenticated: bool = True
+) -> RayCluster:
     """A head and more nodes, each with 2 fake GPUs; ready when this returns."""
-    cluster = RayCluster("", secrets.token_hex(16), base)
+    cluster = RayCluster("", secrets.token_hex(16) if authenticated else "", base)
     try:
         head = cluster.start_node(names[0], "127.0.0.2", head=True)
         cluster.wait_ready(head)

@@ -246,6 +246,26 @@ def test_a_wrong_or_missing_token_or_address_stops_the_server_saying_why(cluster
     assert "cannot reach the Ray cluster at 127.0.0.9:9" in said, said
 
 
+def test_a_cluster_without_token_authentication_is_refused_unless_insecure_on_loopback(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    open_cluster = start_cluster(tmp_path_factory.mktemp("ro"), ("solo",), authenticated=False)  # short: socket paths
+    try:
+        state = tmp_path_factory.mktemp("open-state")
+        refused = start_server(state, "--ray", open_cluster.address, env=server_env(), expect_ready=False)
+        said = "\n".join(refused.output)
+        assert refused.process.returncode != 0
+        assert f"the Ray cluster at {open_cluster.address} accepts requests without a token" in said, said
+        assert "CVE-2023-48022" in said and "--ray-insecure" in said
+        allowed = start_server(state, "--ray", open_cluster.address, "--ray-insecure", env=server_env())
+        try:
+            assert f"Ray at {open_cluster.address}: 1 node" in allowed.banner
+        finally:
+            allowed.stop()
+    finally:
+        open_cluster.close()
+
+
 def test_a_restarted_server_finds_its_jobs_running_on_the_nodes(cluster: RayCluster, tmp_path: Path) -> None:
     state = tmp_path / "state"
     first = _start(cluster, state)

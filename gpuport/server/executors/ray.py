@@ -53,6 +53,9 @@ ENV_NODE_DIR = "GPUPORT_NODE_DIR"  # where an agent keeps its jobs and blobs (de
 _PART_BYTES = 8 << 20  # blob bytes per call to an agent
 _READ_BYTES = 8 << 20  # output bytes per call
 _CALL_TIMEOUT = 30.0  # seconds for an agent's answer
+# Seconds for an answer the server's event loop waits for (a running job's log, the GPUs): a node
+# that hangs must not hold every other request for long.
+_QUICK_TIMEOUT = 3.0
 _LOST_AFTER = 6.0  # seconds an agent may stay unreachable before its node counts as lost
 _REFRESH = 2.0  # seconds between looks at the cluster's nodes
 
@@ -515,11 +518,12 @@ class RayExecutor(Executor):
             return None
 
     def _call(self, job_id: str, method: str, *args: Any, default: Any = None) -> Any:
+        """A short read from the agent of the job's node; ``default`` when it does not answer soon."""
         _, handle = self._handle(job_id)
         if handle is None:
             return default
         try:
-            return self._ray.get(getattr(handle, method).remote(*args), timeout=_CALL_TIMEOUT)
+            return self._ray.get(getattr(handle, method).remote(*args), timeout=_QUICK_TIMEOUT)
         except Exception as e:
             log.debug("job %s: %s on its node failed: %s", job_id, method, e)
             return default
@@ -841,11 +845,20 @@ class RayExecutor(Executor):
     def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
         with self._lock:
             names = dict(self._ids)
-        refs = {name: self._agents[node_id].gpus.remote(job_ids) for name, node_id in names.items()}
+        refs = {}
+        for name, node_id in names.items():
+            handle = self._agents.get(node_id)
+            if handle is not None:
+                refs[name] = handle.gpus.remote(job_ids)
+        if not refs:
+            return {}
+        # All asked at once, and waited for together: a node that does not answer soon is left out.
+        ready, _ = self._ray.wait(list(refs.values()), num_returns=len(refs), timeout=_QUICK_TIMEOUT)
         out = {}
         for name, ref in refs.items():
-            with contextlib.suppress(Exception):
-                out[name] = self._ray.get(ref, timeout=_CALL_TIMEOUT)
+            if ref in ready:
+                with contextlib.suppress(Exception):
+                    out[name] = self._ray.get(ref)
         return out
 
     def tidy(self, job_id: str) -> None:

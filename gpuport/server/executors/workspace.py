@@ -115,7 +115,7 @@ class JobFolders:
         env = base_env()
         env.update(job.env)
         # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), job.env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), env.get("PYTHONPATH")) if p)
         if job.datasets:
             datasets = job_dir / "datasets"
             for name, files in job.datasets.items():

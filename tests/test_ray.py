@@ -276,14 +276,18 @@ def test_a_restarted_server_finds_its_jobs_running_on_the_nodes(cluster: RayClus
         first.stop(signal.SIGKILL)
         second = _start(cluster, state)
         second.admin_token = first.admin_token  # shown on the first start only
+        assert _job(second, job["job_id"])["state"] == "running"
+        second.stop()  # SIGTERM: a stop that lets go of the cluster records nothing of the job
+        third = _start(cluster, state)
+        third.admin_token = first.admin_token
         try:
-            assert _job(second, job["job_id"])["state"] == "running"
+            assert _job(third, job["job_id"])["state"] == "running"
             flags.touch()
-            ended = _ended(second, job["job_id"])
+            ended = _ended(third, job["job_id"])
             assert (ended["state"], ended["exit_code"]) == ("failed", 5), ended
-            assert _log(second, job["job_id"]) == "released\n"
+            assert _log(third, job["job_id"]) == "released\n"
         finally:
-            second.stop()
+            third.stop()
     finally:
         flags.close()
 

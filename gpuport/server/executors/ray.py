@@ -339,6 +339,10 @@ class _RemoteFile(io.RawIOBase):
         return len(data)
 
 
+class _Stopping(Exception):
+    """The server is stopping: a job's watch ends without recording anything."""
+
+
 class _LogPump:
     """Copies the new whole lines of each part's log (a job over several nodes) into the job's log on
     the server; a part of one process each has its lines prefixed with its rank, as the supervisor
@@ -657,6 +661,10 @@ class RayExecutor(Executor):
         threading.Thread(target=self._wait, args=(job_id, on_exit), name=f"job {job_id}", daemon=True).start()
 
     def _wait(self, job_id: str, on_exit: OnExit) -> None:
+        with contextlib.suppress(_Stopping):  # nothing recorded: the next server finds the job as it is
+            self._watch_job(job_id, on_exit)
+
+    def _watch_job(self, job_id: str, on_exit: OnExit) -> None:
         placed = self._placement(job_id) or {}
         if len(placed.get("parts") or ()) > 1:
             self._wait_gang(job_id, placed, on_exit)
@@ -694,7 +702,10 @@ class RayExecutor(Executor):
         lock = threading.Lock()
 
         def wait(r: int) -> None:
-            status, handle = self._wait_part(job_id, handles[r])
+            try:
+                status, handle = self._wait_part(job_id, handles[r])
+            except _Stopping:
+                return
             if handle is None:
                 with contextlib.suppress(Exception):
                     self._lose(parts[r]["node_id"])
@@ -715,6 +726,8 @@ class RayExecutor(Executor):
             threading.Thread(target=wait, args=(r,), name=f"job {job_id} part {r}", daemon=True).start()
         pump = _LogPump(self._ray, self.root / job_id, handles, per)
         while not all(event.is_set() for event in done):
+            if self._stopped.is_set():
+                raise _Stopping()
             pump.round()
             time.sleep(0.25)
         pump.round(final=True)
@@ -742,6 +755,8 @@ class RayExecutor(Executor):
                 status = ray.get(handle.wait.remote(job_id))
                 break
             except Exception as e:  # the agent is unreachable: for a moment, or its node is gone
+                if self._stopped.is_set():  # this server is stopping: the next one watches the job
+                    raise _Stopping() from None
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since >= _LOST_AFTER or "ActorDiedError" in type(e).__name__:

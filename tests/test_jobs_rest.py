@@ -242,3 +242,22 @@ def test_a_client_that_vanishes_mid_upload_leaves_nothing_behind(admin: gpuport.
     assert not (folder / blob[2:]).exists()
     with server.connect() as gpu:  # the server is fine
         assert gpu.ping() > 0
+
+
+def test_a_route_that_does_not_exist_answers_in_gpuport_s_error_format(server: RunningServer) -> None:
+    """FastAPI's own 404 and 405 come in the API's error format, never as {"detail": ...}; on the
+    prediction protocols' paths, as theirs: {"error": "..."}."""
+    missing = server.rest("GET", "/v1/no-such-thing", server.admin_token)
+    assert missing.status_code == 404
+    assert missing.json() == {
+        "error": {
+            "type": "NotFound",
+            "message": "no such route: GET /v1/no-such-thing — the REST API is listed at /docs",
+        }
+    }
+    wrong = server.rest("DELETE", "/v1/health", server.admin_token)
+    assert wrong.status_code == 405
+    assert wrong.json() == {"error": {"type": "MethodNotAllowed", "message": "/v1/health does not take DELETE"}}
+    assert "GET" in wrong.headers["allow"]
+    on_v2 = server.rest("DELETE", "/v2/health/live", server.admin_token)
+    assert on_v2.status_code == 405 and on_v2.json() == {"error": "/v2/health/live does not take DELETE"}

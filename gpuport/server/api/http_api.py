@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuport._version import __version__
 from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
@@ -223,6 +224,22 @@ def build_http_app(app: ServerApp) -> Predictions:
             client = request.client.host if request.client else "?"
             log.warning("rejected %s %s from %s: %s", request.method, request.url.path, client, error)
         return _error_response(error)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own answers (no such route, a method the route does not take) in gpuport's error
+        format, or the prediction protocols' ``{"error": "..."}`` on their paths: never ``{"detail": ...}``."""
+        path, method = request.url.path, request.method
+        if error.status_code == 404:
+            kind, message = "NotFound", f"no such route: {method} {path} — the REST API is listed at /docs"
+        elif error.status_code == 405:
+            kind, message = "MethodNotAllowed", f"{path} does not take {method}"
+        else:
+            kind, message = "HTTPError", str(error.detail)
+        if path.startswith(("/v2", "/v1/models")):
+            return JSONResponse({"error": message}, status_code=error.status_code, headers=error.headers)
+        body = {"error": {"type": kind, "message": message}}
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

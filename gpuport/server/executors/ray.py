@@ -766,7 +766,24 @@ class RayExecutor(Executor):
                 with contextlib.suppress(Exception):
                     ray.get(handle.ping.remote(), timeout=2)
                     unreachable_since = None
+        # An answer can still come from an agent whose node is going: the job then ended because
+        # the agent did (no status, or the reason pre-written for that). A node lost is one whose
+        # agent no longer answers.
+        ended_with_agent = status is None or str(status.get("killed") or "").startswith("node lost:")
+        if handle is not None and ended_with_agent and not self._answers(handle):
+            return None, None
         return status, handle
+
+    def _answers(self, handle: Any) -> bool:
+        """Whether an agent answers a ping within ``_LOST_AFTER`` seconds."""
+        deadline = time.monotonic() + _LOST_AFTER
+        while time.monotonic() < deadline:
+            try:
+                self._ray.get(handle.ping.remote(), timeout=2)
+                return True
+            except Exception:
+                time.sleep(0.5)
+        return False
 
     def _copy_log(self, handle: Any, job_id: str) -> None:
         """Bring an ended job's log into the server's state dir."""

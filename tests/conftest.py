@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -46,6 +47,13 @@ class RunningServer:
     @property
     def banner(self) -> str:
         return "\n".join(self.output)
+
+    @property
+    def cert_port(self) -> int:
+        """The gRPC port for client certificates, from the banner."""
+        found = re.search(r"^  cert port\s+(\d+)", self.banner, re.MULTILINE)
+        assert found, self.banner
+        return int(found[1])
 
     def connect(self, token: str | None = None) -> gpuport.Client:
         return gpuport.connect(self.url, token or self.admin_token, fingerprint=self.fingerprint or None)

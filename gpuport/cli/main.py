@@ -22,7 +22,7 @@ from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_jso
 from gpuport.cli._quotas import quota_group
 from gpuport.cli._sessions import sessions_group
 from gpuport.client import config_path, load_profiles, login, remove_profile
-from gpuport.client._channel import Target
+from gpuport.client._channel import Target, parse_url
 from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_PROFILE, ENV_PROFILE
 from gpuport.protocol.errors import GpuportError, InvalidRequest
 from gpuport.protocol.units import format_size, parse_size
@@ -74,6 +74,12 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="Port for sessions' large values, TLS like the others [default: the gRPC port + 2].",
 )
 @click.option(
+    "--cert-port",
+    type=click.IntRange(0, 65535),
+    help="gRPC port for clients that authenticate with a client certificate (gpuport token create "
+    "--client-cert) instead of a token [default: the gRPC port + 3].",
+)
+@click.option(
     "--state-dir",
     type=click.Path(path_type=Path),
     help="Where the server keeps its state [default: the user data dir].",
@@ -122,6 +128,7 @@ def server(
     port: int,
     http_port: int,
     data_port: int | None,
+    cert_port: int | None,
     state_dir: Path | None,
     insecure: bool,
     new_admin_token: bool,
@@ -143,6 +150,7 @@ def server(
 
         options = ["--host", host, "--port", str(port), "--http-port", str(http_port)]
         options += ["--data-port", str(data_port)] if data_port is not None else []
+        options += ["--cert-port", str(cert_port)] if cert_port is not None else []
         options += ["--insecure"] if insecure else []
         options += ["--log-level", log_level] if log_level != "info" else []
         options += ["--job-uids", job_uids] if job_uids != "61000-61999" else []
@@ -171,6 +179,7 @@ def server(
             port=port,
             http_port=http_port,
             data_port=data_port,
+            cert_port=cert_port,
             state_dir=state_dir or default_state_dir(),
             insecure=insecure,
             new_admin_token=new_admin_token,
@@ -333,16 +342,51 @@ def token_group() -> None:
 @token_group.command("create")
 @click.argument("name")
 @click.option("--admin", is_flag=True, help="Make it an admin token.")
+@click.option(
+    "--client-cert",
+    "cert_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Also write a client certificate that stands for the token into this new folder: cert.pem, key.pem, "
+    "and ca.pem (the server's certificate), for clients that speak TLS options but send no token.",
+)
 @json_option
 @click.pass_context
-def token_create(ctx: click.Context, name: str, admin: bool, as_json: bool) -> None:
-    """Create a token for user NAME; it is printed once."""
-    new = _client(ctx).create_token(name, admin=admin)
+def token_create(ctx: click.Context, name: str, admin: bool, cert_dir: Path | None, as_json: bool) -> None:
+    """Create a token for user NAME; it is printed once.
+
+    With --client-cert DIR, the server also signs a client certificate for NAME (revoked with the
+    token). Triton's clients, for example, then need no header: over HTTPS on the server's HTTP
+    port, and over gRPC on its port for certificates (the gRPC port + 3 by default)."""
+    if cert_dir is not None and cert_dir.exists() and any(cert_dir.iterdir()):
+        raise click.BadParameter(f"{cert_dir} is not empty: give a new or empty folder", param_hint="--client-cert")
+    client = _client(ctx)
+    new = client.create_token(name, admin=admin, client_cert=cert_dir is not None)
+    if cert_dir is not None:
+        cert_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for file, text, mode in (
+            ("key.pem", new.key_pem, 0o600),
+            ("cert.pem", new.cert_pem, 0o644),
+            ("ca.pem", new.server_cert_pem, 0o644),
+        ):
+            path = cert_dir / file
+            path.touch(mode=mode)
+            path.write_text(text)
+    target = parse_url(client.url)
+    host = f"[{target.host}]" if ":" in target.host else target.host
     if as_json:
-        print_json({"name": new.name, "admin": new.admin, "token": new.token})
+        shown = {"name": new.name, "admin": new.admin, "token": new.token}
+        if cert_dir is not None:
+            shown |= {"client_cert": str(cert_dir), "cert_port": new.cert_port}
+        print_json(shown)
         return
     err.print(f"Token for '{escape(new.name)}'{' (admin)' if new.admin else ''}; it is shown only now:")
     print(new.token)
+    if cert_dir is not None:
+        err.print(
+            f"Its client certificate is in {escape(str(cert_dir))}/ (cert.pem, key.pem: keep it private; ca.pem: "
+            f"the server's certificate). Use it over HTTPS on the server's HTTP port, and over gRPC at "
+            f"{escape(host)}:{new.cert_port}. Revoking the token revokes it."
+        )
 
 
 @token_group.command("list")

@@ -187,14 +187,27 @@ class Client:
             admin=s.admin,
         )
 
-    def create_token(self, name: str, *, admin: bool = False) -> NewToken:
+    def create_token(self, name: str, *, admin: bool = False, client_cert: bool = False) -> NewToken:
         """Create a token for user ``name`` (admin only). Its secret is in the result, shown once.
+
+        With ``client_cert``, also a client certificate signed by the server's CA that stands for the
+        token, for clients that speak TLS but send no header (Triton's examples): its key is in the
+        result, shown once too. Revoking the token revokes it.
 
         Raises ``PermissionDenied`` for a non-admin, ``InvalidRequest`` for a bad name, ``Conflict``
         when the name is taken.
         """
-        reply = self._call(self._tokens.Create, pb.CreateTokenRequest(name=name, admin=admin))
-        return NewToken(reply.info.name, reply.info.admin, reply.token)
+        request = pb.CreateTokenRequest(name=name, admin=admin, client_cert=client_cert)
+        reply = self._call(self._tokens.Create, request)
+        return NewToken(
+            reply.info.name,
+            reply.info.admin,
+            reply.token,
+            reply.cert_pem,
+            reply.key_pem,
+            reply.server_cert_pem,
+            reply.cert_port,
+        )
 
     def tokens(self, *, include_revoked: bool = False) -> list[TokenInfo]:
         """Every token (admin only); revoked ones too with ``include_revoked``."""

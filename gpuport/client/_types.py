@@ -98,6 +98,13 @@ class NewToken:
     name: str
     admin: bool
     token: str = field(repr=False)
+    # With a client certificate (``create_token(..., client_cert=True)``): it and its key (PEM, the key
+    # shown this once), the server's certificate to verify the server by, and the server's gRPC port
+    # for certificates (its HTTP port takes them too).
+    cert_pem: str = ""
+    key_pem: str = field(default="", repr=False)
+    server_cert_pem: str = ""
+    cert_port: int = 0
 
 
 @dataclass(frozen=True)

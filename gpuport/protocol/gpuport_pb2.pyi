@@ -132,20 +132,30 @@ class TokenInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., created_at: _Optional[float] = ..., revoked_at: _Optional[float] = ...) -> None: ...
 
 class CreateTokenRequest(_message.Message):
-    __slots__ = ("name", "admin")
+    __slots__ = ("name", "admin", "client_cert")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
     name: str
     admin: bool
-    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ...) -> None: ...
+    client_cert: bool
+    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., client_cert: _Optional[bool] = ...) -> None: ...
 
 class CreateTokenReply(_message.Message):
-    __slots__ = ("info", "token")
+    __slots__ = ("info", "token", "cert_pem", "key_pem", "server_cert_pem", "cert_port")
     INFO_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    KEY_PEM_FIELD_NUMBER: _ClassVar[int]
+    SERVER_CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    CERT_PORT_FIELD_NUMBER: _ClassVar[int]
     info: TokenInfo
     token: str
-    def __init__(self, info: _Optional[_Union[TokenInfo, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
+    cert_pem: str
+    key_pem: str
+    server_cert_pem: str
+    cert_port: int
+    def __init__(self, info: _Optional[_Union[TokenInfo, _Mapping]] = ..., token: _Optional[str] = ..., cert_pem: _Optional[str] = ..., key_pem: _Optional[str] = ..., server_cert_pem: _Optional[str] = ..., cert_port: _Optional[int] = ...) -> None: ...
 
 class ListTokensRequest(_message.Message):
     __slots__ = ("include_revoked",)

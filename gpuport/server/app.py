@@ -17,7 +17,7 @@ from typing import TypeVar
 import psutil
 
 from gpuport._version import __version__
-from gpuport.protocol.errors import AuthenticationError, GpuportError
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -30,6 +30,7 @@ from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
+from gpuport.server.tls import ClientCertificate, issue_client_certificate
 from gpuport.server.watchdog import Watchdog
 
 T = TypeVar("T")
@@ -103,6 +104,7 @@ class ServerApp:
         self._watching: asyncio.Task[None] | None = None
         self._revoked: dict[str, asyncio.Event] = {}  # user → set when their token goes (streams wait on it)
         self.auth.revoked_hooks.append(self._end_streams)
+        self.cert_port = 0  # the gRPC port for client certificates, once listening (0: none, without TLS)
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.python_version = platform.python_version()
@@ -138,6 +140,19 @@ class ServerApp:
         event = self._revoked.pop(name, None)
         if event is not None:
             event.set()
+
+    async def create_token(
+        self, caller: Identity, name: str, admin: bool, client_cert: bool = False
+    ) -> tuple[TokenRecord, str, ClientCertificate | None]:
+        """A token for user ``name`` and, with ``client_cert``, a client certificate that stands for
+        it (made by a child process, off the event loop); the token and the key are shown once."""
+        if not client_cert:
+            return *self.auth.create(caller, name, admin), None
+        self.auth.check_create(caller, name, admin)
+        if not self.cert_port:
+            raise InvalidRequest("this server runs without TLS (--insecure), so it takes no client certificates")
+        certificate = await asyncio.to_thread(issue_client_certificate, self.state, name)
+        return *self.auth.create(caller, name, admin, certificate.fingerprint), certificate
 
     def revoke_token(self, caller: Identity, name: str, end_work: bool = False) -> TokenRecord:
         """Revoke ``name``'s token (what it holds open closes: see ``AuthService.revoked_hooks``);

@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from pathlib import Path
 
 import grpc
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
 from gpuport.server import isolation
+from gpuport.server.api.callers import with_client_certificate
 from gpuport.server.api.data_port import DataPort
 from gpuport.server.api.grpc_api import build_grpc_server
 from gpuport.server.api.http_api import build_http_app
@@ -113,6 +116,7 @@ def _banner(
     grpc_url: str,
     http_url: str,
     data_port: int,
+    cert_port: int,
     identity: TLSIdentity | None,
     inventory: Inventory,
     sandbox: isolation.Sandbox,
@@ -129,6 +133,7 @@ def _banner(
         f"  gRPC         {grpc_url}",
         f"  HTTP         {http_url}",
         f"  data port    {data_port}          (sessions' large values: open it beside the gRPC port)",
+        *([f"  cert port    {cert_port}          (gRPC for clients with a client certificate)"] if cert_port else []),
         f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
         "  GPUs         those of the cluster's nodes (below)"
         if on_cluster
@@ -168,6 +173,7 @@ async def serve(
     http_port: int,
     state_dir: Path,
     data_port: int | None = None,
+    cert_port: int | None = None,
     insecure: bool = False,
     new_admin_token: bool = False,
     job_uids: tuple[int, int] = isolation.DEFAULT_JOB_UIDS,
@@ -181,7 +187,8 @@ async def serve(
 
     The first start prints the first admin token; ``new_admin_token`` prints one more admin token
     on any start (for when every admin token is lost). ``data_port`` (None: the gRPC port + 2, or any
-    free port when that is 0) carries sessions' large values (see api/data_port.py). ``job_uids``
+    free port when that is 0) carries sessions' large values (see api/data_port.py); ``cert_port``
+    (None: the gRPC port + 3, or any free port) is gRPC for clients with a client certificate. ``job_uids``
     and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py). Below
     ``memory_floor`` bytes of free memory (None: the default; 0: no floor), work that reserves no
     memory waits. ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
@@ -214,12 +221,23 @@ async def serve(
     app = ServerApp(state, inventory, isolated, executor, memory_floor=resolve_memory_floor(memory_floor))
     data: DataPort | None = None
     try:
-        credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)]) if identity else None
+        credentials = cert_credentials = None
+        if identity is not None:
+            pair = [(identity.key_pem, identity.cert_pem)]
+            credentials = grpc.ssl_server_credentials(pair)
+            client_ca = state.client_ca_path.read_bytes()
+            cert_credentials = grpc.ssl_server_credentials(pair, root_certificates=client_ca, require_client_auth=True)
+            if cert_port is None:
+                cert_port = port + 3 if port else 0
         try:
-            grpc_server, bound = build_grpc_server(app, host, port, credentials)
+            grpc_server, bound, app.cert_port = build_grpc_server(
+                app, host, port, credentials, cert_port, cert_credentials
+            )
         except RuntimeError:
+            ports = f"{port} or {cert_port}" if cert_credentials is not None else str(port)
             raise ConfigError(
-                f"cannot listen for gRPC on {host}:{port} — is another server using it? pick another --port"
+                f"cannot listen for gRPC on {host}:{ports} — is another server using it? pick another "
+                "--port (and --cert-port)"
             ) from None
         http_socket = _bind_http(host, http_port)
         if data_port is None:
@@ -246,6 +264,11 @@ async def serve(
                 proxy_headers=False,  # no proxy in front by default; clients' own addresses are logged
                 ssl_certfile=str(state.cert_path) if identity else None,
                 ssl_keyfile=str(state.key_path) if identity else None,
+                # A client certificate is asked for, never required (tokens need none); one that is
+                # sent must be signed by the client CA, and the app learns it (callers.py).
+                ssl_cert_reqs=ssl.CERT_OPTIONAL if identity else ssl.CERT_NONE,
+                ssl_ca_certs=str(state.client_ca_path) if identity else None,
+                http=with_client_certificate(AutoHTTPProtocol) if identity else "auto",
             )
         )
         stop = asyncio.Event()
@@ -270,6 +293,7 @@ async def serve(
             _url(scheme, host, bound),
             _url(scheme, host, http_bound),
             data.port,
+            app.cert_port,
             identity,
             inventory,
             isolated,

@@ -5,6 +5,8 @@ Layout::
     STATE_DIR/          mode 0700, owned by the user running the server
       tls/cert.pem      the self-signed certificate clients pin
       tls/key.pem       its private key (0600)
+      tls/client-ca.pem the CA that signs users' client certificates (gpuport token create --client-cert)
+      tls/client-ca.key its private key (0600)
       gpuport.db        SQLite, WAL mode: tokens, snapshots, jobs
       blobs/ab/cdef..   file contents by SHA-256 (read-only), shared by every snapshot and output
       jobs/<id>/        each job's directory: its log, exit status and working copy
@@ -46,6 +48,14 @@ class StateDir:
     @property
     def key_path(self) -> Path:
         return self.tls_dir / "key.pem"
+
+    @property
+    def client_ca_path(self) -> Path:
+        return self.tls_dir / "client-ca.pem"
+
+    @property
+    def client_ca_key_path(self) -> Path:
+        return self.tls_dir / "client-ca.key"
 
     @property
     def db_path(self) -> Path:

@@ -159,6 +159,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN nodes INTEGER NOT NULL DEFAULT 1;
     ALTER TABLE jobs ADD COLUMN placement TEXT NOT NULL DEFAULT '';
     """,
+    # 12: a token's client certificate (gpuport token create --client-cert): its sha256:... fingerprint
+    """
+    ALTER TABLE tokens ADD COLUMN cert_fingerprint TEXT;
+    CREATE UNIQUE INDEX tokens_cert ON tokens(cert_fingerprint) WHERE cert_fingerprint IS NOT NULL;
+    """,
 ]
 
 

@@ -2,17 +2,22 @@
 
 Clients pin its fingerprint (``gpuport login``), so it is made once and kept: a later start on
 another address warns rather than quietly replacing the certificate and breaking every pin.
+
+Beside it, the client CA: the authority that signs users' client certificates (``gpuport token
+create NAME --client-cert DIR``), for clients that speak TLS options but no header, such as Triton's
+examples. It signs nothing else, and the server's certificate is not under it, so pins are unchanged.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import logging
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -98,6 +103,77 @@ def _make_certificate(names: set[str]) -> tuple[bytes, bytes]:
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
+def _pem_pair(cert, key) -> tuple[bytes, bytes]:  # type: ignore[no-untyped-def]
+    from cryptography.hazmat.primitives import serialization
+
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def _make_client_ca() -> tuple[bytes, bytes]:
+    """A CA certificate (and its key) that may sign end-entity certificates only."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuport client CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    usage = dict.fromkeys(
+        ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment", "key_agreement"), False
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=365 * DEFAULT_CERT_VALID_YEARS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(**usage, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return _pem_pair(cert, key)
+
+
+def _make_client_certificate(ca_cert_pem: bytes, ca_key_pem: bytes, user: str) -> tuple[bytes, bytes]:
+    """A client certificate for ``user`` (its common name), signed by the client CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(ca_cert.not_valid_after_utc)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    return _pem_pair(cert, key)
+
+
 def _names_in(cert_pem: bytes) -> frozenset[str]:
     """DNS names and IP addresses the certificate covers."""
     from cryptography import x509
@@ -112,23 +188,51 @@ def _names_in(cert_pem: bytes) -> frozenset[str]:
     return frozenset([d.lower() for d in dns] + [str(ip) for ip in ips])
 
 
-def _write_identity(key_path: Path, cert_path: Path, host: str) -> None:
-    cert_pem, key_pem = _make_certificate(_names_for(host))
-    atomic_write(key_path, key_pem, mode=0o600)
-    atomic_write(cert_path, cert_pem, mode=0o644)
+def _write_missing(key_path: Path, cert_path: Path, ca_key_path: Path, ca_path: Path, host: str) -> None:
+    if not (cert_path.exists() and key_path.exists()):
+        cert_pem, key_pem = _make_certificate(_names_for(host))
+        atomic_write(key_path, key_pem, mode=0o600)
+        atomic_write(cert_path, cert_pem, mode=0o644)
+    if not (ca_path.exists() and ca_key_path.exists()):
+        cert_pem, key_pem = _make_client_ca()
+        atomic_write(ca_key_path, key_pem, mode=0o600)
+        atomic_write(ca_path, cert_pem, mode=0o644)
+
+
+def _run_child(action: str, *args: str) -> str:
+    """Run this module as a child process (see the end of the file) and return what it printed.
+
+    Certificates are made by a child process: a daemon that imported cryptography would hold its
+    9 MB (a ninth of its memory) for as long as it runs, for a few uses in its life."""
+    done = subprocess.run([sys.executable, "-m", __name__, action, *args], capture_output=True, text=True)
+    if done.returncode:
+        raise ServerError(f"could not make a TLS certificate: {done.stderr.strip()[-2000:]}")
+    return done.stdout
+
+
+@dataclass(frozen=True)
+class ClientCertificate:
+    """A user's client certificate and its key, PEM; ``fingerprint`` is the certificate's."""
+
+    cert_pem: bytes
+    key_pem: bytes = field(repr=False)
+    fingerprint: str
+
+
+def issue_client_certificate(state: StateDir, user: str) -> ClientCertificate:
+    """A new key and a certificate for ``user`` signed by the server's client CA. Blocks about 0.2 s."""
+    made = json.loads(_run_child("client", str(state.client_ca_key_path), str(state.client_ca_path), user))
+    cert_pem = made["cert"].encode()
+    return ClientCertificate(cert_pem, made["key"].encode(), fingerprint(cert_pem))
 
 
 def load_or_create_identity(state: StateDir, host: str) -> tuple[TLSIdentity, bool]:
-    """Return the server's TLS identity, creating it on first start; the bool says it was created."""
-    created = False
-    if not (state.cert_path.exists() and state.key_path.exists()):
-        # Made by a child process: a daemon that imported cryptography would hold its 9 MB (a
-        # ninth of its memory) for as long as it runs, for one use on its first start.
-        command = [sys.executable, "-m", __name__, str(state.key_path), str(state.cert_path), host]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            raise ServerError(f"could not make the server's TLS certificate: {done.stderr.strip()[-2000:]}")
-        created = True
+    """Return the server's TLS identity, creating it (and the client CA) on first start; the bool
+    says the identity was created."""
+    created = not (state.cert_path.exists() and state.key_path.exists())
+    if created or not (state.client_ca_path.exists() and state.client_ca_key_path.exists()):
+        paths = (state.key_path, state.cert_path, state.client_ca_key_path, state.client_ca_path)
+        _run_child("identity", *map(str, paths), host)
     cert_pem = state.cert_path.read_bytes()
     identity = TLSIdentity(
         cert_pem=cert_pem,
@@ -138,5 +242,10 @@ def load_or_create_identity(state: StateDir, host: str) -> tuple[TLSIdentity, bo
     return identity, created
 
 
-if __name__ == "__main__":  # python -m gpuport.server.tls KEY_PATH CERT_PATH HOST (see load_or_create_identity)
-    _write_identity(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+if __name__ == "__main__":  # the child process of _run_child
+    if sys.argv[1] == "identity":  # KEY CERT CA_KEY CA_CERT HOST
+        _write_missing(*map(Path, sys.argv[2:6]), sys.argv[6])
+    elif sys.argv[1] == "client":  # CA_KEY CA_CERT USER: prints {"cert": PEM, "key": PEM}
+        ca_key, ca_cert = Path(sys.argv[2]).read_bytes(), Path(sys.argv[3]).read_bytes()
+        cert, key = _make_client_certificate(ca_cert, ca_key, sys.argv[4])
+        print(json.dumps({"cert": cert.decode(), "key": key.decode()}))

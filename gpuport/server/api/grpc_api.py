@@ -25,6 +25,7 @@ from gpuport.protocol.errors import (
     ServerError,
     status_for,
 )
+from gpuport.server.api.callers import grpc_caller
 from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
@@ -41,13 +42,6 @@ _EMPTY = pb.Empty()
 _UPLOAD_QUEUE = 4
 
 Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
-
-
-def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return value  # type: ignore[no-any-return]
-    return None
 
 
 async def _fail(context: grpc.aio.ServicerContext, method: Callable[..., Any], error: Exception) -> None:
@@ -72,7 +66,7 @@ def rpc(method: Handler) -> Handler:
     @functools.wraps(method)
     async def wrapper(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            identity = self.app.auth.authenticate(_authorization(context))
+            identity = grpc_caller(self.app.auth, context)
             return await method(self, request, identity)
         except Exception as e:
             await _fail(context, method, e)
@@ -86,7 +80,7 @@ def stream_rpc(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., Async
     @functools.wraps(method)
     async def wrapper(self: _Servicer, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            identity = self.app.auth.authenticate(_authorization(context))
+            identity = grpc_caller(self.app.auth, context)
             async for reply in self.app.until_revoked(identity.name, method(self, request, identity)):
                 yield reply
         except Exception as e:
@@ -172,8 +166,13 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
 class TokensServicer(_Servicer, pb_grpc.TokensServicer):
     @rpc
     async def Create(self, request: pb.CreateTokenRequest, caller: Identity) -> pb.CreateTokenReply:
-        record, token = self.app.auth.create(caller, request.name, request.admin)
-        return pb.CreateTokenReply(info=token_message(record), token=token)
+        record, token, cert = await self.app.create_token(caller, request.name, request.admin, request.client_cert)
+        reply = pb.CreateTokenReply(info=token_message(record), token=token)
+        if cert is not None:
+            reply.cert_pem, reply.key_pem = cert.cert_pem.decode(), cert.key_pem.decode()
+            reply.server_cert_pem = self.app.state.cert_path.read_text()
+            reply.cert_port = self.app.cert_port
+        return reply
 
     @rpc
     async def List(self, request: pb.ListTokensRequest, caller: Identity) -> pb.TokenList:
@@ -615,11 +614,20 @@ class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
 
 
 def build_grpc_server(
-    app: ServerApp, host: str, port: int, credentials: grpc.ServerCredentials | None
-) -> tuple[grpc.aio.Server, int]:
-    """Build the gRPC server for ``app`` bound to ``host:port`` (0 picks a free port); returns it and its port.
+    app: ServerApp,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None,
+    cert_port: int | None = None,
+    cert_credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int, int]:
+    """Build the gRPC server for ``app`` bound to ``host:port`` (0 picks a free port); returns it,
+    its port and its port for client certificates (0: none).
 
-    ``credentials`` None means plaintext, which the caller allows only on loopback.
+    ``credentials`` None means plaintext, which the caller allows only on loopback. With
+    ``cert_credentials`` (TLS that requires a client certificate) the same services also listen on
+    ``cert_port``: gRPC's TLS either requires client certificates or never asks for one, so clients
+    that authenticate with a certificate have a port of their own.
     """
     server = grpc.aio.server(
         options=[
@@ -642,4 +650,8 @@ def build_grpc_server(
         bound = server.add_insecure_port(address)
     else:
         bound = server.add_secure_port(address, credentials)
-    return server, bound
+    cert_bound = 0
+    if cert_credentials is not None and cert_port is not None:
+        address = f"[{host}]:{cert_port}" if ":" in host else f"{host}:{cert_port}"
+        cert_bound = server.add_secure_port(address, cert_credentials)
+    return server, bound, cert_bound

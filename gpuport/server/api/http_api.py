@@ -24,6 +24,7 @@ from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
+from gpuport.server.api.callers import asgi_caller
 from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 class TokenCreate(BaseModel):
     name: str
     admin: bool = False
+    client_cert: bool = Field(
+        False, description="Also a client certificate that stands for the token (its key is in the reply, once)"
+    )
 
 
 class JobCreate(BaseModel):
@@ -135,7 +139,7 @@ def _caller(
 ) -> Identity:
     header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
     server: ServerApp = request.app.state.gpuport
-    return server.auth.authenticate(header)
+    return asgi_caller(server.auth, request.scope, header)
 
 
 # A route parameter of this type is the authenticated caller.
@@ -168,7 +172,7 @@ class _Guard:
         error: GpuportError | None = None
         try:
             server: ServerApp = scope["app"].state.gpuport
-            server.auth.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+            asgi_caller(server.auth, scope, headers.get(b"authorization", b"").decode("latin-1") or None)
         except AuthenticationError as e:
             client = scope.get("client") or ("?",)
             log.warning("rejected %s %s from %s: %s", scope["method"], scope["path"], client[0], e)
@@ -277,8 +281,16 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.post("/v1/tokens", status_code=201, summary="Create a token (admin); the token is shown once")
     async def create_token(body: TokenCreate, identity: Caller) -> dict[str, Any]:
-        record, token = app.auth.create(identity, body.name, body.admin)
-        return {**dataclasses.asdict(record), "token": token}
+        record, token, cert = await app.create_token(identity, body.name, body.admin, body.client_cert)
+        made = {**dataclasses.asdict(record), "token": token}
+        if cert is not None:
+            made |= {
+                "cert_pem": cert.cert_pem.decode(),
+                "key_pem": cert.key_pem.decode(),
+                "server_cert_pem": app.state.cert_path.read_text(),
+                "cert_port": app.cert_port,
+            }
+        return made
 
     @api.delete(
         "/v1/tokens/{name}", summary="Revoke a token (admin); end_work=true also ends the user's jobs and sessions"

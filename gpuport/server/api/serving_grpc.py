@@ -23,6 +23,7 @@ from gpuport.defaults import MAX_INFER_BYTES
 from gpuport.protocol.datatypes import datatype_of, from_tf_enum, numpy_dtype, tf_enum
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, kserve, tfs
+from gpuport.server.api.callers import grpc_caller
 from gpuport.server.api.serving_http import PLATFORMS
 from gpuport.server.app import ServerApp
 from gpuport.server.services.serving import DeploymentRecord, version_number
@@ -69,8 +70,7 @@ def _unary(app: ServerApp, method: Handler, request_type: Any, response_type: An
     @functools.wraps(method)
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            metadata = dict(context.invocation_metadata() or ())
-            app.auth.authenticate(metadata.get("authorization"))
+            grpc_caller(app.auth, context)
             return await method(app, request)
         except Exception as e:
             if isinstance(e, AuthenticationError):

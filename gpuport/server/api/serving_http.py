@@ -38,6 +38,7 @@ from gpuport.protocol.errors import (
     ServerError,
     status_for,
 )
+from gpuport.server.api.callers import asgi_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, version_number
@@ -74,7 +75,7 @@ def protocol_error(error: Exception) -> JSONResponse:
 
 def _caller(request: Request) -> Identity:
     server: ServerApp = request.app.state.gpuport
-    return server.auth.authenticate(request.headers.get("authorization"))
+    return asgi_caller(server.auth, request.scope, request.headers.get("authorization"))
 
 
 class _Unsupported(InvalidRequest):
@@ -247,7 +248,8 @@ class Predictions:
 
     def _authenticate(self, headers: dict[bytes, bytes], scope: dict[str, Any]) -> Identity:
         try:
-            return self.server.auth.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+            authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+            return asgi_caller(self.server.auth, scope, authorization)
         except AuthenticationError as e:
             client = scope.get("client") or ("?",)
             log.warning("rejected POST %s from %s: %s", scope["path"], client[0], e)

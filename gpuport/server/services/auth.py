@@ -4,6 +4,10 @@ A token is ``gp_`` + 256 random bits, shown once when created. The server keeps 
 (tokens are random, so a slow password hash would add nothing but latency to every call). Each
 token names one user; every object a user creates is owned by that name, and only its owner or an
 admin sees it.
+
+A token may come with a client certificate signed by the server's client CA (``server/tls.py``):
+the TLS layer checks the signature, and the certificate's fingerprint, kept with the token, names
+the user. It is revoked with its token.
 """
 
 from __future__ import annotations
@@ -89,12 +93,16 @@ class AuthService:
             number += 1
         return self._insert(f"{FIRST_ADMIN}-{number}", admin=True)[1]
 
-    def authenticate(self, authorization: str | None) -> Identity:
-        """Return the identity behind an ``Authorization`` value (``Bearer gp_...``).
+    def authenticate(self, authorization: str | None, client_cert: str | None = None) -> Identity:
+        """Return the identity behind an ``Authorization`` value (``Bearer gp_...``), or without one,
+        behind ``client_cert``: the ``sha256:...`` fingerprint of the client certificate the TLS layer
+        verified against the client CA.
 
         Raises ``AuthenticationError`` saying whether the token was missing, malformed, unknown or revoked.
         """
         if not authorization:
+            if client_cert:
+                return self._by_certificate(client_cert)
             raise AuthenticationError("no token was sent")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
@@ -114,8 +122,33 @@ class AuthService:
         self._cache[digest] = identity
         return identity
 
-    def create(self, caller: Identity, name: str, admin: bool) -> tuple[TokenRecord, str]:
-        """Make a token for user ``name``; returns its record and the token, which is never shown again."""
+    def _by_certificate(self, fingerprint: str) -> Identity:
+        key = "cert:" + fingerprint
+        identity = self._cache.get(key)
+        if identity is not None:
+            return identity
+        row = self._store.query_one(
+            "SELECT name, admin, revoked_at FROM tokens WHERE cert_fingerprint = ?", (fingerprint,)
+        )
+        if row is None:
+            raise AuthenticationError("the client certificate is not known to this server")
+        if row["revoked_at"] is not None:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["revoked_at"]))
+            raise AuthenticationError(f"the client certificate of token '{row['name']}' was revoked on {when}")
+        identity = Identity(row["name"], bool(row["admin"]))
+        self._cache[key] = identity
+        return identity
+
+    def create(
+        self, caller: Identity, name: str, admin: bool, cert_fingerprint: str | None = None
+    ) -> tuple[TokenRecord, str]:
+        """Make a token for user ``name``; returns its record and the token, which is never shown again.
+        ``cert_fingerprint``: a client certificate that stands for the token (see ``check_create``)."""
+        self.check_create(caller, name, admin)
+        return self._insert(name, admin, cert_fingerprint)
+
+    def check_create(self, caller: Identity, name: str, admin: bool) -> None:
+        """Raise what ``create`` would for these arguments (before a client certificate is made for it)."""
         caller.require_admin("creating tokens")
         if not admin and self._no_users_because:
             raise InvalidRequest(
@@ -130,15 +163,14 @@ class AuthService:
             )
         if self._store.query_one("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL", (name,)):
             raise Conflict(f"a token named '{name}' already exists — pick another name, or revoke it first")
-        return self._insert(name, admin)
 
-    def _insert(self, name: str, admin: bool) -> tuple[TokenRecord, str]:
+    def _insert(self, name: str, admin: bool, cert_fingerprint: str | None = None) -> tuple[TokenRecord, str]:
         token = TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
         now = time.time()
         with self._store.transaction() as db:
             db.execute(
-                "INSERT INTO tokens (name, hash, admin, created_at) VALUES (?, ?, ?, ?)",
-                (name, _hash(token), int(admin), now),
+                "INSERT INTO tokens (name, hash, admin, created_at, cert_fingerprint) VALUES (?, ?, ?, ?, ?)",
+                (name, _hash(token), int(admin), now, cert_fingerprint),
             )
         return TokenRecord(name, admin, now, None), token
 

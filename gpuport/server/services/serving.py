@@ -379,8 +379,9 @@ class ServingService:
         return max(ready or versions, key=lambda d: d.version, default=None)
 
     def _unknown(self, name: str, version: int) -> str:
-        what = f"model {name!r}" + (f" version {version}" if version else "")
-        return f"no {what} is deployed — `gpuport models` lists them"
+        # The words Triton says, which its clients and their users look for.
+        what = f"'{name}'" + (f" version {version}" if version else "")
+        return f"Request for unknown model: {what} is not found — `gpuport models` lists the deployed ones"
 
     def find(self, name: str, version: int = 0) -> DeploymentRecord:
         d = self._find(name, version)

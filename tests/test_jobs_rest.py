@@ -129,10 +129,12 @@ def test_more_gpus_than_the_server_has_through_every_door(
 ) -> None:
     before = _job_count(admin)
     message = "asked for 3 GPUs; this server has 2 x 16GiB"
-    with pytest.raises(gpuport.ResourceUnavailable, match=message):
+    # Unsatisfiable: no wait would grant it, so not 429 (which clients retry); still a ResourceUnavailable.
+    with pytest.raises(gpuport.Unsatisfiable, match=message) as raised:
         admin.submit(["true"], workdir=None, gpus=3)
+    assert isinstance(raised.value, gpuport.ResourceUnavailable) and isinstance(raised.value, gpuport.InvalidRequest)
     response = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": ["true"], "gpus": 3})
-    assert response.status_code == 429 and response.json()["error"]["message"] == message
+    assert response.status_code == 422 and response.json()["error"] == {"type": "Unsatisfiable", "message": message}
     result = cli("run", "--gpus", "3", "--", "true", cwd=tmp_path, **client_env(server))  # type: ignore[operator]
     assert result.code == 1 and message in result.stderr
     assert _job_count(admin) == before

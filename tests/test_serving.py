@@ -455,14 +455,19 @@ def test_every_protocol_refuses_a_missing_or_wrong_token(
     trained: tuple[gpuport.Job, Path],
 ) -> None:
     """No token, or one the server never issued: 401 over HTTP, UNAUTHENTICATED over gRPC, through each
-    client, with a message that says which. (The tests above predict with a non-admin user's token.)"""
+    client, with a message that says which. (The tests above predict with a non-admin user's token.)
+    Health answers anyone, as probes ask it."""
     from tensorflow_serving.apis import predict_pb2
 
     x, _ = _probe(trained)
     says = {None: "no token was sent", WRONG_TOKEN: "not known to this server"}
 
     for token, message in says.items():
-        for method, path in (("GET", "/v2/models/mlp"), ("POST", "/v1/models/mlp:predict"), ("GET", "/v2")):
+        for method, path in (
+            ("GET", "/v2/models/mlp"),
+            ("POST", "/v1/models/mlp:predict"),
+            ("GET", "/v2/models/stats"),
+        ):
             reply = server.rest(method, path, token=token, json={"instances": x.tolist()})
             assert reply.status_code == 401 and message in reply.json()["error"], (path, reply.text)
         body = {"inputs": [{"name": "features", "shape": [4, 8], "datatype": "FP32", "data": x.ravel().tolist()}]}
@@ -473,7 +478,7 @@ def test_every_protocol_refuses_a_missing_or_wrong_token(
     tensor.set_data_from_numpy(x)
     with _triton_http(server, cert) as client:
         for headers, message in (({}, says[None]), (_bearer(WRONG_TOKEN), says[WRONG_TOKEN])):
-            assert not client.is_server_live(headers=headers)
+            assert client.is_server_live(headers=headers) and client.is_server_ready(headers=headers)
             with pytest.raises(InferenceServerException, match=message) as refused:
                 client.infer("mlp", [tensor], headers=dict(headers))
             assert refused.value.status() == "401"
@@ -486,7 +491,7 @@ def test_every_protocol_refuses_a_missing_or_wrong_token(
         for headers, message in (({}, says[None]), ({"authorization": f"Bearer {WRONG_TOKEN}"}, says[WRONG_TOKEN])):
             for call in (
                 lambda: client.infer("mlp", [tensor], headers=headers),
-                lambda: client.is_server_live(headers=headers),
+                lambda: client.get_model_metadata("mlp", headers=headers),
             ):
                 with pytest.raises(InferenceServerException, match=message) as refused:
                     call()

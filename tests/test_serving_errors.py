@@ -134,8 +134,10 @@ def test_a_model_that_does_not_load_shows_failed_with_the_loaders_error(
     assert "broken.onnx" in str(raised.value) or "Protobuf" in str(raised.value)
     (failed,) = [m for m in admin.models() if m.name == "broken"]
     assert failed.state == "failed" and "did not load" in failed.message
+    assert str(server.state_dir) not in failed.message  # no server paths
     reply = _infer(server, "broken", np.zeros((1, 4), dtype=np.float32))
     assert reply.status_code == 503 and "failed" in reply.json()["error"]
+    assert "did not load" not in reply.json()["error"]  # the loader's words are for its owner and admins
     assert _infer(server, "doubler", np.ones((1, 4), dtype=np.float32)).status_code == 200  # the others serve on
     admin.undeploy("broken")
 

@@ -25,7 +25,17 @@ SERVING = ROOT / "gpuport" / "protocol" / "serving"
 
 # The rpcs we serve, of all that the published services have.
 SERVED = {
-    KSERVE_SERVICE: {"ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"},
+    KSERVE_SERVICE: {
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelInfer",
+        "ModelConfig",
+        "ModelStatistics",
+        "RepositoryIndex",
+    },
     TFS_SERVICE: {"Predict", "GetModelMetadata"},
 }
 
@@ -33,6 +43,62 @@ SERVED = {
 LEFT_OUT = {
     # Its TypeSpecProto needs all of struct.proto; composite (ragged, ...) tensors are not served.
     "tensorflow.TensorInfo.composite_tensor",
+    # gpuport's statistics: no memory usage or per-response (decoupled models') figures.
+    "inference.ModelStatistics.memory_usage",
+    "inference.ModelStatistics.response_stats",
+    # Of Triton's model configuration, what gpuport's deployments have: no reshapes, ragged or shape
+    # tensors, sequence or ensemble scheduling, priorities, warmup, repository agents, caches ...
+    *(
+        f"inference.ModelInput.{name}"
+        for name in (
+            "format",
+            "reshape",
+            "is_shape_tensor",
+            "allow_ragged_batch",
+            "optional",
+            "is_non_linear_format_io",
+        )
+    ),
+    *(
+        f"inference.ModelOutput.{name}"
+        for name in ("reshape", "label_filename", "is_shape_tensor", "is_non_linear_format_io")
+    ),
+    *(
+        f"inference.ModelDynamicBatching.{name}"
+        for name in (
+            "preserve_ordering",
+            "priority_levels",
+            "default_priority_level",
+            "default_queue_policy",
+            "priority_queue_policy",
+        )
+    ),
+    *(
+        f"inference.ModelInstanceGroup.{name}"
+        for name in ("rate_limiter", "secondary_devices", "profile", "passive", "host_policy")
+    ),
+    *(
+        f"inference.ModelConfig.{name}"
+        for name in (
+            "runtime",
+            "version_policy",
+            "batch_input",
+            "batch_output",
+            "optimization",
+            "sequence_batching",
+            "ensemble_scheduling",
+            "default_model_filename",
+            "cc_model_filenames",
+            "metric_tags",
+            "parameters",
+            "model_warmup",
+            "model_operations",
+            "model_transaction_policy",
+            "model_repository_agents",
+            "response_cache",
+            "model_metrics",
+        )
+    ),
 }
 
 # Our files' packages: a message directly in one of them is a namespace member.
@@ -76,12 +142,15 @@ def import_both_orders() -> Iterator[subprocess.Popen[str]]:
 def published() -> SimpleNamespace:
     """The clients' own generated modules (tensorflow_serving's import TensorFlow: seconds)."""
     service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    from tritonclient.grpc import model_config_pb2
+
     pytest.importorskip("tensorflow_serving.apis")
     from tensorflow.core.framework import resource_handle_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
     from tensorflow.core.protobuf import meta_graph_pb2
     from tensorflow_serving.apis import get_model_metadata_pb2, model_pb2, predict_pb2, prediction_service_pb2
 
     modules = [
+        model_config_pb2,
         service_pb2,
         model_pb2,
         predict_pb2,

@@ -47,7 +47,7 @@ def models(server: RunningServer, tmp_path_factory: pytest.TempPathFactory) -> I
     """``simple`` and ``simple_string``, deployed by the admin."""
     folder = tmp_path_factory.mktemp("simple")
     with server.connect() as gpu:
-        gpu.deploy("simple", _pickled(folder / "simple", simple.Simple()))
+        gpu.deploy("simple", _pickled(folder / "simple", simple.Simple()), max_batch_size=8)
         gpu.deploy("simple_string", _pickled(folder / "simple_string", simple.SimpleString()))
         try:
             yield
@@ -248,3 +248,127 @@ def test_a_certificate_the_server_did_not_sign_is_refused(server: RunningServer,
         with pytest.raises(InferenceServerException) as raised:
             client.infer("simple", _simple_inputs(triton_grpc)[0], headers=bearer)
         assert raised.value.status() == "StatusCode.UNAVAILABLE"
+
+
+# ---- Triton's extensions -------------------------------------------------------------------------------
+
+
+def test_statistics_configuration_and_the_repository_index(server: RunningServer, certificate: Path) -> None:
+    """get_inference_statistics, get_model_config and get_model_repository_index, over both protocols:
+    the counts follow the predictions made; shared memory is refused by name."""
+    with _http_client(server, certificate) as client:
+        before = client.get_inference_statistics("simple")["model_stats"][0]
+        for _ in range(3):
+            client.infer("simple", _simple_inputs(triton_http)[0])
+        with pytest.raises(InferenceServerException):  # a wrong shape fails before the batcher: not counted
+            bad = triton_http.InferInput("INPUT0", [1, 3], "INT32")
+            bad.set_data_from_numpy(np.zeros((1, 3), dtype=np.int32))
+            client.infer("simple", [bad, _simple_inputs(triton_http)[0][1]])
+        (stats,) = client.get_inference_statistics("simple")["model_stats"]
+        assert stats["name"] == "simple" and stats["version"] == "1"
+        success = stats["inference_stats"]["success"]
+        assert success["count"] == before["inference_stats"]["success"]["count"] + 3 and success["ns"] > 0
+        assert stats["inference_count"] >= 3 and stats["execution_count"] >= 1 and stats["last_inference"] > 0
+        for part in ("queue", "compute_input", "compute_infer", "compute_output"):
+            assert stats["inference_stats"][part]["count"] >= 3, part
+        assert any(b["batch_size"] == 1 and b["compute_infer"]["count"] >= 1 for b in stats["batch_stats"])
+        every = client.get_inference_statistics()["model_stats"]
+        assert {"simple", "simple_string"} <= {s["name"] for s in every}
+
+        config = client.get_model_config("simple")
+        assert config["name"] == "simple" and config["platform"] == "python"
+        assert config["max_batch_size"] == 8 and config["dynamic_batching"]["max_queue_delay_microseconds"] > 0
+        assert config["input"] == [
+            {"name": "INPUT0", "data_type": "TYPE_INT32", "dims": [16]},
+            {"name": "INPUT1", "data_type": "TYPE_INT32", "dims": [16]},
+        ]
+        index = client.get_model_repository_index()
+        assert {"name": "simple", "version": "1", "state": "READY", "reason": ""} in index
+        assert "statistics" in client.get_server_metadata()["extensions"]
+
+        with pytest.raises(InferenceServerException, match="shared memory is refused"):
+            client.register_system_shared_memory("region", "/key", 64)
+
+    with _grpc_client(server, certificate) as client:
+        (stats,) = client.get_inference_statistics("simple", as_json=True)["model_stats"]
+        assert int(stats["inference_stats"]["success"]["count"]) >= 3
+        config = client.get_model_config("simple", as_json=True)["config"]
+        assert config["max_batch_size"] == 8 and [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"]
+        index = client.get_model_repository_index(as_json=True)["models"]
+        assert {"name": "simple", "version": "1", "state": "READY"} in index
+        assert "model_configuration" in client.get_server_metadata().extensions
+        with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found"):
+            client.get_model_config("nope")
+
+
+# ---- what needs no credentials -------------------------------------------------------------------------
+
+
+def test_a_public_model_needs_no_credentials_and_health_none(
+    server: RunningServer, admin: gpuport.Client, tmp_path: Path, models: None
+) -> None:
+    """--public: predictions and metadata without credentials over both protocols (TLS still on);
+    the other models still refuse such a caller. Health answers anyone."""
+    admin.deploy("simple_public", _pickled(tmp_path / "m", simple.Simple()), public=True)
+    try:
+        assert admin.model("simple_public").public and not admin.model("simple").public
+        root = str(server.state_dir / "tls" / "cert.pem")
+        with triton_http.InferenceServerClient(
+            url=_address(server.http_url), ssl=True, ssl_options={"ca_certs": root}
+        ) as client:
+            assert client.is_server_live() and client.get_server_metadata()["name"] == "gpuport"
+            assert client.is_model_ready("simple_public") and client.get_model_metadata("simple_public")
+            inputs, a, b = _simple_inputs(triton_http)
+            assert (client.infer("simple_public", inputs).as_numpy("OUTPUT0") == a + b).all()
+            with pytest.raises(InferenceServerException, match="no token was sent"):
+                client.infer("simple", inputs)
+            with pytest.raises(InferenceServerException, match="no token was sent"):
+                client.get_model_metadata("simple")
+        with triton_grpc.InferenceServerClient(url=_address(server.url), ssl=True, root_certificates=root) as client:
+            assert client.is_server_live()
+            inputs, a, b = _simple_inputs(triton_grpc)
+            assert (client.infer("simple_public", inputs).as_numpy("OUTPUT1") == a - b).all()
+            with pytest.raises(InferenceServerException, match="no token was sent") as raised:
+                client.infer("simple", inputs)
+            assert raised.value.status() == "StatusCode.UNAUTHENTICATED"
+        # TF Serving's REST predict, as curl would post it
+        body = {"inputs": {"INPUT0": a.tolist(), "INPUT1": b.tolist()}}
+        reply = server.rest("POST", "/v1/models/simple_public:predict", json=body)
+        assert reply.status_code == 200 and reply.json()["outputs"]["OUTPUT0"] == (a + b).tolist()
+        assert server.rest("POST", "/v1/models/simple:predict", json=body).status_code == 401
+        # Deploying still needs a token.
+        assert server.rest("GET", "/v1/status").status_code == 401
+    finally:
+        admin.undeploy("simple_public")
+
+
+def test_readiness_follows_the_deployments_and_a_failure_is_its_owners_to_read(tmp_path: Path, cli: Any) -> None:
+    """/v2/health/ready and ServerReady are false while a deployment failed, true once it is gone;
+    the loader's error reaches its owner and admins only (not another user, nor an anonymous status)."""
+    from tests.conftest import start_server
+
+    own = start_server(tmp_path / "state")
+    try:
+        root = str(own.state_dir / "tls" / "cert.pem")
+        assert own.rest("GET", "/v2/health/ready").json() == {"ready": True}
+        broken = tmp_path / "broken.onnx"
+        broken.write_bytes(b"not an ONNX model")
+        with own.connect() as admin:
+            with pytest.raises(gpuport.ServerError, match="did not load"):
+                admin.deploy("broken", broken)
+            reply = own.rest("GET", "/v2/health/ready")
+            assert reply.status_code == 400 and reply.json() == {"ready": False}
+            with triton_grpc.InferenceServerClient(url=_address(own.url), ssl=True, root_certificates=root) as c:
+                assert c.is_server_live() and not c.is_server_ready()
+            assert "did not load" in admin.model("broken").message
+            status = own.rest("GET", "/v1/models/broken").json()["model_version_status"][0]
+            assert status["state"] == "END" and "did not load" not in status["status"]["error_message"]
+            needs_users()
+            other = admin.create_token("bob").token
+            with own.connect(other) as bob:
+                (seen,) = bob.models()
+                assert seen.state == "failed" and "did not load" not in seen.message and "owner" in seen.message
+            admin.undeploy("broken")
+            assert own.rest("GET", "/v2/health/ready").json() == {"ready": True}
+    finally:
+        own.stop()

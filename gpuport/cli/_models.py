@@ -29,6 +29,11 @@ from gpuport.protocol.units import format_duration, format_size
 @click.option("--max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, show_default=True, help="0: no batching.")
 @click.option("--max-queue-delay", default="2ms", show_default=True, help="Longest wait for a batch to fill.")
 @click.option("--replicas", type=int, default=1, show_default=True, help="Model workers behind one queue.")
+@click.option(
+    "--public",
+    is_flag=True,
+    help="Predictions and metadata need no credentials (TLS still on); deploying and undeploying still do.",
+)
 @click.option("--no-wait", is_flag=True, help="Return once deploying started, not once the model is ready.")
 @json_option
 @click.pass_context
@@ -45,6 +50,7 @@ def deploy_command(
     max_batch_size: int,
     max_queue_delay: str,
     replicas: int,
+    public: bool,
     no_wait: bool,
     as_json: bool,
 ) -> None:
@@ -65,6 +71,7 @@ def deploy_command(
         max_batch_size=max_batch_size,
         max_queue_delay=max_queue_delay,
         replicas=replicas,
+        public=public,
         wait=not no_wait,
     )
     if as_json:

@@ -526,6 +526,7 @@ class Client:
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_queue_delay: float | str = DEFAULT_MAX_QUEUE_DELAY,
         replicas: int = 1,
+        public: bool = False,
         wait: bool = True,
         timeout: float = 600.0,
     ) -> ModelInfo:
@@ -535,7 +536,8 @@ class Client:
         (a job's output), or a pushed snapshot's name (``"NAME"`` or ``"NAME:path/in/it"``). Formats:
         a SavedModel folder, a ``.keras`` file, TorchScript, ONNX, or a pickled Python class with
         ``predict``. With ``wait`` (the default) returns once the model is ready, and raises
-        ``ServerError`` with the loader's message when it failed to load.
+        ``ServerError`` with the loader's message when it failed to load. A ``public`` model's
+        predictions and metadata need no credentials (over TLS still); deploying and undeploying do.
         """
         local = Path(os.fspath(source)).expanduser()
         text = os.fspath(source)
@@ -555,6 +557,7 @@ class Client:
             max_batch_size=max_batch_size,
             max_queue_delay=parse_duration(max_queue_delay),
             replicas=replicas,
+            public=public,
         )
         info = ModelInfo.from_message(self._call(self._models.Deploy, request))
         if not wait:

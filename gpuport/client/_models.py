@@ -42,6 +42,7 @@ class ModelInfo:
     rows: int = 0
     failed_batches: int = 0
     queue_length: int = 0
+    public: bool = False  # predictions and metadata need no credentials
 
     @property
     def mean_batch_size(self) -> float:
@@ -76,4 +77,5 @@ class ModelInfo:
             rows=m.rows,
             failed_batches=m.failed_batches,
             queue_length=m.queue_length,
+            public=m.public,
         )

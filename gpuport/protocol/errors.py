@@ -12,9 +12,12 @@ Every error is a ``GpuportError``; catch that to catch them all. The tree::
     ├── PermissionDenied         a valid token, but not allowed to do this (admin only, not yours)
     ├── NotFound                 no such job, token, model ... (or not visible to you)
     ├── InvalidRequest           the request itself is wrong: bad name, size, path, option
-    │   └── IncompatibleVersions client and server Pythons cannot exchange pickles (sessions)
+    │   ├── IncompatibleVersions client and server Pythons cannot exchange pickles (sessions)
+    │   └── Unsatisfiable        more than the server has at all (also a ResourceUnavailable)
     ├── Conflict                 the request clashes with the current state (name taken, ...)
     ├── ResourceUnavailable      asks for more than this server has or will give
+    │   ├── Overloaded           too much waits already (a model's queue): retry later
+    │   └── NotReady             what it needs is loading, restarting or failed (a model)
     ├── RemoteError              the user's own code failed on the server (carries its traceback)
     ├── WorkerDied               a session's worker process died in a call (signal, exit code, stderr)
     │   └── CallTimeout          a call ran past its timeout (also a ``TimeoutError``)
@@ -41,12 +44,15 @@ __all__ = [
     "IncompatibleVersions",
     "InvalidRequest",
     "NotFound",
+    "NotReady",
+    "Overloaded",
     "PermissionDenied",
     "RemoteError",
     "ResourceUnavailable",
     "ServerError",
     "ServerUnreachable",
     "TLSError",
+    "Unsatisfiable",
     "WaitTimeout",
     "WorkerDied",
 ]
@@ -111,6 +117,20 @@ class ResourceUnavailable(GpuportError):
     """The request asks for more than the server has or will grant (GPUs, memory, quota, size)."""
 
 
+class Overloaded(ResourceUnavailable):
+    """Too much waits already (a model's queue is full): retry later (HTTP 429)."""
+
+
+class NotReady(ResourceUnavailable):
+    """What the request needs is loading, restarting or failed (a model): not the caller's fault,
+    and no wait of the caller's own makes it ready (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+class Unsatisfiable(InvalidRequest, ResourceUnavailable):
+    """The request asks for more than the server (or its largest node) has at all, so that no wait
+    would grant it: more GPUs, CPUs or memory than exist (HTTP 422; clients do not retry it)."""
+
+
 class IncompatibleVersions(InvalidRequest):
     """Client and server differ in Python minor version or cloudpickle major version, so that the
     functions and objects one pickles cannot be read by the other (sessions and remote functions)."""
@@ -171,13 +191,18 @@ ERROR_TABLE: dict[type[GpuportError], tuple[grpc.StatusCode, int]] = {
     InvalidRequest: (grpc.StatusCode.INVALID_ARGUMENT, 400),
     Conflict: (grpc.StatusCode.ALREADY_EXISTS, 409),
     ResourceUnavailable: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    Overloaded: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    NotReady: (grpc.StatusCode.UNAVAILABLE, 503),
+    Unsatisfiable: (grpc.StatusCode.INVALID_ARGUMENT, 422),
     RemoteError: (grpc.StatusCode.ABORTED, 500),
     WaitTimeout: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     ServerError: (grpc.StatusCode.INTERNAL, 500),
 }
 
 _BY_NAME: dict[str, type[GpuportError]] = {cls.__name__: cls for cls in ERROR_TABLE}
-_BY_CODE: dict[grpc.StatusCode, type[GpuportError]] = {code: cls for cls, (code, _) in ERROR_TABLE.items()}
+_BY_CODE: dict[grpc.StatusCode, type[GpuportError]] = {}
+for _cls, (_code, _) in ERROR_TABLE.items():
+    _BY_CODE.setdefault(_code, _cls)  # a status code without a name: the first (most general) class
 
 
 def status_for(error: GpuportError) -> tuple[grpc.StatusCode, int]:

@@ -723,7 +723,7 @@ class OutputChunk(_message.Message):
     def __init__(self, fd: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("name", "source", "version", "format", "gpus", "gpu_memory", "cpus", "memory", "max_batch_size", "max_queue_delay", "replicas")
+    __slots__ = ("name", "source", "version", "format", "gpus", "gpu_memory", "cpus", "memory", "max_batch_size", "max_queue_delay", "replicas", "public")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -735,6 +735,7 @@ class DeployRequest(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DELAY_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     version: int
@@ -746,7 +747,8 @@ class DeployRequest(_message.Message):
     max_batch_size: int
     max_queue_delay: float
     replicas: int
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ...) -> None: ...
+    public: bool
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., public: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
@@ -759,7 +761,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at", "requests", "batches", "rows", "failed_batches", "queue_length")
+    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at", "requests", "batches", "rows", "failed_batches", "queue_length", "public")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -782,6 +784,7 @@ class ModelInfo(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     FAILED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     version: int
@@ -804,7 +807,8 @@ class ModelInfo(_message.Message):
     rows: int
     failed_batches: int
     queue_length: int
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., failed_batches: _Optional[int] = ..., queue_length: _Optional[int] = ...) -> None: ...
+    public: bool
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., failed_batches: _Optional[int] = ..., queue_length: _Optional[int] = ..., public: _Optional[bool] = ...) -> None: ...
 
 class ModelRef(_message.Message):
     __slots__ = ("name", "version")

@@ -32,7 +32,7 @@ from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
 from gpuport.server.services.quotas import QuotaRecord
-from gpuport.server.services.serving import DeploymentRecord, DeploySpec
+from gpuport.server.services.serving import DeploymentRecord, DeploySpec, message_for
 from gpuport.server.services.sessions import CallIn, CallOut, SessionRecord, SessionSpec, Value
 from gpuport.server.services.snapshots import Entry, SnapshotRecord
 
@@ -548,7 +548,8 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
             yield pb.OutputChunk(fd=fd, offset=offset, data=data, state=state)
 
 
-def model_message(record: DeploymentRecord) -> pb.ModelInfo:
+def model_message(record: DeploymentRecord, caller: Identity) -> pb.ModelInfo:
+    """``record`` as ``caller`` may see it: why it failed only for its owner and admins."""
     spec = record.spec
 
     def tensors(specs: list[dict[str, Any]]) -> list[pb.TensorSpec]:
@@ -562,7 +563,7 @@ def model_message(record: DeploymentRecord) -> pb.ModelInfo:
         source=record.source,
         format=record.format,
         state=record.state,
-        message=record.message,
+        message=message_for(record, caller),
         inputs=tensors(record.inputs),
         outputs=tensors(record.outputs),
         max_batch_size=spec["max_batch_size"],
@@ -577,6 +578,7 @@ def model_message(record: DeploymentRecord) -> pb.ModelInfo:
         rows=record.stats.rows,
         failed_batches=record.stats.failed_batches,
         queue_length=record.stats.queue_length,
+        public=bool(spec.get("public")),
     )
 
 
@@ -595,21 +597,22 @@ class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
             max_batch_size=request.max_batch_size,
             max_queue_delay=request.max_queue_delay,
             replicas=request.replicas or 1,
+            public=request.public,
         )
-        return model_message(self.app.serving.deploy(caller, spec))
+        return model_message(self.app.serving.deploy(caller, spec), caller)
 
     @rpc
     async def Get(self, request: pb.ModelRef, caller: Identity) -> pb.ModelInfo:
-        return model_message(self.app.serving.find(request.name, request.version))
+        return model_message(self.app.serving.find(request.name, request.version), caller)
 
     @rpc
     async def List(self, request: pb.Empty, caller: Identity) -> pb.ModelList:
-        return pb.ModelList(models=[model_message(d) for d in self.app.serving.list()])
+        return pb.ModelList(models=[model_message(d, caller) for d in self.app.serving.list()])
 
     @rpc
     async def Undeploy(self, request: pb.ModelRef, caller: Identity) -> pb.ModelList:
         return pb.ModelList(
-            models=[model_message(d) for d in self.app.serving.undeploy(caller, request.name, request.version)]
+            models=[model_message(d, caller) for d in self.app.serving.undeploy(caller, request.name, request.version)]
         )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from gpuport._version import __version__
 from gpuport.defaults import MAX_INFER_BYTES
@@ -24,9 +25,10 @@ from gpuport.protocol.datatypes import datatype_of, from_tf_enum, numpy_dtype, t
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
 from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, kserve, tfs
 from gpuport.server.api.callers import grpc_caller
-from gpuport.server.api.serving_http import PLATFORMS
 from gpuport.server.app import ServerApp
+from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, version_number
+from gpuport.server.serving import triton
 from gpuport.server.worker.model import pack_bytes, unpack_bytes
 
 log = logging.getLogger(__name__)
@@ -63,15 +65,25 @@ _TF_VALUES = {
     "FP16": "half_val",
 }
 
-Handler = Callable[[ServerApp, Any], Awaitable[Any]]
+Handler = Callable[[ServerApp, Any, Identity | None], Awaitable[Any]]
+# Who may call a method: anyone (health), anyone for a public model (the model a request names, as
+# (name, version) from the request), or a caller with credentials.
+ANYONE = "anyone"
+_Model = Callable[[Any], tuple[str, str]]
 
 
-def _unary(app: ServerApp, method: Handler, request_type: Any, response_type: Any) -> grpc.RpcMethodHandler:
+def _unary(
+    app: ServerApp, method: Handler, request_type: Any, response_type: Any, who: str | _Model = ""
+) -> grpc.RpcMethodHandler:
     @functools.wraps(method)
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            grpc_caller(app.auth, context)
-            return await method(app, request)
+            caller = None
+            if who != ANYONE:
+                name, version = who(request) if callable(who) else ("", "")
+                if not (name and app.serving.is_public(name, version_number(version))):
+                    caller = grpc_caller(app.auth, context)
+            return await method(app, request, caller)
         except Exception as e:
             if isinstance(e, AuthenticationError):
                 log.warning("rejected a prediction call from %s: %s", context.peer(), e)
@@ -79,13 +91,24 @@ def _unary(app: ServerApp, method: Handler, request_type: Any, response_type: An
                 log.exception("%s failed", method.__name__)
                 e = ServerError("internal server error — the server's log has the details")
             code, _ = status_for(e)  # type: ignore[arg-type]
-            if "still loading" in str(e) or " failed: " in str(e):
-                code = grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(e))
 
     return grpc.unary_unary_rpc_method_handler(
         handle, request_deserializer=request_type.FromString, response_serializer=response_type.SerializeToString
     )
+
+
+def _named(request: Any) -> tuple[str, str]:
+    return request.name, request.version
+
+
+def _infer_named(request: Any) -> tuple[str, str]:
+    return request.model_name, request.model_version
+
+
+def _spec_named(request: Any) -> tuple[str, str]:
+    spec = request.model_spec
+    return spec.name, str(spec.version.value) if spec.HasField("version") else ""
 
 
 def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
@@ -95,20 +118,31 @@ def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
             grpc.method_handlers_generic_handler(
                 KSERVE_SERVICE,
                 {
-                    "ServerLive": _unary(app, _server_live, k.ServerLiveRequest, k.ServerLiveResponse),
-                    "ServerReady": _unary(app, _server_ready, k.ServerReadyRequest, k.ServerReadyResponse),
-                    "ServerMetadata": _unary(app, _server_metadata, k.ServerMetadataRequest, k.ServerMetadataResponse),
-                    "ModelReady": _unary(app, _model_ready, k.ModelReadyRequest, k.ModelReadyResponse),
-                    "ModelMetadata": _unary(app, _model_metadata, k.ModelMetadataRequest, k.ModelMetadataResponse),
-                    "ModelInfer": _unary(app, _model_infer, k.ModelInferRequest, k.ModelInferResponse),
+                    "ServerLive": _unary(app, _server_live, k.ServerLiveRequest, k.ServerLiveResponse, ANYONE),
+                    "ServerReady": _unary(app, _server_ready, k.ServerReadyRequest, k.ServerReadyResponse, ANYONE),
+                    "ServerMetadata": _unary(
+                        app, _server_metadata, k.ServerMetadataRequest, k.ServerMetadataResponse, ANYONE
+                    ),
+                    "ModelReady": _unary(app, _model_ready, k.ModelReadyRequest, k.ModelReadyResponse, _named),
+                    "ModelMetadata": _unary(
+                        app, _model_metadata, k.ModelMetadataRequest, k.ModelMetadataResponse, _named
+                    ),
+                    "ModelInfer": _unary(app, _model_infer, k.ModelInferRequest, k.ModelInferResponse, _infer_named),
+                    "ModelConfig": _unary(app, _model_config, k.ModelConfigRequest, k.ModelConfigResponse, _named),
+                    "ModelStatistics": _unary(
+                        app, _model_statistics, k.ModelStatisticsRequest, k.ModelStatisticsResponse, _named
+                    ),
+                    "RepositoryIndex": _unary(
+                        app, _repository_index, k.RepositoryIndexRequest, k.RepositoryIndexResponse
+                    ),
                 },
             ),
             grpc.method_handlers_generic_handler(
                 TFS_SERVICE,
                 {
-                    "Predict": _unary(app, _predict, t.PredictRequest, t.PredictResponse),
+                    "Predict": _unary(app, _predict, t.PredictRequest, t.PredictResponse, _spec_named),
                     "GetModelMetadata": _unary(
-                        app, _get_model_metadata, t.GetModelMetadataRequest, t.GetModelMetadataResponse
+                        app, _get_model_metadata, t.GetModelMetadataRequest, t.GetModelMetadataResponse, _spec_named
                     ),
                 },
             ),
@@ -119,30 +153,50 @@ def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
 # ---- KServe v2 ---------------------------------------------------------------------------------------
 
 
-async def _server_live(app: ServerApp, request: Any) -> Any:
+async def _server_live(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     return kserve.ServerLiveResponse(live=True)
 
 
-async def _server_ready(app: ServerApp, request: Any) -> Any:
-    return kserve.ServerReadyResponse(ready=True)
+async def _server_ready(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+    return kserve.ServerReadyResponse(ready=app.serving.all_ready())
 
 
-async def _server_metadata(app: ServerApp, request: Any) -> Any:
-    return kserve.ServerMetadataResponse(name="gpuport", version=__version__, extensions=["binary_tensor_data"])
+async def _server_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+    return kserve.ServerMetadataResponse(name="gpuport", version=__version__, extensions=list(triton.EXTENSIONS))
 
 
-async def _model_ready(app: ServerApp, request: Any) -> Any:
+async def _model_config(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+    d = app.serving.find(request.name, version_number(request.version))
+    return json_format.ParseDict({"config": triton.model_config(d)}, kserve.ModelConfigResponse())
+
+
+async def _model_statistics(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+    found = app.serving.statistics(request.name, version_number(request.version))
+    return json_format.ParseDict(triton.model_statistics(found), kserve.ModelStatisticsResponse())
+
+
+async def _repository_index(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+    assert caller is not None  # the method needs credentials
+    if request.repository_name:
+        raise InvalidRequest(f"repository {request.repository_name!r}: gpuport has one, unnamed")
+    records = app.serving.list()
+    shown = {d.id for d in records if caller.admin or d.owner == caller.name}
+    index = triton.repository_index(records, request.ready, shown)
+    return json_format.ParseDict({"models": index}, kserve.RepositoryIndexResponse())
+
+
+async def _model_ready(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     d = app.serving.find(request.name, version_number(request.version))
     return kserve.ModelReadyResponse(ready=d.state == "ready")
 
 
-async def _model_metadata(app: ServerApp, request: Any) -> Any:
+async def _model_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     d = app.serving.find(request.name, version_number(request.version))
     meta = kserve.ModelMetadataResponse.TensorMetadata
     return kserve.ModelMetadataResponse(
         name=d.name,
         versions=[str(v) for v in app.serving.versions(d.name)],
-        platform=PLATFORMS.get(d.format, d.format),
+        platform=triton.platform(d),
         inputs=[meta(name=s["name"], datatype=s["datatype"], shape=s["shape"]) for s in d.inputs],
         outputs=[meta(name=s["name"], datatype=s["datatype"], shape=s["shape"]) for s in d.outputs],
     )
@@ -179,7 +233,7 @@ def _kserve_input(tensor: Any, raw: bytes | None) -> np.ndarray:
     return array.reshape(shape)
 
 
-async def _model_infer(app: ServerApp, request: Any) -> Any:
+async def _model_infer(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
     d = app.serving.endpoint(request.model_name, version_number(request.model_version))
@@ -251,7 +305,7 @@ def _tensor_proto(array: np.ndarray) -> Any:
     return proto
 
 
-async def _predict(app: ServerApp, request: Any) -> Any:
+async def _predict(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
     spec = request.model_spec
@@ -286,7 +340,7 @@ def signature_def(d: DeploymentRecord) -> Any:
     return signature
 
 
-async def _get_model_metadata(app: ServerApp, request: Any) -> Any:
+async def _get_model_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     spec = request.model_spec
     version = spec.version.value if spec.HasField("version") else 0
     d = app.serving.find(spec.name, version)

@@ -34,24 +34,15 @@ from gpuport.protocol.errors import (
     GpuportError,
     InvalidRequest,
     NotFound,
-    ResourceUnavailable,
     ServerError,
     status_for,
 )
 from gpuport.server.api.callers import asgi_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.serving import DeploymentRecord, version_number
-from gpuport.server.serving import codecs
+from gpuport.server.services.serving import DeploymentRecord, message_for, version_number
+from gpuport.server.serving import codecs, triton
 
-# What KServe's model metadata calls each format (Triton's platform names).
-PLATFORMS = {
-    "savedmodel": "tensorflow_savedmodel",
-    "keras": "tensorflow_keras",
-    "torchscript": "pytorch_libtorch",
-    "onnx": "onnxruntime_onnx",
-    "python": "python",
-}
 _HEADER_LENGTH = b"inference-header-content-length"  # as ASGI gives header names: lower case
 
 log = logging.getLogger(__name__)
@@ -61,9 +52,7 @@ def _status(error: GpuportError) -> int:
     """The HTTP status of ``error`` as the prediction protocols answer it."""
     if isinstance(error, (_TooLarge, _Unsupported)):
         return 413 if isinstance(error, _TooLarge) else 415
-    if isinstance(error, ResourceUnavailable) and "overloaded" not in str(error):
-        return 503  # loading, failed, restarting: not the caller's fault
-    return status_for(error)[1]
+    return status_for(error)[1]  # NotReady (loading, failed, restarting): 503; Overloaded: 429
 
 
 def protocol_error(error: Exception) -> JSONResponse:
@@ -76,6 +65,14 @@ def protocol_error(error: Exception) -> JSONResponse:
 def _caller(request: Request) -> Identity:
     server: ServerApp = request.app.state.gpuport
     return asgi_caller(server.auth, request.scope, request.headers.get("authorization"))
+
+
+def _caller_if_any(request: Request) -> Identity | None:
+    """The caller where it sent valid credentials, else None (an open route's anonymous caller)."""
+    try:
+        return _caller(request)
+    except AuthenticationError:
+        return None
 
 
 class _Unsupported(InvalidRequest):
@@ -91,12 +88,29 @@ class _TooLarge(InvalidRequest):
 
 
 def _answered(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-    """Authenticate the caller, then run ``handler``; a GpuportError becomes the protocol's error."""
+    """Authenticate the caller (unless the model the URL names is public), then run ``handler``; a
+    GpuportError becomes the protocol's error."""
 
     @functools.wraps(handler)
     async def answer(request: Request, **params: str) -> Response:
         try:
-            _caller(request)
+            name = request.path_params.get("name")
+            version = request.path_params.get("version", "")
+            if name is None or not _server(request).serving.is_public(name, version_number(version)):
+                _caller(request)
+            return await handler(request, **params)
+        except GpuportError as e:
+            return protocol_error(e)
+
+    return answer
+
+
+def _anyone(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    """Run ``handler`` for any caller, with or without credentials: health, as probes ask it."""
+
+    @functools.wraps(handler)
+    async def answer(request: Request, **params: str) -> Response:
+        try:
             return await handler(request, **params)
         except GpuportError as e:
             return protocol_error(e)
@@ -119,20 +133,82 @@ def add_serving_routes(api: FastAPI) -> None:
 
     # ---- KServe v2 ------------------------------------------------------------------------------
 
-    @api.get("/v2", summary="KServe v2: server metadata", tags=kserve)
-    @_answered
+    @api.get("/v2", summary="KServe v2: server metadata (needs no credentials)", tags=kserve)
+    @_anyone
     async def server_metadata(request: Request) -> Response:
-        return JSONResponse({"name": "gpuport", "version": __version__, "extensions": ["binary_tensor_data"]})
+        return JSONResponse({"name": "gpuport", "version": __version__, "extensions": list(triton.EXTENSIONS)})
 
-    @api.get("/v2/health/live", summary="KServe v2: the server is up", tags=kserve)
-    @_answered
+    @api.get("/v2/health/live", summary="KServe v2: the server is up (needs no credentials)", tags=kserve)
+    @_anyone
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
 
-    @api.get("/v2/health/ready", summary="KServe v2: the server takes predictions", tags=kserve)
-    @_answered
+    @api.get(
+        "/v2/health/ready",
+        summary="KServe v2: every model is ready (none loading or failed); needs no credentials",
+        tags=kserve,
+    )
+    @_anyone
     async def ready(request: Request) -> Response:
-        return JSONResponse({"ready": True})
+        ok = _server(request).serving.all_ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 400)
+
+    # Before /v2/models/{name}, which would take "stats" for a model's name.
+    @api.get("/v2/models/stats", summary="KServe v2 (Triton's statistics extension): every model", tags=kserve)
+    @api.get("/v2/models/{name}/stats", summary="KServe v2 (Triton's statistics extension)", tags=kserve)
+    @api.get(
+        "/v2/models/{name}/versions/{version}/stats", summary="KServe v2 (Triton's statistics extension)", tags=kserve
+    )
+    @_answered
+    async def model_statistics(request: Request) -> Response:
+        name = request.path_params.get("name", "")
+        version = version_number(request.path_params.get("version", ""))
+        return JSONResponse(triton.model_statistics(_server(request).serving.statistics(name, version)))
+
+    @api.get("/v2/models/{name}/config", summary="KServe v2 (Triton's model configuration extension)", tags=kserve)
+    @api.get(
+        "/v2/models/{name}/versions/{version}/config",
+        summary="KServe v2 (Triton's model configuration extension)",
+        tags=kserve,
+    )
+    @_answered
+    async def model_config(request: Request, name: str) -> Response:
+        return JSONResponse(triton.model_config(_find(request, name)))
+
+    @api.post("/v2/repository/index", summary="KServe v2 (Triton's repository extension): the models", tags=kserve)
+    @_answered
+    async def repository_index(request: Request) -> Response:
+        body = await request.body()
+        try:
+            ready = bool(json.loads(body or b"{}").get("ready", False))
+        except (ValueError, AttributeError):
+            raise InvalidRequest('the body must be JSON such as {"ready": true}, or empty') from None
+        caller = _caller(request)
+        records = _server(request).serving.list()
+        shown = {d.id for d in records if caller.admin or d.owner == caller.name}
+        return JSONResponse(triton.repository_index(records, ready, shown))
+
+    @api.post("/v2/repository/models/{name}/load", summary="Refused: deploy with gpuport deploy", tags=kserve)
+    @api.post("/v2/repository/models/{name}/unload", summary="Refused: undeploy with gpuport undeploy", tags=kserve)
+    @_answered
+    async def repository_load(request: Request, name: str) -> Response:
+        raise InvalidRequest(
+            "gpuport loads and unloads models by deployment: `gpuport deploy NAME SOURCE` and "
+            "`gpuport undeploy NAME` (or the Models API)"
+        )
+
+    @api.api_route(
+        "/v2/{kind}sharedmemory/{rest:path}",
+        methods=["GET", "POST"],
+        summary="Refused: shared memory cannot cross a network",
+        tags=kserve,
+    )
+    @_answered
+    async def shared_memory(request: Request, kind: str, rest: str) -> Response:
+        raise InvalidRequest(
+            f"{kind} shared memory is refused: it cannot cross a network to a gpuport server — send the tensors "
+            "in the request (binary tensor data, or gRPC's raw_input_contents)"
+        )
 
     @api.get("/v2/models/{name}", summary="KServe v2: model metadata", tags=kserve)
     @api.get("/v2/models/{name}/versions/{version}", summary="KServe v2: model metadata", tags=kserve)
@@ -151,10 +227,15 @@ def add_serving_routes(api: FastAPI) -> None:
 
     # ---- TensorFlow Serving REST ----------------------------------------------------------------
 
-    @api.get("/v1/models/{name}", summary="TensorFlow Serving: model status", tags=tfs)
-    @api.get("/v1/models/{name}/versions/{version}", summary="TensorFlow Serving: model status", tags=tfs)
-    @_answered
+    @api.get("/v1/models/{name}", summary="TensorFlow Serving: model status (needs no credentials)", tags=tfs)
+    @api.get(
+        "/v1/models/{name}/versions/{version}",
+        summary="TensorFlow Serving: model status (needs no credentials)",
+        tags=tfs,
+    )
+    @_anyone
     async def tfs_status(request: Request, name: str) -> Response:
+        caller = _caller_if_any(request)  # a failure's reason is for its owner and admins
         serving = _server(request).serving
         d = _find(request, name)  # NotFound for an unknown model or version
         number = d.version if "version" in request.path_params else 0
@@ -168,7 +249,7 @@ def add_serving_routes(api: FastAPI) -> None:
                         "state": states.get(d.state, "UNKNOWN"),
                         "status": {
                             "error_code": "OK" if d.state != "failed" else "UNKNOWN",
-                            "error_message": d.message,
+                            "error_message": message_for(d, caller),
                         },
                     }
                     for d in sorted(found, key=lambda d: -d.version)
@@ -217,15 +298,20 @@ class Predictions:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])  # ASGI's names are lower case
         try:
-            self._authenticate(headers, scope)
+            if kserve is not None:
+                name, version = kserve[1], kserve[2] or ""
+            else:
+                assert tfs is not None
+                name, version, verb = _tfs_target(tfs[1], tfs[2])
+            if not self.server.serving.is_public(name, version_number(version)):
+                self._authenticate(headers, scope)
             body = await _read_body(headers, receive)
             if body is None:
                 return  # the client is gone
             if kserve is not None:
-                status, extra, answer = await self._infer(kserve[1], kserve[2] or "", headers, body)
+                status, extra, answer = await self._infer(name, version, headers, body)
             else:
-                assert tfs is not None
-                status, extra, answer = await self._tfs_predict(tfs[1], tfs[2], body)
+                status, extra, answer = await self._tfs_predict(name, version, verb, body)
         except GpuportError as e:
             status, extra, answer = _status(e), [], _error_body(e)
         except Exception:
@@ -268,14 +354,7 @@ class Predictions:
         extra = [] if length is None else [(_HEADER_LENGTH, str(length).encode())]
         return 200, extra, answer
 
-    async def _tfs_predict(self, name: str, target: str | None, body: bytes) -> tuple[int, _Headers, bytes]:
-        # NAME:predict and VERSION:predict: the verb shares the last path segment.
-        if target is None:
-            head, _, verb = name.rpartition(":")
-            name, version = head or name, ""
-        else:
-            head, _, verb = target.rpartition(":")
-            version = head or target
+    async def _tfs_predict(self, name: str, version: str, verb: str, body: bytes) -> tuple[int, _Headers, bytes]:
         if verb != "predict":
             raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
         serving = self.server.serving
@@ -286,6 +365,16 @@ class Predictions:
         specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
         outputs = await serving.infer(name, d.version, codecs.tfs_to_inputs(raw, specs))
         return 200, [], codecs.form_tfs_predict(outputs, style)
+
+
+def _tfs_target(name: str, target: str | None) -> tuple[str, str, str]:
+    """TF Serving's (name, version, verb) from its path's groups: NAME:predict and VERSION:predict,
+    the verb sharing the last path segment."""
+    if target is None:
+        head, _, verb = name.rpartition(":")
+        return head or name, "", verb
+    head, _, verb = target.rpartition(":")
+    return name, head or target, verb
 
 
 async def _read_body(headers: dict[bytes, bytes], receive: Any) -> bytes | None:
@@ -334,7 +423,7 @@ def kserve_metadata(d: DeploymentRecord, versions: list[int]) -> dict[str, Any]:
     return {
         "name": d.name,
         "versions": [str(v) for v in versions],
-        "platform": PLATFORMS.get(d.format, d.format),
+        "platform": triton.platform(d),
         "inputs": d.inputs,
         "outputs": d.outputs,
     }

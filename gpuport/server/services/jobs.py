@@ -42,7 +42,14 @@ from gpuport.defaults import (
     MAX_SPEC_BYTES,
     MAX_TIME_LIMIT,
 )
-from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound, PermissionDenied, ResourceUnavailable
+from gpuport.protocol.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    ResourceUnavailable,
+    Unsatisfiable,
+)
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, Placement
@@ -328,13 +335,13 @@ class JobService:
         if not machine.gpu_memory and (request.gpus or request.gpu_memory):
             have += f" ({self.inventory.note})" if self.inventory.note else ""
         if request.gpus > len(machine.gpu_memory):
-            raise ResourceUnavailable(f"asked for {request.gpus} GPU{'s' if request.gpus > 1 else ''}; {have}")
+            raise Unsatisfiable(f"asked for {request.gpus} GPU{'s' if request.gpus > 1 else ''}; {have}")
         if request.gpu_memory > max(machine.gpu_memory, default=0):
-            raise ResourceUnavailable(f"asked for a {format_size(request.gpu_memory)} slice of a GPU; {have}")
+            raise Unsatisfiable(f"asked for a {format_size(request.gpu_memory)} slice of a GPU; {have}")
         if request.cpus > machine.cpus:
-            raise ResourceUnavailable(f"asked for {request.cpus:g} CPUs; {where} {machine.cpus:g}")
+            raise Unsatisfiable(f"asked for {request.cpus:g} CPUs; {where} {machine.cpus:g}")
         if request.memory > machine.memory:
-            raise ResourceUnavailable(
+            raise Unsatisfiable(
                 f"asked for {format_size(request.memory)} of memory; {where} {format_size(machine.memory)}"
             )
         if request.priority not in _PRIORITIES:

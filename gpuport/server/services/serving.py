@@ -37,8 +37,8 @@ from gpuport.protocol.errors import (
     GpuportError,
     InvalidRequest,
     NotFound,
+    NotReady,
     PermissionDenied,
-    ResourceUnavailable,
     ServerError,
     error_from_name,
 )
@@ -48,7 +48,7 @@ from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.serving import formats
-from gpuport.server.serving.batcher import Batcher, BatcherStats
+from gpuport.server.serving.batcher import Batcher, BatcherStats, Timings
 from gpuport.server.store import Store
 from gpuport.server.worker import wire
 from gpuport.server.worker.model import (
@@ -84,6 +84,7 @@ class DeploySpec:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY
     replicas: int = 1
+    public: bool = False  # predictions and metadata need no credentials
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,14 @@ class _Deployment:
         """The model's published inputs, as ``formats.check_inputs`` takes them (once it is ready)."""
         inputs = [formats.TensorSpec(s["name"], s["datatype"], tuple(s["shape"])) for s in self.metadata["inputs"]]
         return SimpleNamespace(inputs=inputs)
+
+
+def message_for(d: DeploymentRecord, caller: Identity | None) -> str:
+    """Why ``d`` failed as ``caller`` may read it: the loader's words for its owner and admins (they
+    may show the model's code and files), only that it failed for anyone else."""
+    if d.state != "failed" or (caller is not None and (caller.admin or caller.name == d.owner)):
+        return d.message
+    return "the model failed to load or crashed; its owner or an admin sees why with `gpuport models`"
 
 
 def version_number(text: str) -> int:
@@ -237,6 +246,7 @@ class ServingService:
             "max_batch_size": spec.max_batch_size,
             "max_queue_delay": spec.max_queue_delay,
             "replicas": spec.replicas,
+            "public": spec.public,
         }
         try:
             self.snapshots.materialize(snapshot, folder / "files", read_only=True)
@@ -397,6 +407,25 @@ class ServingService:
             raise NotFound(self._unknown(name, version))
         return Endpoint(d.name, d.version, d.metadata.get("inputs", []))
 
+    def statistics(self, name: str = "", version: int = 0) -> list[tuple[DeploymentRecord, Timings]]:
+        """Each live deployment's record and its batcher's timings: every version of ``name`` (or
+        only ``version``), or every model without a name. Raises NotFound for an unknown name."""
+        found = [d for d in self._live.values() if not name or (d.name == name and version in (0, d.version))]
+        if name and not found:
+            raise NotFound(self._unknown(name, version))
+        found.sort(key=lambda d: (d.name, d.version))
+        return [(self._record(d), d.batcher.timings if d.batcher is not None else Timings()) for d in found]
+
+    def is_public(self, name: str, version: int = 0) -> bool:
+        """Whether the deployment that ``name`` (and ``version``) reaches was deployed ``public``:
+        its predictions and metadata then need no credentials."""
+        d = self._find(name, version)
+        return d is not None and bool(d.spec.get("public"))
+
+    def all_ready(self) -> bool:
+        """Whether every deployment is ready (none loading or failed): a server's readiness."""
+        return all(d.state == "ready" for d in self._live.values())
+
     def versions(self, name: str) -> list[int]:
         return sorted(d.version for d in self._live.values() if d.name == name)
 
@@ -429,8 +458,11 @@ class ServingService:
             raise NotFound(self._unknown(name, version))
         if d.state != "ready" or d.batcher is None:
             if d.state == "failed":
-                raise ResourceUnavailable(f"model {name} version {d.version} failed: {d.message}")
-            raise ResourceUnavailable(f"model {name} version {d.version} is still loading; try again shortly")
+                raise NotReady(
+                    f"model {name} version {d.version} failed, and serves nothing until it is deployed again "
+                    "(its owner sees why with `gpuport models`)"
+                )
+            raise NotReady(f"model {name} version {d.version} is still loading; try again shortly")
         # Checked here against what the model published, so that a bad request fails alone, at once.
         return await d.batcher.infer(formats.check_inputs(d.signature, inputs))
 
@@ -524,7 +556,7 @@ class ServingService:
             async with r.lock:
                 link = r.link
                 if link is None:
-                    raise ResourceUnavailable(f"model {d.name}: replica {r.index} is restarting; try again shortly")
+                    raise NotReady(f"model {d.name}: replica {r.index} is restarting; try again shortly")
                 heads, buffers = encode_tensors(inputs)
                 try:
                     await link.send({"op": "predict", "tensors": heads}, buffers)
@@ -543,6 +575,9 @@ class ServingService:
         return run
 
     def _set_state(self, d: _Deployment, state: str, message: str) -> None:
+        # Server paths stay out of what users read: the model's folder is the model, the state dir
+        # is the server's.
+        message = message.replace(str(d.folder), "<model>").replace(str(self.root.parent), "<server>")
         d.state, d.message = state, message
         with self.store.transaction() as db:
             db.execute(

@@ -33,16 +33,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE, MAX_SERVING_QUEUE
-from gpuport.protocol.errors import GpuportError, InvalidRequest, ResourceUnavailable, ServerError
+from gpuport.protocol.errors import GpuportError, InvalidRequest, NotReady, Overloaded, ServerError
 
-__all__ = ["Batcher", "BatcherStats", "Inputs", "Replica"]
+__all__ = ["Batcher", "BatcherStats", "Duration", "Inputs", "Replica", "Timings"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,37 @@ class BatcherStats:
     queue_length: int
 
 
+@dataclass
+class Duration:
+    """How many times something happened, and the nanoseconds it took in all."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+
+@dataclass
+class Timings:
+    """Where a batcher's requests spent their time, as Triton's statistics extension reports it:
+    per request, ``success``/``fail`` from ``infer`` to its answer, ``queue`` until its batch was
+    taken, and the batch's ``compute_input`` (joining the requests' inputs), ``compute_infer`` (the
+    replica's run: sending to the model's worker, the model, receiving) and ``compute_output``
+    (splitting the outputs) counted once per request in it; per batch size (rows), the same three
+    once per batch. ``last_inference``: milliseconds since the epoch of the last success."""
+
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batches: dict[int, tuple[Duration, Duration, Duration]] = field(default_factory=dict)
+    last_inference: int = 0
+
+
 @dataclass(eq=False)
 class _Request:
     inputs: Inputs
@@ -79,6 +111,7 @@ class _Request:
     key: _Key | None  # None when batching is off
     arrival: float  # the loop's clock
     future: asyncio.Future[Inputs]
+    queued_ns: int = 0  # time.perf_counter_ns() when it was queued
 
 
 class Batcher:
@@ -119,28 +152,43 @@ class Batcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._batches = self._requests = self._rows = self._failed = 0
+        self.timings = Timings()
 
     # ---- the callers' side ------------------------------------------------------------------------
 
     async def infer(self, inputs: Inputs) -> Inputs:
         """Run ``inputs`` in the next batch that takes them; return this caller's rows of the outputs.
+        Counted in ``timings``: a success, or a failure (cancelled calls are neither).
 
         Raises ``InvalidRequest`` for a request that cannot be batched (no inputs, not arrays, 0 rows,
-        inputs that disagree on rows, more rows than ``max_batch_size``), ``ResourceUnavailable``
-        when ``max_queue`` requests already wait or the batcher is closed, the replica's error when it
+        inputs that disagree on rows, more rows than ``max_batch_size``), ``Overloaded`` when
+        ``max_queue`` requests already wait, ``NotReady`` when the batcher is closed, the replica's error when it
         is a ``GpuportError``, else ``ServerError``. Cancelling the call drops a queued request; one
         whose batch already runs is simply not answered.
         """
+        start = time.perf_counter_ns()
+        try:
+            outputs = await self._infer(inputs)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.timings.fail.add(time.perf_counter_ns() - start)
+            raise
+        self.timings.success.add(time.perf_counter_ns() - start)
+        self.timings.last_inference = time.time_ns() // 1_000_000
+        return outputs
+
+    async def _infer(self, inputs: Inputs) -> Inputs:
         if self._closed:
             raise self._closed_error()
         rows, key = self._check(inputs) if self._batching else (_rows_or_one(inputs), None)
         if len(self._queue) >= self._max_queue:
-            raise ResourceUnavailable(
+            raise Overloaded(
                 f"{self._label} is overloaded: {len(self._queue)} requests already wait (max_queue "
                 f"{self._max_queue}) — retry later, or deploy it with more replicas"
             )
         loop = asyncio.get_running_loop()
-        request = _Request(inputs, rows, key, loop.time(), loop.create_future())
+        request = _Request(inputs, rows, key, loop.time(), loop.create_future(), time.perf_counter_ns())
         self._queue.append(request)
         self._notify()
         try:
@@ -197,7 +245,7 @@ class Batcher:
         self._replicas[index] = replica
 
     async def close(self, *, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
-        """Stop: queued and new requests fail with ``ResourceUnavailable`` at once; batches already
+        """Stop: queued and new requests fail with ``NotReady`` at once; batches already
         running get ``grace`` seconds to finish before they are cancelled (and their callers fail
         the same way). Calling it again does no harm."""
         self._closed = True
@@ -302,9 +350,16 @@ class Batcher:
         self._batches += 1
         self._requests += len(batch)
         self._rows += rows
+        taken = time.perf_counter_ns()
+        for request in batch:
+            self.timings.queue.add(taken - request.queued_ns)
         try:
-            outputs = await self._replicas[index](_concatenate(batch))
+            joined = _concatenate(batch)
+            ran = time.perf_counter_ns()
+            outputs = await self._replicas[index](joined)
+            split = time.perf_counter_ns()
             parts = self._split(outputs, batch, rows)
+            self._count_compute(len(batch), rows, ran - taken, split - ran, time.perf_counter_ns() - split)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             cancelling = getattr(task, "cancelling", None)  # Python 3.11+
@@ -328,6 +383,15 @@ class Batcher:
                 if not request.future.done():
                     request.future.set_result(part)
 
+    def _count_compute(self, requests: int, rows: int, joining: int, running: int, splitting: int) -> None:
+        t = self.timings
+        t.compute_input.add(joining * requests, requests)
+        t.compute_infer.add(running * requests, requests)
+        t.compute_output.add(splitting * requests, requests)
+        per_size = t.batches.setdefault(rows, (Duration(), Duration(), Duration()))
+        for duration, ns in zip(per_size, (joining, running, splitting)):
+            duration.add(ns)
+
     def _split(self, outputs: Any, batch: list[_Request], rows: int) -> list[Inputs]:
         """Each request's rows of the batch's outputs; ServerError when they are not per row."""
         if not isinstance(outputs, Mapping):
@@ -349,7 +413,7 @@ class Batcher:
         return parts
 
     def _closed_error(self) -> GpuportError:
-        return ResourceUnavailable(
+        return NotReady(
             f"{self._label} stopped serving before answering (undeployed, or the server is shutting "
             f"down) — retry once it is deployed again"
         )

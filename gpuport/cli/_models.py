@@ -34,6 +34,7 @@ from gpuport.protocol.units import format_duration, format_size
     is_flag=True,
     help="Predictions and metadata need no credentials (TLS still on); deploying and undeploying still do.",
 )
+@click.option("--label", help="A version label for the new version (TensorFlow Serving's), e.g. stable.")
 @click.option("--no-wait", is_flag=True, help="Return once deploying started, not once the model is ready.")
 @json_option
 @click.pass_context
@@ -51,6 +52,7 @@ def deploy_command(
     max_queue_delay: str,
     replicas: int,
     public: bool,
+    label: str | None,
     no_wait: bool,
     as_json: bool,
 ) -> None:
@@ -72,6 +74,7 @@ def deploy_command(
         max_queue_delay=max_queue_delay,
         replicas=replicas,
         public=public,
+        label=label,
         wait=not no_wait,
     )
     if as_json:
@@ -107,7 +110,7 @@ def models_command(ctx: click.Context, as_json: bool) -> None:
         requests = f"{m.requests:,}" + (f" ({m.failed_batches:,} batches failed)" if m.failed_batches else "")
         table.add_row(
             escape(m.name),
-            str(m.version),
+            str(m.version) + (f" ({escape(', '.join(m.labels))})" if m.labels else ""),
             escape(state),
             m.format,
             escape(m.owner),
@@ -118,6 +121,20 @@ def models_command(ctx: click.Context, as_json: bool) -> None:
             f"{m.mean_batch_size:.1f}" if m.batches else "-",
         )
     out.print(table)
+
+
+@click.command("label")
+@click.argument("name")
+@click.argument("label")
+@click.argument("version", type=click.IntRange(1))
+@click.pass_context
+def label_command(ctx: click.Context, name: str, label: str, version: int) -> None:
+    """Point version label LABEL of model NAME at VERSION (TensorFlow Serving's labels).
+
+    Clients that ask for the label (/v1/models/NAME/labels/LABEL:predict, or gRPC's
+    model_spec.version_label) reach that version from now on: move "stable" to roll out."""
+    m = client(ctx).label(name, label, version)
+    err.print(f"model {escape(m.name)}: {escape(label)} is version {m.version}")
 
 
 @click.command("undeploy")

@@ -17,7 +17,7 @@ from gpuport._packages import missing_package
 from gpuport.cli._common import client as _client
 from gpuport.cli._common import json_option
 from gpuport.cli._jobs import JOB_COMMANDS
-from gpuport.cli._models import deploy_command, models_command, undeploy_command
+from gpuport.cli._models import deploy_command, label_command, models_command, undeploy_command
 from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_json, when
 from gpuport.cli._quotas import quota_group
 from gpuport.cli._sessions import sessions_group
@@ -423,6 +423,7 @@ cli.add_command(quota_group)
 cli.add_command(sessions_group)
 cli.add_command(deploy_command)
 cli.add_command(models_command)
+cli.add_command(label_command)
 cli.add_command(undeploy_command)
 
 

@@ -527,6 +527,7 @@ class Client:
         max_queue_delay: float | str = DEFAULT_MAX_QUEUE_DELAY,
         replicas: int = 1,
         public: bool = False,
+        label: str | None = None,
         wait: bool = True,
         timeout: float = 600.0,
     ) -> ModelInfo:
@@ -538,6 +539,8 @@ class Client:
         ``predict``. With ``wait`` (the default) returns once the model is ready, and raises
         ``ServerError`` with the loader's message when it failed to load. A ``public`` model's
         predictions and metadata need no credentials (over TLS still); deploying and undeploying do.
+        ``label`` (e.g. ``"stable"``) names the new version for TensorFlow Serving's clients
+        (``/v1/models/NAME/labels/stable:predict``, ``model_spec.version_label``); see ``label``.
         """
         local = Path(os.fspath(source)).expanduser()
         text = os.fspath(source)
@@ -558,6 +561,7 @@ class Client:
             max_queue_delay=parse_duration(max_queue_delay),
             replicas=replicas,
             public=public,
+            label=label or "",
         )
         info = ModelInfo.from_message(self._call(self._models.Deploy, request))
         if not wait:
@@ -590,6 +594,13 @@ class Client:
     def models(self) -> list[ModelInfo]:
         """Every deployed model on the server, each version apart."""
         return [ModelInfo.from_message(m) for m in self._call(self._models.List, _EMPTY).models]
+
+    def label(self, name: str, label: str, version: int) -> ModelInfo:
+        """Point version label ``label`` of model ``name`` at ``version`` (its owner or an admin):
+        TensorFlow Serving's clients that ask for the label reach that version from now on. Raises
+        ``NotFound`` for a version not deployed, ``InvalidRequest`` for a bad label."""
+        request = pb.LabelRequest(name=name, label=label, version=version)
+        return ModelInfo.from_message(self._call(self._models.Label, request))
 
     def undeploy(self, name: str, version: int | None = None) -> list[ModelInfo]:
         """Stop serving ``name`` (every version, or just ``version``); returns what was undeployed."""

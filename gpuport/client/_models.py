@@ -43,6 +43,7 @@ class ModelInfo:
     failed_batches: int = 0
     queue_length: int = 0
     public: bool = False  # predictions and metadata need no credentials
+    labels: tuple[str, ...] = ()  # the version labels (TensorFlow Serving's) that name this version
 
     @property
     def mean_batch_size(self) -> float:
@@ -78,4 +79,5 @@ class ModelInfo:
             failed_batches=m.failed_batches,
             queue_length=m.queue_length,
             public=m.public,
+            labels=tuple(m.labels),
         )

@@ -723,7 +723,7 @@ class OutputChunk(_message.Message):
     def __init__(self, fd: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("name", "source", "version", "format", "gpus", "gpu_memory", "cpus", "memory", "max_batch_size", "max_queue_delay", "replicas", "public")
+    __slots__ = ("name", "source", "version", "format", "gpus", "gpu_memory", "cpus", "memory", "max_batch_size", "max_queue_delay", "replicas", "public", "label")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -736,6 +736,7 @@ class DeployRequest(_message.Message):
     MAX_QUEUE_DELAY_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     version: int
@@ -748,7 +749,18 @@ class DeployRequest(_message.Message):
     max_queue_delay: float
     replicas: int
     public: bool
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., public: _Optional[bool] = ...) -> None: ...
+    label: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., public: _Optional[bool] = ..., label: _Optional[str] = ...) -> None: ...
+
+class LabelRequest(_message.Message):
+    __slots__ = ("name", "label", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    label: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., label: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
@@ -761,7 +773,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at", "requests", "batches", "rows", "failed_batches", "queue_length", "public")
+    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at", "requests", "batches", "rows", "failed_batches", "queue_length", "public", "labels")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -785,6 +797,7 @@ class ModelInfo(_message.Message):
     FAILED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     id: str
     name: str
     version: int
@@ -808,7 +821,8 @@ class ModelInfo(_message.Message):
     failed_batches: int
     queue_length: int
     public: bool
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., failed_batches: _Optional[int] = ..., queue_length: _Optional[int] = ..., public: _Optional[bool] = ...) -> None: ...
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., failed_batches: _Optional[int] = ..., queue_length: _Optional[int] = ..., public: _Optional[bool] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelRef(_message.Message):
     __slots__ = ("name", "version")

@@ -1656,6 +1656,11 @@ class ModelsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelList.FromString,
                 _registered_method=True)
+        self.Label = channel.unary_unary(
+                '/gpuport.v1.Models/Label',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.LabelRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class ModelsServicer:
@@ -1685,6 +1690,13 @@ class ModelsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Label(self, request, context):
+        """point a version label at a version (owner or admin)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1707,6 +1719,11 @@ def add_ModelsServicer_to_server(servicer, server):
                     servicer.Undeploy,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelList.SerializeToString,
+            ),
+            'Label': grpc.unary_unary_rpc_method_handler(
+                    servicer.Label,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.LabelRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1817,6 +1834,33 @@ class Models:
             '/gpuport.v1.Models/Undeploy',
             gpuport_dot_protocol_dot_gpuport__pb2.ModelRef.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.ModelList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Label(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Models/Label',
+            gpuport_dot_protocol_dot_gpuport__pb2.LabelRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

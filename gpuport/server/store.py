@@ -164,6 +164,16 @@ MIGRATIONS: list[str] = [
     ALTER TABLE tokens ADD COLUMN cert_fingerprint TEXT;
     CREATE UNIQUE INDEX tokens_cert ON tokens(cert_fingerprint) WHERE cert_fingerprint IS NOT NULL;
     """,
+    # 13: TensorFlow Serving's version labels: a model name's label names one of its versions
+    """
+    CREATE TABLE model_labels (
+        name        TEXT NOT NULL,
+        label       TEXT NOT NULL,
+        version     INTEGER NOT NULL,
+        updated_at  REAL NOT NULL,
+        PRIMARY KEY (name, label)
+    );
+    """,
 ]
 
 

@@ -25,3 +25,14 @@ class SimpleString:
         b = np.vectorize(int)(batch["INPUT1"]).astype(np.int64)
         as_bytes = np.vectorize(lambda n: str(n).encode(), otypes=[object])
         return {"OUTPUT0": as_bytes(a + b), "OUTPUT1": as_bytes(a - b)}
+
+
+class SimpleOffset(Simple):
+    """``simple`` whose OUTPUT0 is INPUT0 + INPUT1 + ``offset``: which version answered shows."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+    def predict(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = super().predict(batch)
+        return {**out, "OUTPUT0": out["OUTPUT0"] + self.offset}

@@ -579,6 +579,7 @@ def model_message(record: DeploymentRecord, caller: Identity) -> pb.ModelInfo:
         failed_batches=record.stats.failed_batches,
         queue_length=record.stats.queue_length,
         public=bool(spec.get("public")),
+        labels=record.labels,
     )
 
 
@@ -598,6 +599,7 @@ class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
             max_queue_delay=request.max_queue_delay,
             replicas=request.replicas or 1,
             public=request.public,
+            label=request.label,
         )
         return model_message(self.app.serving.deploy(caller, spec), caller)
 
@@ -608,6 +610,10 @@ class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
     @rpc
     async def List(self, request: pb.Empty, caller: Identity) -> pb.ModelList:
         return pb.ModelList(models=[model_message(d, caller) for d in self.app.serving.list()])
+
+    @rpc
+    async def Label(self, request: pb.LabelRequest, caller: Identity) -> pb.ModelInfo:
+        return model_message(self.app.serving.label(caller, request.name, request.label, request.version), caller)
 
     @rpc
     async def Undeploy(self, request: pb.ModelRef, caller: Identity) -> pb.ModelList:

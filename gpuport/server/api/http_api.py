@@ -132,6 +132,8 @@ def _decode_whole(data: bytes, final: bool) -> tuple[str, int]:
 
 
 _bearer = HTTPBearer(auto_error=False)
+# The prediction protocols' paths: their errors are {"error": "message"}.
+_SERVING = ("/v2", "/v1/models")
 
 
 def _caller(
@@ -191,7 +193,7 @@ class _Guard:
                 break
         if error is not None:
             # The prediction protocols' routes answer in their own error format.
-            serving = scope["path"].startswith(("/v2", "/v1/models"))
+            serving = scope["path"].startswith(_SERVING)
             response = protocol_error(error) if serving else _error_response(error)
             response.status_code = 413 if isinstance(error, _TooLarge) else response.status_code
             response.headers["connection"] = "close"  # what is left of the body is not read
@@ -240,7 +242,7 @@ def build_http_app(app: ServerApp) -> Predictions:
             kind, message = "MethodNotAllowed", f"{path} does not take {method}"
         else:
             kind, message = "HTTPError", str(error.detail)
-        if path.startswith(("/v2", "/v1/models")):
+        if path.startswith(_SERVING):
             return JSONResponse({"error": message}, status_code=error.status_code, headers=error.headers)
         body = {"error": {"type": kind, "message": message}}
         return JSONResponse(body, status_code=error.status_code, headers=error.headers)
@@ -248,7 +250,8 @@ def build_http_app(app: ServerApp) -> Predictions:
     @api.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-        return _error_response(InvalidRequest(f"malformed request: {problems}"))
+        invalid = InvalidRequest(f"malformed request: {problems}")
+        return protocol_error(invalid) if request.url.path.startswith(_SERVING) else _error_response(invalid)
 
     api.add_middleware(_Guard)
 

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from gpuport._version import __version__
 from gpuport.defaults import MAX_INFER_BYTES
 from gpuport.protocol.datatypes import datatype_of, from_tf_enum, numpy_dtype, tf_enum
-from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, NotFound, ServerError, status_for
 from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, kserve, tfs
 from gpuport.server.api.callers import grpc_caller
 from gpuport.server.app import ServerApp
@@ -67,9 +67,9 @@ _TF_VALUES = {
 
 Handler = Callable[[ServerApp, Any, Identity | None], Awaitable[Any]]
 # Who may call a method: anyone (health), anyone for a public model (the model a request names, as
-# (name, version) from the request), or a caller with credentials.
+# (name, version number) from the request), or a caller with credentials.
 ANYONE = "anyone"
-_Model = Callable[[Any], tuple[str, str]]
+_Model = Callable[[ServerApp, Any], tuple[str, int]]
 
 
 def _unary(
@@ -80,8 +80,12 @@ def _unary(
         try:
             caller = None
             if who != ANYONE:
-                name, version = who(request) if callable(who) else ("", "")
-                if not (name and app.serving.is_public(name, version_number(version))):
+                try:
+                    name, version = who(app, request) if callable(who) else ("", 0)
+                except NotFound:
+                    grpc_caller(app.auth, context)  # an unknown version or label: for callers with credentials
+                    raise
+                if not (name and app.serving.is_public(name, version)):
                     caller = grpc_caller(app.auth, context)
             return await method(app, request, caller)
         except Exception as e:
@@ -98,17 +102,27 @@ def _unary(
     )
 
 
-def _named(request: Any) -> tuple[str, str]:
-    return request.name, request.version
+def _named(app: ServerApp, request: Any) -> tuple[str, int]:
+    return request.name, version_number(request.version)
 
 
-def _infer_named(request: Any) -> tuple[str, str]:
-    return request.model_name, request.model_version
+def _infer_named(app: ServerApp, request: Any) -> tuple[str, int]:
+    return request.model_name, version_number(request.model_version)
 
 
-def _spec_named(request: Any) -> tuple[str, str]:
-    spec = request.model_spec
-    return spec.name, str(spec.version.value) if spec.HasField("version") else ""
+def _spec_named(app: ServerApp, request: Any) -> tuple[str, int]:
+    return request.model_spec.name, _spec_version(app, request.model_spec)
+
+
+def _spec_version(app: ServerApp, spec: Any) -> int:
+    """The version a TF Serving ModelSpec names: by number, by label (NotFound for a label the model
+    does not have, never the latest instead), or 0 (the latest) for neither."""
+    choice = spec.WhichOneof("version_choice")
+    if choice == "version":
+        return int(spec.version.value)
+    if choice == "version_label":
+        return app.serving.labelled(spec.name, spec.version_label)
+    return 0
 
 
 def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
@@ -309,8 +323,7 @@ async def _predict(app: ServerApp, request: Any, caller: Identity | None) -> Any
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
     spec = request.model_spec
-    version = spec.version.value if spec.HasField("version") else 0
-    d = app.serving.endpoint(spec.name, version)
+    d = app.serving.endpoint(spec.name, _spec_version(app, spec))
     if spec.signature_name not in ("", "serving_default"):
         raise InvalidRequest(f"unknown signature {spec.signature_name!r}: this model has serving_default only")
     inputs = {name: _from_tensor_proto(name, proto) for name, proto in request.inputs.items()}
@@ -342,8 +355,7 @@ def signature_def(d: DeploymentRecord) -> Any:
 
 async def _get_model_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
     spec = request.model_spec
-    version = spec.version.value if spec.HasField("version") else 0
-    d = app.serving.find(spec.name, version)
+    d = app.serving.find(spec.name, _spec_version(app, spec))
     fields = list(request.metadata_field)
     if fields != ["signature_def"]:
         raise InvalidRequest(

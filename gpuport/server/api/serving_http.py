@@ -95,8 +95,12 @@ def _answered(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awai
     async def answer(request: Request, **params: str) -> Response:
         try:
             name = request.path_params.get("name")
-            version = request.path_params.get("version", "")
-            if name is None or not _server(request).serving.is_public(name, version_number(version)):
+            try:
+                public = name is not None and _server(request).serving.is_public(name, _version(request))
+            except NotFound:
+                _caller(request)  # an unknown version or label is told to callers with credentials only
+                raise
+            if not public:
                 _caller(request)
             return await handler(request, **params)
         except GpuportError as e:
@@ -122,9 +126,17 @@ def _server(request: Request) -> ServerApp:
     return request.app.state.gpuport  # type: ignore[no-any-return]
 
 
+def _version(request: Request) -> int:
+    """The version a URL names: /versions/{version}, /labels/{label} (TF Serving's), or 0 (the latest)."""
+    label = request.path_params.get("label")
+    if label is not None:
+        return _server(request).serving.labelled(request.path_params["name"], label)
+    return version_number(request.path_params.get("version", ""))
+
+
 def _find(request: Request, name: str) -> DeploymentRecord:
-    """The deployment a URL names: /models/{name}[/versions/{version}]."""
-    return _server(request).serving.find(name, version_number(request.path_params.get("version", "")))
+    """The deployment a URL names: /models/{name}[/versions/{version} | /labels/{label}]."""
+    return _server(request).serving.find(name, _version(request))
 
 
 def add_serving_routes(api: FastAPI) -> None:
@@ -233,12 +245,17 @@ def add_serving_routes(api: FastAPI) -> None:
         summary="TensorFlow Serving: model status (needs no credentials)",
         tags=tfs,
     )
+    @api.get(
+        "/v1/models/{name}/labels/{label}",
+        summary="TensorFlow Serving: model status (needs no credentials)",
+        tags=tfs,
+    )
     @_anyone
     async def tfs_status(request: Request, name: str) -> Response:
         caller = _caller_if_any(request)  # a failure's reason is for its owner and admins
         serving = _server(request).serving
         d = _find(request, name)  # NotFound for an unknown model or version
-        number = d.version if "version" in request.path_params else 0
+        number = d.version if "version" in request.path_params or "label" in request.path_params else 0
         found = [serving.find(name, v) for v in serving.versions(name) if not number or v == number]
         states = {"ready": "AVAILABLE", "loading": "LOADING", "failed": "END"}
         return JSONResponse(
@@ -259,6 +276,7 @@ def add_serving_routes(api: FastAPI) -> None:
 
     @api.get("/v1/models/{name}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
     @api.get("/v1/models/{name}/versions/{version}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
+    @api.get("/v1/models/{name}/labels/{label}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
     @_answered
     async def tfs_metadata(request: Request, name: str) -> Response:
         d = _find(request, name)
@@ -273,9 +291,10 @@ def add_serving_routes(api: FastAPI) -> None:
 # ---- the predictions: a plain ASGI app in front of FastAPI's -----------------------------------------
 
 # The POST paths Predictions answers. KServe's groups: (name, version or None); TF Serving's: (name,
-# None) with ":predict" on the name, or (name, version) with it on the version.
+# None, None) with ":predict" on the name, or (name, "versions" or "labels", version or label) with it
+# on the version or label.
 _KSERVE_INFER = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
-_TFS_PREDICT = re.compile(r"/v1/models/([^/]+)(?:/versions/([^/]+))?")
+_TFS_PREDICT = re.compile(r"/v1/models/([^/]+)(?:/(versions|labels)/([^/]+))?")
 _Headers = list[tuple[bytes, bytes]]
 
 
@@ -302,7 +321,13 @@ class Predictions:
                 name, version = kserve[1], kserve[2] or ""
             else:
                 assert tfs is not None
-                name, version, verb = _tfs_target(tfs[1], tfs[2])
+                name, version, verb = _tfs_target(tfs[1], tfs[3])
+                if tfs[2] == "labels":
+                    try:
+                        version = str(self.server.serving.labelled(name, version))
+                    except NotFound:
+                        self._authenticate(headers, scope)  # told to callers with credentials only
+                        raise
             if not self.server.serving.is_public(name, version_number(version)):
                 self._authenticate(headers, scope)
             body = await _read_body(headers, receive)

@@ -85,6 +85,7 @@ class DeploySpec:
     max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY
     replicas: int = 1
     public: bool = False  # predictions and metadata need no credentials
+    label: str = ""  # a version label (TensorFlow Serving's) given to the new version once deployed
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class DeploymentRecord:
     jobs: list[str]
     created_at: float
     stats: BatcherStats  # its batcher's counters (all 0 while it loads, or once it failed)
+    labels: list[str] = field(default_factory=list)  # the version labels that name this version
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,16 @@ def message_for(d: DeploymentRecord, caller: Identity | None) -> str:
     if d.state != "failed" or (caller is not None and (caller.admin or caller.name == d.owner)):
         return d.message
     return "the model failed to load or crashed; its owner or an admin sees why with `gpuport models`"
+
+
+_LABEL = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
+
+
+def _check_label(label: str) -> None:
+    if not _LABEL.fullmatch(label):
+        raise InvalidRequest(
+            f"version label {label[:80]!r}: use letters, digits, '_', '.' and '-' (up to 64), starting with a letter"
+        )
 
 
 def version_number(text: str) -> int:
@@ -291,6 +303,8 @@ class ServingService:
         self._live[d.id] = d
         d.watcher = asyncio.create_task(self._watch(d))
         log.info("model %s v%d (%s) deploying from %s for %s", d.name, d.version, d.id, d.source, d.owner)
+        if spec.label:
+            self._set_label(d.name, spec.label, d.version)
         return self._record(d)
 
     def _check(self, spec: DeploySpec) -> None:
@@ -307,6 +321,45 @@ class ServingService:
             raise InvalidRequest(f"max batch size must be 0 (no batching) to {_MAX_BATCH}, not {spec.max_batch_size}")
         if not 0 <= spec.max_queue_delay <= 10:
             raise InvalidRequest(f"max queue delay must be 0 to 10 s, not {spec.max_queue_delay:g} s")
+        if spec.label:
+            _check_label(spec.label)
+
+    # ---- version labels (TensorFlow Serving's) -----------------------------------------------------
+
+    def label(self, caller: Identity, name: str, label: str, version: int) -> DeploymentRecord:
+        """Point ``label`` of model ``name`` at its live ``version`` (its owner or an admin); returns
+        that version. A label moves: requests that name it go to the new version at once."""
+        _check_label(label)
+        d = self._find(name, version) if version else None
+        if d is None:
+            raise NotFound(self._unknown(name, version) if version else "give the version the label names (from 1)")
+        if d.owner != caller.name and not caller.admin:
+            raise PermissionDenied(f"model {name} is {d.owner}'s: only they or an admin can label its versions")
+        self._set_label(name, label, d.version)
+        return self._record(d)
+
+    def _set_label(self, name: str, label: str, version: int) -> None:
+        with self.store.transaction() as db:
+            db.execute(
+                "INSERT INTO model_labels (name, label, version, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (name, label) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at",
+                (name, label, version, time.time()),
+            )
+
+    def labelled(self, name: str, label: str) -> int:
+        """The version ``label`` of model ``name`` names; NotFound for a label it does not have (never
+        the latest instead)."""
+        row = self.store.query_one("SELECT version FROM model_labels WHERE name = ? AND label = ?", (name, label))
+        if row is None or self._find(name, row["version"]) is None:
+            if not any(d.name == name for d in self._live.values()):
+                raise NotFound(self._unknown(name, 0))
+            have = ", ".join(sorted(self._labels(name))) or "none"
+            raise NotFound(f"model '{name}' has no version labelled {label!r} (its labels: {have})")
+        return int(row["version"])
+
+    def _labels(self, name: str, version: int = 0) -> dict[str, int]:
+        rows = self.store.query("SELECT label, version FROM model_labels WHERE name = ?", (name,))
+        return {r["label"]: r["version"] for r in rows if not version or r["version"] == version}
 
     def _source(self, caller: Identity, source: str) -> tuple[Any, str]:
         """The snapshot holding the model, and the model's path inside it."""
@@ -361,6 +414,9 @@ class ServingService:
         records = [self._record(d) for d in found]
         for d in found:
             self._end(d)
+        with self.store.transaction() as db:  # a label of an ended version names nothing: it goes too
+            for d in found:
+                db.execute("DELETE FROM model_labels WHERE name = ? AND version = ?", (d.name, d.version))
         return records
 
     def _end(self, d: _Deployment) -> None:
@@ -448,6 +504,7 @@ class ServingService:
             jobs=[r.job_id for r in d.replicas],
             created_at=d.created_at,
             stats=d.batcher.stats if d.batcher is not None else _NOT_SERVING,
+            labels=sorted(self._labels(d.name, d.version)),
         )
 
     # ---- predicting -------------------------------------------------------------------------------

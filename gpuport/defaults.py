@@ -63,6 +63,9 @@ BLOB_BATCH_BYTES = 4 * 1024 * 1024
 MAX_SPEC_BYTES = 256 * 1024
 # Largest JSON body the REST API accepts.
 MAX_REST_BODY_BYTES = 1024 * 1024
+# An archive posted to POST /v1/snapshots (a project or dataset, without the CLI), as sent and unpacked.
+MAX_ARCHIVE_BYTES = 8 * 1024**3
+MAX_ARCHIVE_UNPACKED_BYTES = 32 * 1024**3
 # Jobs (sessions' workers and model replicas count) one user runs at once unless an admin sets
 # otherwise: the quota of '*' a new state dir starts with (`gpuport quota set '*' --jobs N`).
 DEFAULT_JOBS_PER_USER = 16

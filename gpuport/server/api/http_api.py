@@ -6,6 +6,7 @@ Errors come out as ``{"error": {"type": "NotFound", "message": "..."}}`` with th
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import dataclasses
 import json
@@ -14,16 +15,25 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuport._version import __version__
 from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
-from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, ServerError, status_for
+from gpuport.protocol.errors import (
+    AuthenticationError,
+    Conflict,
+    GpuportError,
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    status_for,
+)
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
+from gpuport.server.api import rest_files
 from gpuport.server.api.callers import asgi_caller
 from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
@@ -81,6 +91,23 @@ def _flag_value(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def hyperparameter_flags(hyperparameters: dict[str, Any]) -> list[str]:
+    """A script's flags, as argparse reads them: ``--key value``; true is ``--key`` alone and false
+    nothing (``action="store_true"``); a list is ``--key v1 v2 ...`` (``nargs="+"``), an empty list
+    or null nothing; a dict is its JSON."""
+    flags: list[str] = []
+    for key, value in hyperparameters.items():
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is False or value is None or value == []:
+            continue
+        elif isinstance(value, list):
+            flags += [f"--{key}", *map(_flag_value, value)]
+        else:
+            flags += [f"--{key}", _flag_value(value)]
+    return flags
+
+
 def job_request(body: JobCreate) -> JobRequest:
     if (body.command is None) == (body.script is None):
         raise InvalidRequest("give either `command` or `script` (with `hyperparameters`), not both")
@@ -90,9 +117,7 @@ def job_request(body: JobCreate) -> JobRequest:
         script = check_path(body.script, what="script")
         if script.startswith("-"):  # python would read it as its own option (-c CODE, -m MODULE)
             raise InvalidRequest(f"script {script!r} starts with '-', which python would read as an option: rename it")
-        command = ["python", script]
-        for key, value in (body.hyperparameters or {}).items():
-            command += [f"--{key}", _flag_value(value)]
+        command = ["python", script, *hyperparameter_flags(body.hyperparameters or {})]
     elif isinstance(body.command, str):
         shell = body.command
     else:
@@ -120,6 +145,36 @@ def job_request(body: JobCreate) -> JobRequest:
     )
 
 
+def _check_script(app: ServerApp, caller: Identity, request: JobRequest, script: str) -> None:
+    """Refuse a job whose ``script`` is not a file of its project, naming it, before it queues."""
+    if not (request.snapshot_id or request.project):
+        raise InvalidRequest(
+            f"script {script!r}: the job has no project to find it in — upload one (POST /v1/snapshots?name=NAME "
+            "with a tar, tar.gz or zip body, or `gpuport push DIR --name NAME`) and give its name as `project`"
+        )
+    record = app.snapshots.resolve(caller, snapshot_id=request.snapshot_id, name=request.project)
+    paths = {e.path for e in app.snapshots.manifest(record)}
+    if script not in paths:
+        near = sorted(p for p in paths if p.endswith(".py"))[:5]
+        where = f"project {request.project!r}" if request.project else f"snapshot {record.id[:12]}"
+        raise InvalidRequest(
+            f"script {script!r} is not in {where} ({len(paths)} files"
+            + (f"; its Python files include {', '.join(near)}" if near else "")
+            + ")"
+        )
+
+
+def _outputs(app: ServerApp, caller: Identity, job_id: str) -> list[Any]:
+    """A job's outputs as its output snapshot lists them; NotFound or Conflict while there are none."""
+    job = app.jobs.get(caller, job_id)
+    if not job.output_snapshot_id:
+        if not job.state.is_terminal():
+            raise Conflict(f"job {job.id} is {job.state.value}: its outputs are collected when it ends")
+        raise NotFound(f"job {job.id} left no outputs (declare them at submit: outputs=['model/'])")
+    record = app.snapshots.resolve(caller, snapshot_id=job.output_snapshot_id, owner=job.owner)
+    return app.snapshots.manifest(record)
+
+
 def job_json(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.id, **dataclasses.asdict(job), "state": job.state.value}
 
@@ -132,6 +187,8 @@ def _decode_whole(data: bytes, final: bool) -> tuple[str, int]:
 
 
 _bearer = HTTPBearer(auto_error=False)
+# The route whose body is an archive, streamed to disk by the route itself within its own limit.
+_ARCHIVE_PATH = "/v1/snapshots"
 # The prediction protocols' paths: their errors are {"error": "message"}.
 _SERVING = ("/v2", "/v1/models")
 
@@ -150,6 +207,8 @@ Caller = Annotated[Identity, Depends(_caller)]
 
 def _error_response(error: GpuportError) -> JSONResponse:
     _, http_status = status_for(error)
+    if isinstance(error, rest_files.TooLarge):
+        http_status = 413
     return JSONResponse({"error": {"type": type(error).__name__, "message": str(error)}}, status_code=http_status)
 
 
@@ -171,6 +230,7 @@ class _Guard:
         length = headers.get(b"content-length", b"")
         if not (b"transfer-encoding" in headers or (length and length != b"0")):
             return await self.app(scope, receive, send)  # no body
+        streamed = scope["method"] == "POST" and scope["path"] == _ARCHIVE_PATH  # read by its route, bounded
         error: GpuportError | None = None
         try:
             server: ServerApp = scope["app"].state.gpuport
@@ -179,6 +239,8 @@ class _Guard:
             client = scope.get("client") or ("?",)
             log.warning("rejected %s %s from %s: %s", scope["method"], scope["path"], client[0], e)
             error = e
+        if error is None and streamed:
+            return await self.app(scope, receive, send)
         if error is None and length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
             error = _TooLarge(int(length))
         body = bytearray()
@@ -303,7 +365,10 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.post("/v1/jobs", status_code=201, summary="Submit a job; the reply carries its job_id")
     async def submit_job(body: JobCreate, identity: Caller) -> dict[str, Any]:
-        return job_json(app.jobs.submit(identity, job_request(body)))
+        request = job_request(body)
+        if body.script is not None:
+            _check_script(app, identity, request, request.command[1])
+        return job_json(app.jobs.submit(identity, request))
 
     @api.get("/v1/jobs", summary="Your active and recent jobs (all=true: every one; admins: every user's)")
     async def list_jobs(identity: Caller, all: bool = False) -> list[dict[str, Any]]:
@@ -350,6 +415,64 @@ def build_http_app(app: ServerApp) -> Predictions:
     async def unset_quota(user: str, identity: Caller) -> Response:
         app.quotas.unset(identity, user)
         return Response(status_code=204)
+
+    @api.post(
+        _ARCHIVE_PATH,
+        status_code=201,
+        summary="Upload a project or dataset as one archive (tar, tar.gz or zip body); ?name= names it",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in rest_files.ARCHIVE_TYPES},
+            }
+        },
+    )
+    async def upload_snapshot(request: Request, identity: Caller, name: str = "") -> dict[str, Any]:
+        kind = rest_files.archive_kind(request)
+        archive = await rest_files.receive_archive(request, app.blobs.root / "incoming")
+        try:
+            record = await asyncio.to_thread(app.snapshots.ingest_archive, identity, archive, kind, name)
+        finally:
+            archive.unlink(missing_ok=True)
+        return {"snapshot_id": record.id, **dataclasses.asdict(record)}
+
+    @api.get("/v1/jobs/{job_id}/outputs", summary="A job's outputs: path, size, mode (and a symlink's target)")
+    async def job_outputs(job_id: str, identity: Caller) -> list[dict[str, Any]]:
+        return rest_files.listing(_outputs(app, identity, job_id))
+
+    @api.get(
+        "/v1/jobs/{job_id}/outputs.tar.gz",
+        summary="All of a job's outputs as one .tar.gz, streamed",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def job_outputs_archive(job_id: str, identity: Caller) -> StreamingResponse:
+        entries = _outputs(app, identity, job_id)
+        disposition = f'attachment; filename="{job_id}-outputs.tar.gz"'
+        return StreamingResponse(
+            rest_files.tar_chunks(entries, app.blobs),
+            media_type="application/gzip",
+            headers={"content-disposition": disposition},
+        )
+
+    @api.get(
+        "/v1/jobs/{job_id}/outputs/{path:path}",
+        summary="One output file of a job, streamed",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def job_output(job_id: str, path: str, identity: Caller) -> Response:
+        found = rest_files.entry(_outputs(app, identity, job_id), check_path(path, what="output path"))
+        if found.link:
+            raise InvalidRequest(f"output {path!r} is a symlink to {found.link!r}: download that path")
+        return StreamingResponse(
+            rest_files.file_chunks(app.blobs, found.blob),
+            media_type="application/octet-stream",
+            headers={
+                "content-length": str(found.size),
+                "content-disposition": f'attachment; filename="{found.path.rsplit("/", 1)[-1]}"',
+            },
+        )
 
     @api.get("/v1/snapshots", summary="Your named snapshots (gpuport push)")
     async def list_snapshots(identity: Caller) -> list[dict[str, Any]]:

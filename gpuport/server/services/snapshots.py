@@ -7,21 +7,26 @@ given with ``gpuport push`` points at one of them (projects and datasets for lat
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
+import stat
+import tarfile
 import threading
 import time
+import zipfile
+import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from gpuport.defaults import MAX_BLOB_BYTES, MAX_NAME_LENGTH, MAX_SNAPSHOT_FILES
+from gpuport.defaults import MAX_ARCHIVE_UNPACKED_BYTES, MAX_BLOB_BYTES, MAX_NAME_LENGTH, MAX_SNAPSHOT_FILES
 from gpuport.protocol.errors import InvalidRequest, NotFound
-from gpuport.protocol.paths import check_entries
+from gpuport.protocol.paths import check_entries, check_path
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobStore, check_hash
 from gpuport.server.store import Store
@@ -169,6 +174,41 @@ class SnapshotService:
         self._insert(owner, sid, entries)
         return self._record(sid, owner, "")
 
+    def ingest_archive(self, caller: Identity, archive: Path, kind: str, name: str = "") -> SnapshotRecord:
+        """Make a snapshot from a tar (``kind`` "tar", compressed or not) or zip (``kind`` "zip")
+        archive on the server's disk, by the rules of a sync: relative, normalized paths, links that
+        stay inside, only files, folders and symlinks, at most ``MAX_SNAPSHOT_FILES`` files and
+        ``MAX_ARCHIVE_UNPACKED_BYTES`` unpacked. Raises ``InvalidRequest`` naming the first member
+        that breaks one; nothing is recorded then. Blocks: run it in a thread."""
+        if name:
+            check_snapshot_name(name)
+        members = _tar_members(archive) if kind == "tar" else _zip_members(archive)
+        entries: list[Entry] = []
+        unpacked = 0
+        for path, mode, link, opened in members:
+            if len(entries) >= MAX_SNAPSHOT_FILES:
+                raise InvalidRequest(f"the archive has more than {MAX_SNAPSHOT_FILES} files, the limit")
+            path = check_path(path.removeprefix("./"), what="path in the archive")
+            if link:
+                entries.append(Entry(path, "", 0, 0o777, link))
+                continue
+            with opened() as file:
+                blob, size = self.blobs.ingest(_Bounded(file, MAX_ARCHIVE_UNPACKED_BYTES - unpacked))
+            unpacked += size
+            entries.append(Entry(path, blob, size, 0o755 if mode & 0o111 else 0o644))
+        entries = check_manifest(entries)
+        sid = snapshot_id(entries)
+        self._insert(caller.name, sid, entries)
+        if name:
+            with self.store.transaction() as db:
+                db.execute(
+                    "INSERT INTO snapshot_names (owner, name, snapshot_id, updated_at) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (owner, name) DO UPDATE SET snapshot_id = excluded.snapshot_id, "
+                    "updated_at = excluded.updated_at",
+                    (caller.name, name, sid, time.time()),
+                )
+        return self._record(sid, caller.name, name)
+
     def _record(self, sid: str, owner: str, name: str) -> SnapshotRecord:
         row = self.store.query_one(
             "SELECT created_at, files, bytes FROM snapshots WHERE id = ? AND owner = ?", (sid, owner)
@@ -230,6 +270,71 @@ class SnapshotService:
     def materialize(self, record: SnapshotRecord, dest: Path, *, read_only: bool = False) -> None:
         """Write the snapshot's files under ``dest`` (copies; read-only hard links with ``read_only``)."""
         write_entries(self.manifest(record), self.blobs, dest, read_only=read_only)
+
+
+# An archive's members: (path, mode, symlink target or "", a function that opens a file's content).
+_Member = tuple[str, int, str, Callable[[], BinaryIO]]
+
+
+def _tar_members(archive: Path) -> Iterator[_Member]:
+    try:
+        with tarfile.open(archive, mode="r:*") as tar:
+            for info in tar:
+                if info.isdir():
+                    continue
+                if info.issym():
+                    yield info.name, 0, info.linkname, _no_content
+                elif info.isfile():
+                    yield info.name, info.mode, "", functools.partial(_tar_content, tar, info)
+                else:
+                    kind = "a hard link" if info.islnk() else "a device or FIFO"
+                    raise InvalidRequest(
+                        f"{info.name!r} in the archive is {kind}: only files, folders and symlinks are taken"
+                    )
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        raise InvalidRequest(f"the body is not a readable tar archive: {e}") from None
+
+
+def _tar_content(tar: tarfile.TarFile, info: tarfile.TarInfo) -> BinaryIO:
+    file = tar.extractfile(info)
+    assert file is not None  # a regular file's content
+    return file  # type: ignore[return-value]
+
+
+def _zip_members(archive: Path) -> Iterator[_Member]:
+    try:
+        with zipfile.ZipFile(archive) as zipped:
+            for info in zipped.infolist():
+                if info.is_dir():
+                    continue
+                mode = info.external_attr >> 16
+                if stat.S_ISLNK(mode):
+                    yield info.filename, 0, zipped.read(info).decode("utf-8", "surrogateescape"), _no_content
+                elif stat.S_IFMT(mode) and not stat.S_ISREG(mode):  # zips made elsewhere may give no type
+                    raise InvalidRequest(f"{info.filename!r} in the archive is not a file, folder or symlink")
+                else:
+                    yield info.filename, mode, "", functools.partial(zipped.open, info)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError) as e:
+        raise InvalidRequest(f"the body is not a readable zip archive: {e}") from None
+
+
+def _no_content() -> BinaryIO:
+    raise AssertionError("a symlink has no content")
+
+
+class _Bounded:
+    """A file read up to ``limit`` bytes in all: past it, InvalidRequest (an archive that unpacks to
+    more than the server takes, such as a zip bomb)."""
+
+    def __init__(self, file: BinaryIO, limit: int) -> None:
+        self.file, self.left = file, limit
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.left -= len(data)
+        if self.left < 0:
+            raise InvalidRequest(f"the archive unpacks to more than {MAX_ARCHIVE_UNPACKED_BYTES} bytes, the limit")
+        return data
 
 
 def write_entries(entries: Iterable[Entry], blobs: BlobStore, dest: Path, *, read_only: bool = False) -> None:

@@ -1,0 +1,166 @@
+"""REST without the CLI, as an ML platform posts it: a project uploaded as one archive body, a script
+run with hyperparameters argparse reads, and the job's outputs listed and downloaded (one file, or
+all of them as one .tar.gz), through curl-like HTTP calls and nothing else."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+import zipfile
+from typing import Any
+
+import pytest
+
+from tests.conftest import RunningServer
+
+TRAIN = """\
+import argparse, json, os
+parser = argparse.ArgumentParser()
+parser.add_argument("--epochs", type=int)
+parser.add_argument("--augment", action="store_true")
+parser.add_argument("--no-shuffle", action="store_true")
+parser.add_argument("--layers", type=int, nargs="+")
+parser.add_argument("--name")
+args = parser.parse_args()
+os.makedirs("out/weights", exist_ok=True)
+with open("out/result.json", "w") as f:
+    json.dump(vars(args), f)
+with open("out/weights/w.bin", "wb") as f:
+    f.write(bytes(range(256)) * 4096)
+print("trained", open("data/notes.txt").read().strip())
+"""
+
+
+def _tar(files: dict[str, bytes], gz: bool = True, extra: list[tarfile.TarInfo] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz" if gz else "w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+        for info in extra or []:
+            tar.addfile(info)
+    return buffer.getvalue()
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in files.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def _upload(server: RunningServer, token: str, body: bytes, content_type: str, name: str = "") -> Any:
+    path = "/v1/snapshots" + (f"?name={name}" if name else "")
+    return server.rest("POST", path, token, content=body, headers={"content-type": content_type})
+
+
+def _wait(server: RunningServer, token: str, job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        job = server.rest("GET", f"/v1/jobs/{job_id}", token).json()
+        if job["state"] not in ("queued", "running"):
+            return job  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not end")
+
+
+@pytest.mark.parametrize("kind", ["tar.gz", "zip"])
+def test_upload_run_and_download_with_nothing_but_http(server: RunningServer, user_token: str, kind: str) -> None:
+    files = {"train.py": TRAIN.encode(), "data/notes.txt": b"from an archive\n"}
+    body, content_type = (_tar(files), "application/gzip") if kind == "tar.gz" else (_zip(files), "application/zip")
+    uploaded = _upload(server, user_token, body, content_type, name=f"rest-{kind.replace('.', '-')}")
+    assert uploaded.status_code == 201, uploaded.text
+    assert uploaded.json()["files"] == 2 and len(uploaded.json()["snapshot_id"]) == 64
+
+    job = {
+        "script": "train.py",
+        "project": f"rest-{kind.replace('.', '-')}",
+        "hyperparameters": {"epochs": 2, "augment": True, "no-shuffle": False, "layers": [64, 32], "name": "a b"},
+        "outputs": ["out/"],
+    }
+    created = server.rest("POST", "/v1/jobs", user_token, json=job)
+    assert created.status_code == 201, created.text
+    info = _wait(server, user_token, created.json()["job_id"])
+    logs = server.rest("GET", f"/v1/jobs/{info['job_id']}/logs", user_token).json()["data"]
+    assert info["state"] == "succeeded", logs
+    assert "trained from an archive" in logs
+    assert info["command"] == [
+        "python", "train.py", "--epochs", "2", "--augment", "--layers", "64", "32", "--name", "a b",
+    ]  # fmt: skip
+
+    listed = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs", user_token)
+    assert listed.status_code == 200
+    by_path = {e["path"]: e for e in listed.json()}
+    assert set(by_path) == {"out/result.json", "out/weights/w.bin"}
+    assert by_path["out/weights/w.bin"]["size"] == 256 * 4096
+
+    result = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs/out/result.json", user_token)
+    assert result.status_code == 200
+    assert result.json() == {"epochs": 2, "augment": True, "no_shuffle": False, "layers": [64, 32], "name": "a b"}
+    weights = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs/out/weights/w.bin", user_token)
+    assert weights.content == bytes(range(256)) * 4096
+
+    whole = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs.tar.gz", user_token)
+    assert whole.status_code == 200 and whole.headers["content-type"] == "application/gzip"
+    with tarfile.open(fileobj=io.BytesIO(whole.content), mode="r:gz") as tar:
+        assert sorted(tar.getnames()) == ["out/result.json", "out/weights/w.bin"]
+        extracted = tar.extractfile("out/weights/w.bin")
+        assert extracted is not None and extracted.read() == bytes(range(256)) * 4096
+
+    missing = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs/out/nope", user_token)
+    assert missing.status_code == 404 and "no output 'out/nope'" in missing.json()["error"]["message"]
+    escaping = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs/out/%2E%2E/%2E%2E/etc", user_token)
+    assert escaping.status_code in (400, 404)
+
+
+def _link(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, target
+    return info
+
+
+def _hard(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.LNKTYPE, target
+    return info
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "problem"),
+    [
+        (_tar({"../evil.py": b"x"}), "application/gzip", "contains '..'"),
+        (_tar({"/etc/evil": b"x"}), "application/gzip", "is absolute"),
+        (_tar({"ok.py": b"x"}, extra=[_link("out", "../../etc/passwd")]), "application/gzip", "outside the workdir"),
+        (_tar({"ok.py": b"x"}, extra=[_hard("h", "ok.py")]), "application/gzip", "is a hard link"),
+        (_zip({"../up.py": b"x"}), "application/zip", "contains '..'"),
+        (b"not an archive at all", "application/gzip", "not a readable tar archive"),
+        (b"PK not a zip", "application/zip", "not a readable zip archive"),
+        (_tar({"a.py": b"x"}), "text/plain", "post the archive as application/x-tar"),
+    ],
+    ids=["dotdot", "absolute", "link-out", "hard-link", "zip-dotdot", "garbage-tar", "garbage-zip", "content-type"],
+)
+def test_bad_archives_are_refused_saying_why_and_change_nothing(
+    server: RunningServer, user_token: str, body: bytes, content_type: str, problem: str
+) -> None:
+    before = server.rest("GET", "/v1/snapshots", user_token).json()
+    refused = _upload(server, user_token, body, content_type, name="bad-archive")
+    assert refused.status_code == 400 and problem in refused.json()["error"]["message"], refused.text
+    assert server.rest("GET", "/v1/snapshots", user_token).json() == before
+
+
+def test_an_archive_needs_a_token_and_a_script_must_be_in_the_project(server: RunningServer, user_token: str) -> None:
+    assert _upload(server, "", _tar({"a.py": b""}), "application/gzip").status_code == 401
+    assert (
+        _upload(server, user_token, _tar({"a.py": b"", "lib/b.py": b""}), "application/x-tar", "has-a").status_code
+        == 201
+    )
+    job = {"script": "train.py", "project": "has-a"}
+    refused = server.rest("POST", "/v1/jobs", user_token, json=job)
+    assert refused.status_code == 400
+    message = refused.json()["error"]["message"]
+    assert "script 'train.py' is not in project 'has-a'" in message and "a.py" in message
+    no_project = server.rest("POST", "/v1/jobs", user_token, json={"script": "a.py"})
+    assert no_project.status_code == 400 and "has no project" in no_project.json()["error"]["message"]

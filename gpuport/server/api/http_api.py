@@ -35,6 +35,7 @@ from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
 from gpuport.server.api import rest_files
 from gpuport.server.api.callers import asgi_caller
+from gpuport.server.api.openapi import build_openapi
 from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
@@ -286,6 +287,13 @@ def build_http_app(app: ServerApp) -> Predictions:
     api = FastAPI(title="gpuport", version=__version__, description="GPU over IP: the gpuport server's REST API.")
     api.state.gpuport = app
 
+    def document() -> dict[str, Any]:
+        if api.openapi_schema is None:
+            api.openapi_schema = build_openapi(api)
+        return api.openapi_schema
+
+    api.openapi = document  # type: ignore[method-assign]
+
     @api.exception_handler(GpuportError)
     async def _gpuport_error(request: Request, error: GpuportError) -> JSONResponse:
         if isinstance(error, AuthenticationError):
@@ -420,10 +428,12 @@ def build_http_app(app: ServerApp) -> Predictions:
         _ARCHIVE_PATH,
         status_code=201,
         summary="Upload a project or dataset as one archive (tar, tar.gz or zip body); ?name= names it",
+        description="The body is the archive itself, with its type as Content-Type: application/x-tar, "
+        "application/gzip (a .tar.gz) or application/zip; application/octet-stream: found from its first bytes.",
         openapi_extra={
             "requestBody": {
                 "required": True,
-                "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in rest_files.ARCHIVE_TYPES},
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
             }
         },
     )
@@ -431,6 +441,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         kind = rest_files.archive_kind(request)
         archive = await rest_files.receive_archive(request, app.blobs.root / "incoming")
         try:
+            kind = rest_files.sniffed(kind, archive)
             record = await asyncio.to_thread(app.snapshots.ingest_archive, identity, archive, kind, name)
         finally:
             archive.unlink(missing_ok=True)

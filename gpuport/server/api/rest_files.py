@@ -31,6 +31,7 @@ ARCHIVE_TYPES = {
     "application/x-compressed-tar": "tar",
     "application/zip": "zip",
     "application/x-zip-compressed": "zip",
+    "application/octet-stream": "",  # found from its first bytes
 }
 _CHUNK = 1 << 20  # bytes of a .tar.gz handed to the connection at once
 
@@ -45,7 +46,7 @@ def archive_kind(request: Request) -> str:
     if kind is None:
         raise InvalidRequest(
             f"content type {content_type[:60]!r}: post the archive as application/x-tar, application/gzip "
-            "(a .tar.gz) or application/zip"
+            "(a .tar.gz) or application/zip (or application/octet-stream)"
         )
     return kind
 
@@ -73,6 +74,14 @@ async def receive_archive(request: Request, folder: Path) -> Path:
         Path(name).unlink(missing_ok=True)
         raise InvalidRequest("the body is empty: post the archive itself")
     return Path(name)
+
+
+def sniffed(kind: str, archive: Path) -> str:
+    """``kind``, or for an octet stream what its first bytes say: a zip ("PK\\3\\4"), else a tar."""
+    if kind:
+        return kind
+    with archive.open("rb") as file:
+        return "zip" if file.read(4) == b"PK\x03\x04" else "tar"
 
 
 def listing(entries: list[Entry]) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from gpuport.protocol.errors import (
     ServerError,
     status_for,
 )
+from gpuport.server.api import openapi
 from gpuport.server.api.callers import asgi_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
@@ -145,12 +146,22 @@ def add_serving_routes(api: FastAPI) -> None:
 
     # ---- KServe v2 ------------------------------------------------------------------------------
 
-    @api.get("/v2", summary="KServe v2: server metadata (needs no credentials)", tags=kserve)
+    @api.get(
+        "/v2",
+        summary="KServe v2: server metadata (needs no credentials)",
+        tags=kserve,
+        responses={200: {"model": openapi.ServerMetadata}},
+    )
     @_anyone
     async def server_metadata(request: Request) -> Response:
         return JSONResponse({"name": "gpuport", "version": __version__, "extensions": list(triton.EXTENSIONS)})
 
-    @api.get("/v2/health/live", summary="KServe v2: the server is up (needs no credentials)", tags=kserve)
+    @api.get(
+        "/v2/health/live",
+        summary="KServe v2: the server is up (needs no credentials)",
+        tags=kserve,
+        responses={200: {"model": openapi.Live}},
+    )
     @_anyone
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
@@ -159,6 +170,7 @@ def add_serving_routes(api: FastAPI) -> None:
         "/v2/health/ready",
         summary="KServe v2: every model is ready (none loading or failed); needs no credentials",
         tags=kserve,
+        responses={200: {"model": openapi.Ready}},
     )
     @_anyone
     async def ready(request: Request) -> Response:
@@ -166,10 +178,23 @@ def add_serving_routes(api: FastAPI) -> None:
         return JSONResponse({"ready": ok}, status_code=200 if ok else 400)
 
     # Before /v2/models/{name}, which would take "stats" for a model's name.
-    @api.get("/v2/models/stats", summary="KServe v2 (Triton's statistics extension): every model", tags=kserve)
-    @api.get("/v2/models/{name}/stats", summary="KServe v2 (Triton's statistics extension)", tags=kserve)
     @api.get(
-        "/v2/models/{name}/versions/{version}/stats", summary="KServe v2 (Triton's statistics extension)", tags=kserve
+        "/v2/models/stats",
+        summary="KServe v2 (Triton's statistics extension): every model",
+        tags=kserve,
+        responses={200: {"model": openapi.Statistics}},
+    )
+    @api.get(
+        "/v2/models/{name}/stats",
+        summary="KServe v2 (Triton's statistics extension)",
+        tags=kserve,
+        responses={200: {"model": openapi.Statistics}},
+    )
+    @api.get(
+        "/v2/models/{name}/versions/{version}/stats",
+        summary="KServe v2 (Triton's statistics extension)",
+        tags=kserve,
+        responses={200: {"model": openapi.Statistics}},
     )
     @_answered
     async def model_statistics(request: Request) -> Response:
@@ -177,17 +202,34 @@ def add_serving_routes(api: FastAPI) -> None:
         version = version_number(request.path_params.get("version", ""))
         return JSONResponse(triton.model_statistics(_server(request).serving.statistics(name, version)))
 
-    @api.get("/v2/models/{name}/config", summary="KServe v2 (Triton's model configuration extension)", tags=kserve)
+    @api.get(
+        "/v2/models/{name}/config",
+        summary="KServe v2 (Triton's model configuration extension)",
+        tags=kserve,
+        responses={200: {"model": openapi.ModelConfig}},
+    )
     @api.get(
         "/v2/models/{name}/versions/{version}/config",
         summary="KServe v2 (Triton's model configuration extension)",
         tags=kserve,
+        responses={200: {"model": openapi.ModelConfig}},
     )
     @_answered
     async def model_config(request: Request, name: str) -> Response:
         return JSONResponse(triton.model_config(_find(request, name)))
 
-    @api.post("/v2/repository/index", summary="KServe v2 (Triton's repository extension): the models", tags=kserve)
+    @api.post(
+        "/v2/repository/index",
+        summary="KServe v2 (Triton's repository extension): the models",
+        tags=kserve,
+        responses={200: {"model": list[openapi.RepositoryModel]}},
+        openapi_extra={
+            "requestBody": {
+                "required": False,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RepositoryIndexRequest"}}},
+            }
+        },
+    )
     @_answered
     async def repository_index(request: Request) -> Response:
         body = await request.body()
@@ -209,11 +251,9 @@ def add_serving_routes(api: FastAPI) -> None:
             "`gpuport undeploy NAME` (or the Models API)"
         )
 
-    @api.api_route(
-        "/v2/{kind}sharedmemory/{rest:path}",
-        methods=["GET", "POST"],
-        summary="Refused: shared memory cannot cross a network",
-        tags=kserve,
+    @api.get("/v2/{kind}sharedmemory/{rest:path}", summary="Refused: shared memory cannot cross a network", tags=kserve)
+    @api.post(
+        "/v2/{kind}sharedmemory/{rest:path}", summary="Refused: shared memory cannot cross a network", tags=kserve
     )
     @_answered
     async def shared_memory(request: Request, kind: str, rest: str) -> Response:
@@ -222,15 +262,33 @@ def add_serving_routes(api: FastAPI) -> None:
             "in the request (binary tensor data, or gRPC's raw_input_contents)"
         )
 
-    @api.get("/v2/models/{name}", summary="KServe v2: model metadata", tags=kserve)
-    @api.get("/v2/models/{name}/versions/{version}", summary="KServe v2: model metadata", tags=kserve)
+    @api.get(
+        "/v2/models/{name}",
+        summary="KServe v2: model metadata",
+        tags=kserve,
+        responses={200: {"model": openapi.ModelMetadata}},
+    )
+    @api.get(
+        "/v2/models/{name}/versions/{version}",
+        summary="KServe v2: model metadata",
+        tags=kserve,
+        responses={200: {"model": openapi.ModelMetadata}},
+    )
     @_answered
     async def model_metadata(request: Request, name: str) -> Response:
         return JSONResponse(kserve_metadata(_find(request, name), _server(request).serving.versions(name)))
 
-    @api.get("/v2/models/{name}/ready", summary="KServe v2: the model takes predictions", tags=kserve)
     @api.get(
-        "/v2/models/{name}/versions/{version}/ready", summary="KServe v2: the model takes predictions", tags=kserve
+        "/v2/models/{name}/ready",
+        summary="KServe v2: the model takes predictions",
+        tags=kserve,
+        responses={200: {"model": openapi.ModelReady}},
+    )
+    @api.get(
+        "/v2/models/{name}/versions/{version}/ready",
+        summary="KServe v2: the model takes predictions",
+        tags=kserve,
+        responses={200: {"model": openapi.ModelReady}},
     )
     @_answered
     async def model_ready(request: Request, name: str) -> Response:
@@ -239,16 +297,23 @@ def add_serving_routes(api: FastAPI) -> None:
 
     # ---- TensorFlow Serving REST ----------------------------------------------------------------
 
-    @api.get("/v1/models/{name}", summary="TensorFlow Serving: model status (needs no credentials)", tags=tfs)
+    @api.get(
+        "/v1/models/{name}",
+        summary="TensorFlow Serving: model status (needs no credentials)",
+        tags=tfs,
+        responses={200: {"model": openapi.ModelStatus}},
+    )
     @api.get(
         "/v1/models/{name}/versions/{version}",
         summary="TensorFlow Serving: model status (needs no credentials)",
         tags=tfs,
+        responses={200: {"model": openapi.ModelStatus}},
     )
     @api.get(
         "/v1/models/{name}/labels/{label}",
         summary="TensorFlow Serving: model status (needs no credentials)",
         tags=tfs,
+        responses={200: {"model": openapi.ModelStatus}},
     )
     @_anyone
     async def tfs_status(request: Request, name: str) -> Response:
@@ -274,9 +339,24 @@ def add_serving_routes(api: FastAPI) -> None:
             }
         )
 
-    @api.get("/v1/models/{name}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
-    @api.get("/v1/models/{name}/versions/{version}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
-    @api.get("/v1/models/{name}/labels/{label}/metadata", summary="TensorFlow Serving: model metadata", tags=tfs)
+    @api.get(
+        "/v1/models/{name}/metadata",
+        summary="TensorFlow Serving: model metadata",
+        tags=tfs,
+        responses={200: {"model": openapi.TfsModelMetadata}},
+    )
+    @api.get(
+        "/v1/models/{name}/versions/{version}/metadata",
+        summary="TensorFlow Serving: model metadata",
+        tags=tfs,
+        responses={200: {"model": openapi.TfsModelMetadata}},
+    )
+    @api.get(
+        "/v1/models/{name}/labels/{label}/metadata",
+        summary="TensorFlow Serving: model metadata",
+        tags=tfs,
+        responses={200: {"model": openapi.TfsModelMetadata}},
+    )
     @_answered
     async def tfs_metadata(request: Request, name: str) -> Response:
         d = _find(request, name)

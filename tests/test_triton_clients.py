@@ -372,3 +372,23 @@ def test_readiness_follows_the_deployments_and_a_failure_is_its_owners_to_read(t
             assert own.rest("GET", "/v2/health/ready").json() == {"ready": True}
     finally:
         own.stop()
+
+
+def test_byte_strings_cut_short_over_grpc_are_a_clear_invalid_argument(server: RunningServer, models: None) -> None:
+    """raw_input_contents of a BYTES input whose last element is cut: INVALID_ARGUMENT naming it, the
+    same codec and words as KServe's binary data over HTTP (not an internal error)."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="simple_string")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="BYTES", shape=[1, 16])
+    whole = b"".join(len(b"7").to_bytes(4, "little") + b"7" for _ in range(16))
+    request.raw_input_contents.extend([whole, whole[:-3]])
+    cert = (server.state_dir / "tls" / "cert.pem").read_bytes()
+    with grpc.secure_channel(_address(server.url), grpc.ssl_channel_credentials(cert)) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(request, metadata=(("authorization", f"Bearer {server.admin_token}"),), timeout=30)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "raw_input_contents of BYTES input 'INPUT1'" in raised.value.details()

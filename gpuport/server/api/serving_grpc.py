@@ -29,7 +29,7 @@ from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, version_number
 from gpuport.server.serving import triton
-from gpuport.server.worker.model import pack_bytes, unpack_bytes
+from gpuport.server.serving.tensors import pack_bytes, unpack_bytes
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _kserve_input(tensor: Any, raw: bytes | None) -> np.ndarray:
     count = int(np.prod(shape)) if shape else 1
     if raw is not None:
         if tensor.datatype == "BYTES":
-            array = unpack_bytes(raw, (-1,))
+            array = unpack_bytes(raw, f"raw_input_contents of BYTES input {tensor.name!r}", count)
         else:
             if len(raw) != count * dtype.itemsize:
                 raise InvalidRequest(
@@ -255,7 +255,7 @@ async def _model_infer(app: ServerApp, request: Any, caller: Identity | None) ->
     if raw and len(raw) != len(request.inputs):
         raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
     inputs = {t.name: _kserve_input(t, raw[i] if raw else None) for i, t in enumerate(request.inputs)}
-    outputs = await app.serving.infer(d.name, d.version, inputs)
+    outputs = await app.serving.infer(d, inputs)
     wanted = [o.name for o in request.outputs] or list(outputs)
     unknown = [n for n in wanted if n not in outputs]
     if unknown:
@@ -327,7 +327,7 @@ async def _predict(app: ServerApp, request: Any, caller: Identity | None) -> Any
     if spec.signature_name not in ("", "serving_default"):
         raise InvalidRequest(f"unknown signature {spec.signature_name!r}: this model has serving_default only")
     inputs = {name: _from_tensor_proto(name, proto) for name, proto in request.inputs.items()}
-    outputs = await app.serving.infer(d.name, d.version, inputs)
+    outputs = await app.serving.infer(d, inputs)
     wanted = list(request.output_filter) or list(outputs)
     unknown = [n for n in wanted if n not in outputs]
     if unknown:

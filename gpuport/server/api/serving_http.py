@@ -453,7 +453,7 @@ class Predictions:
         d = serving.endpoint(name, version_number(version))
         header = headers.get(_HEADER_LENGTH, b"")
         parsed = codecs.parse_kserve(body, int(header) if header.isdigit() else None)
-        outputs = await serving.infer(name, d.version, {i.name: i.array for i in parsed.inputs})
+        outputs = await serving.infer(d, {i.name: i.array for i in parsed.inputs})
         chosen = _requested(outputs, [o.name for o in parsed.outputs])
         answer, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
         extra = [] if length is None else [(_HEADER_LENGTH, str(length).encode())]
@@ -468,7 +468,7 @@ class Predictions:
         if signature not in ("", "serving_default"):
             raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")
         specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
-        outputs = await serving.infer(name, d.version, codecs.tfs_to_inputs(raw, specs))
+        outputs = await serving.infer(d, codecs.tfs_to_inputs(raw, specs))
         return 200, [], codecs.form_tfs_predict(outputs, style)
 
 

@@ -110,11 +110,13 @@ class DeploymentRecord:
 @dataclass(frozen=True)
 class Endpoint:
     """Where a prediction goes: a deployed model's name and version (a number, never 0), and its
-    inputs as it published them. What the prediction paths look up, lighter than a record."""
+    inputs as it published them. What the prediction paths look up once per request, lighter than a
+    record; ``infer`` takes it back, without a second lookup."""
 
     name: str
     version: int
     inputs: list[dict[str, Any]]
+    deployment: Any = field(repr=False, compare=False, default=None)  # the live _Deployment
 
 
 _NOT_SERVING = BatcherStats(batches=0, requests=0, rows=0, failed_batches=0, mean_batch_size=0.0, queue_length=0)
@@ -461,7 +463,7 @@ class ServingService:
         d = self._find(name, version)
         if d is None:
             raise NotFound(self._unknown(name, version))
-        return Endpoint(d.name, d.version, d.metadata.get("inputs", []))
+        return Endpoint(d.name, d.version, d.metadata.get("inputs", []), d)
 
     def statistics(self, name: str = "", version: int = 0) -> list[tuple[DeploymentRecord, Timings]]:
         """Each live deployment's record and its batcher's timings: every version of ``name`` (or
@@ -509,10 +511,10 @@ class ServingService:
 
     # ---- predicting -------------------------------------------------------------------------------
 
-    async def infer(self, name: str, version: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        d = self._find(name, version)
-        if d is None:
-            raise NotFound(self._unknown(name, version))
+    async def infer(self, endpoint: Endpoint, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run a prediction on the deployment ``endpoint`` (from ``endpoint()``) found."""
+        d: _Deployment = endpoint.deployment
+        name = d.name
         if d.state != "ready" or d.batcher is None:
             if d.state == "failed":
                 raise NotReady(

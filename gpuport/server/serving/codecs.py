@@ -31,7 +31,6 @@ import base64
 import binascii
 import json
 import math
-import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ import numpy as np
 
 from gpuport.protocol.datatypes import TF_ENUM, TF_NAMES, datatype_of, numpy_dtype
 from gpuport.protocol.errors import InvalidRequest, ServerError
+from gpuport.server.serving.tensors import pack_bytes, unpack_bytes
 
 __all__ = [
     "InferInput",
@@ -58,7 +58,6 @@ __all__ = [
 _B64 = "b64"
 # TF Serving: string outputs whose name ends so are written as base64 objects.
 _BYTES_SUFFIX = "_bytes"
-_LENGTH = struct.Struct("<I")
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
@@ -290,13 +289,11 @@ def _from_binary(
 ) -> np.ndarray:
     """An input's array from its binary data: a view where it can be, BYTES unpacked."""
     if datatype == "BYTES":
-        items = _unpack_bytes(chunk, name, count)
-        if len(items) != count:
+        array = unpack_bytes(chunk, f"binary data of BYTES input '{name}'", count)
+        if len(array) != count:
             raise InvalidRequest(
-                f"binary data of BYTES input '{name}' holds {len(items)} elements but shape {shape} needs {count}"
+                f"binary data of BYTES input '{name}' holds {len(array)} elements but shape {shape} needs {count}"
             )
-        array = np.empty(count, dtype=object)
-        array[:] = items
         return array.reshape(shape)
     expected = count * dtype.itemsize
     if len(chunk) != expected:
@@ -310,28 +307,6 @@ def _from_binary(
     if datatype == "BOOL" and count and array.view(np.uint8).max() > 1:
         raise InvalidRequest(f"binary data of BOOL input '{name}' has bytes other than 0 and 1")
     return array.reshape(shape)
-
-
-def _unpack_bytes(chunk: memoryview, name: str, count: int) -> list[bytes]:
-    """BYTES binary data: each element a 4-byte little-endian length, then that many bytes."""
-    items: list[bytes] = []
-    position, end = 0, len(chunk)
-    while position < end and len(items) <= count:
-        if position + 4 > end:
-            raise InvalidRequest(
-                f"binary data of BYTES input '{name}' ends inside an element's 4-byte length "
-                f"(at byte {position} of {end})"
-            )
-        (length,) = _LENGTH.unpack_from(chunk, position)
-        position += 4
-        if position + length > end:
-            raise InvalidRequest(
-                f"binary data of BYTES input '{name}': element {len(items)} says {length} bytes but only "
-                f"{end - position} are left"
-            )
-        items.append(bytes(chunk[position : position + length]))
-        position += length
-    return items
 
 
 def _parse_outputs(raw: Any) -> list[RequestedOutput]:
@@ -385,12 +360,7 @@ def _kserve_json_data(array: np.ndarray, datatype: str) -> list[Any] | None:
 def _binary_data(array: np.ndarray, datatype: str) -> bytes | memoryview:
     """An output's binary data: little-endian, row-major; BYTES as length-prefixed elements."""
     if datatype == "BYTES":
-        parts: list[bytes] = []
-        for item in array.ravel().tolist():
-            raw = item if isinstance(item, bytes) else str(item).encode()
-            parts.append(_LENGTH.pack(len(raw)))
-            parts.append(raw)
-        return b"".join(parts)
+        return pack_bytes(array)
     dtype = array.dtype if _LITTLE_ENDIAN else array.dtype.newbyteorder("<")
     return np.ascontiguousarray(array, dtype=dtype).reshape(-1).view(np.uint8).data
 

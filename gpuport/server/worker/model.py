@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
 import sys
 import traceback
 from pathlib import Path
@@ -30,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from gpuport.protocol.errors import GpuportError
+from gpuport.server.serving.tensors import pack_bytes, unpack_bytes
 from gpuport.server.worker import wire
 
 ENV_MODEL_DIR = "GPUPORT_MODEL_DIR"
 ENV_MODEL_REPLICA = "GPUPORT_MODEL_REPLICA"
 LOAD_FAILED = 3
 _ORPHAN_CHECK = 10.0  # seconds between looks at whether the deployment still exists, while no server is connected
-_LENGTH = struct.Struct("<I")
 
 
 def encode_tensors(tensors: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -60,30 +59,10 @@ def decode_tensors(heads: list[dict[str, Any]], buffers: list[memoryview]) -> di
     for head, buffer in zip(heads, buffers):
         shape = tuple(head["shape"])
         if head["dtype"] == "bytes":
-            out[head["name"]] = unpack_bytes(buffer, shape)
+            out[head["name"]] = unpack_bytes(buffer, f"tensor {head['name']!r}").reshape(shape)
         else:
             out[head["name"]] = np.frombuffer(buffer, dtype=np.dtype(head["dtype"])).reshape(shape)
     return out
-
-
-def pack_bytes(array: np.ndarray) -> bytes:
-    parts = []
-    for item in array.reshape(-1):
-        data = item if isinstance(item, bytes) else str(item).encode()
-        parts += [_LENGTH.pack(len(data)), data]
-    return b"".join(parts)
-
-
-def unpack_bytes(buffer: memoryview | bytes, shape: tuple[int, ...]) -> np.ndarray:
-    items: list[bytes] = []
-    data, at = bytes(buffer), 0
-    while at < len(data):
-        (size,) = _LENGTH.unpack_from(data, at)
-        items.append(data[at + 4 : at + 4 + size])
-        at += 4 + size
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
-    return out.reshape(shape)
 
 
 class Worker:

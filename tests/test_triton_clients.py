@@ -392,3 +392,45 @@ def test_byte_strings_cut_short_over_grpc_are_a_clear_invalid_argument(server: R
             stub.ModelInfer(request, metadata=(("authorization", f"Bearer {server.admin_token}"),), timeout=30)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "raw_input_contents of BYTES input 'INPUT1'" in raised.value.details()
+
+
+def test_tritonclient_aio_with_a_client_certificate(server: RunningServer, certificate: Path) -> None:
+    """simple_http_aio_infer_client.py and simple_grpc_aio_infer_client.py: asyncio clients, with the
+    same TLS files and no header."""
+    import asyncio
+
+    import tritonclient.grpc.aio as grpc_aio
+    import tritonclient.http.aio as http_aio
+
+    async def both() -> None:
+        http = http_aio.InferenceServerClient(
+            url=_address(server.http_url),
+            ssl=True,
+            ssl_context=_client_context(certificate),
+        )
+        try:
+            assert await http.is_server_live() and await http.is_model_ready("simple")
+            inputs, a, b = _simple_inputs(triton_http)
+            result = await http.infer("simple", inputs)
+            assert (result.as_numpy("OUTPUT0") == a + b).all()
+        finally:
+            await http.close()
+        async with grpc_aio.InferenceServerClient(
+            url=f"127.0.0.1:{server.cert_port}",
+            ssl=True,
+            root_certificates=str(certificate / "ca.pem"),
+            private_key=str(certificate / "key.pem"),
+            certificate_chain=str(certificate / "cert.pem"),
+        ) as client:
+            inputs, a, b = _simple_inputs(triton_grpc)
+            results = await asyncio.gather(*(client.infer("simple", inputs) for _ in range(4)))
+            assert all((r.as_numpy("OUTPUT1") == a - b).all() for r in results)
+
+    asyncio.run(both())
+
+
+def _client_context(certs: Path) -> ssl.SSLContext:
+    """What simple_http_aio_infer_client.py builds from --ca-certs, --cert-file and --key-file."""
+    context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    context.load_cert_chain(certs / "cert.pem", certs / "key.pem")
+    return context

@@ -11,14 +11,8 @@ import numpy as np
 import pytest
 
 from gpuport.protocol.errors import InvalidRequest
-from gpuport.server.serving.codecs import (
-    form_kserve,
-    form_tfs_predict,
-    parse_kserve,
-    parse_tfs_predict,
-    tfs_error,
-    tfs_to_inputs,
-)
+from gpuport.server.serving.kserve_rest import form_kserve, parse_kserve
+from gpuport.server.serving.tfs_rest import form_tfs_predict, parse_tfs_predict, tfs_error, tfs_to_inputs
 
 httpclient = pytest.importorskip("tritonclient.http")
 ml_dtypes = pytest.importorskip("ml_dtypes")

@@ -42,7 +42,7 @@ from gpuport.server.api.callers import asgi_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, message_for, version_number
-from gpuport.server.serving import codecs, triton
+from gpuport.server.serving import kserve_rest, tfs_rest, triton
 
 _HEADER_LENGTH = b"inference-header-content-length"  # as ASGI gives header names: lower case
 
@@ -452,10 +452,10 @@ class Predictions:
         serving = self.server.serving
         d = serving.endpoint(name, version_number(version))
         header = headers.get(_HEADER_LENGTH, b"")
-        parsed = codecs.parse_kserve(body, int(header) if header.isdigit() else None)
+        parsed = kserve_rest.parse_kserve(body, int(header) if header.isdigit() else None)
         outputs = await serving.infer(d, {i.name: i.array for i in parsed.inputs})
         chosen = _requested(outputs, [o.name for o in parsed.outputs])
-        answer, length = codecs.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
+        answer, length = kserve_rest.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
         extra = [] if length is None else [(_HEADER_LENGTH, str(length).encode())]
         return 200, extra, answer
 
@@ -464,12 +464,12 @@ class Predictions:
             raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
         serving = self.server.serving
         d = serving.endpoint(name, version_number(version))
-        signature, raw, style = codecs.parse_tfs_predict(body)
+        signature, raw, style = tfs_rest.parse_tfs_predict(body)
         if signature not in ("", "serving_default"):
             raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")
         specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
-        outputs = await serving.infer(d, codecs.tfs_to_inputs(raw, specs))
-        return 200, [], codecs.form_tfs_predict(outputs, style)
+        outputs = await serving.infer(d, tfs_rest.tfs_to_inputs(raw, specs))
+        return 200, [], tfs_rest.form_tfs_predict(outputs, style)
 
 
 def _tfs_target(name: str, target: str | None) -> tuple[str, str, str]:

@@ -522,8 +522,12 @@ class ServingService:
                     "(its owner sees why with `gpuport models`)"
                 )
             raise NotReady(f"model {name} version {d.version} is still loading; try again shortly")
-        # Checked here against what the model published, so that a bad request fails alone, at once.
-        return await d.batcher.infer(formats.check_inputs(d.signature, inputs))
+        # Checked here against what the model published, so that a bad request fails alone, at once,
+        # and only here: the batcher then takes the rows as checked.
+        checked = formats.check_inputs(d.signature, inputs)
+        ranks = {array.ndim for array in checked.values()}
+        rows = next(iter(checked.values())).shape[0] if checked and 0 not in ranks else None
+        return await d.batcher.infer(checked, rows_checked=rows)
 
     # ---- replicas ---------------------------------------------------------------------------------
 

@@ -156,9 +156,11 @@ class Batcher:
 
     # ---- the callers' side ------------------------------------------------------------------------
 
-    async def infer(self, inputs: Inputs) -> Inputs:
+    async def infer(self, inputs: Inputs, *, rows_checked: int | None = None) -> Inputs:
         """Run ``inputs`` in the next batch that takes them; return this caller's rows of the outputs.
         Counted in ``timings``: a success, or a failure (cancelled calls are neither).
+        ``rows_checked``: the request's rows, where the caller already checked that its inputs are
+        named arrays that agree on them (``formats.check_inputs``); only the limits are checked then.
 
         Raises ``InvalidRequest`` for a request that cannot be batched (no inputs, not arrays, 0 rows,
         inputs that disagree on rows, more rows than ``max_batch_size``), ``Overloaded`` when
@@ -168,7 +170,7 @@ class Batcher:
         """
         start = time.perf_counter_ns()
         try:
-            outputs = await self._infer(inputs)
+            outputs = await self._infer(inputs, rows_checked)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -178,10 +180,10 @@ class Batcher:
         self.timings.last_inference = time.time_ns() // 1_000_000
         return outputs
 
-    async def _infer(self, inputs: Inputs) -> Inputs:
+    async def _infer(self, inputs: Inputs, rows_checked: int | None) -> Inputs:
         if self._closed:
             raise self._closed_error()
-        rows, key = self._check(inputs) if self._batching else (_rows_or_one(inputs), None)
+        rows, key = self._check(inputs, rows_checked) if self._batching else (_rows_or_one(inputs), None)
         if len(self._queue) >= self._max_queue:
             raise Overloaded(
                 f"{self._label} is overloaded: {len(self._queue)} requests already wait (max_queue "
@@ -199,7 +201,21 @@ class Batcher:
                 self._notify()
             raise
 
-    def _check(self, inputs: Inputs) -> tuple[int, _Key]:
+    def _check(self, inputs: Inputs, rows_checked: int | None) -> tuple[int, _Key]:
+        count = rows_checked if rows_checked is not None else self._rows_of(inputs)
+        if count == 0:
+            raise InvalidRequest("the request has 0 rows: send at least one")
+        if count > self._max_batch_size:
+            raise InvalidRequest(
+                f"the request has {count} rows, more than {self._label} takes in one batch "
+                f"(max_batch_size {self._max_batch_size}) — split it into requests of at most "
+                f"{self._max_batch_size} rows"
+            )
+        key = tuple(sorted((name, array.dtype, array.shape[1:]) for name, array in inputs.items()))
+        return count, key
+
+    def _rows_of(self, inputs: Inputs) -> int:
+        """The rows of a request whose inputs nobody checked yet; InvalidRequest where they are no batch."""
         if not isinstance(inputs, Mapping) or not inputs:
             raise InvalidRequest("a prediction request needs at least one named input")
         rows: dict[str, int] = {}
@@ -216,16 +232,7 @@ class Batcher:
             each = ", ".join(f"{name!r} has {n}" for name, n in rows.items())
             raise InvalidRequest(f"the inputs disagree on their number of rows (first dimension): {each}")
         (count,) = counts
-        if count == 0:
-            raise InvalidRequest("the request has 0 rows: send at least one")
-        if count > self._max_batch_size:
-            raise InvalidRequest(
-                f"the request has {count} rows, more than {self._label} takes in one batch "
-                f"(max_batch_size {self._max_batch_size}) — split it into requests of at most "
-                f"{self._max_batch_size} rows"
-            )
-        key = tuple(sorted((name, array.dtype, array.shape[1:]) for name, array in inputs.items()))
-        return count, key
+        return count
 
     # ---- the replicas' side -----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -275,6 +276,17 @@ class JobFlag:
         time.sleep(0.1)
         self._closed.set()
         self._thread.join(5)
+
+
+def rest_job_ended(server: RunningServer, token: str, job_id: str, timeout: float = 60) -> dict[str, Any]:
+    """``GET /v1/jobs/{job_id}`` until the job has ended; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = server.rest("GET", f"/v1/jobs/{job_id}", token).json()
+        if job["state"] not in ("queued", "running"):
+            return job  # type: ignore[no-any-return]
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not end within {timeout:g} s")
 
 
 def client_env(server: RunningServer, token: str | None = None) -> dict[str, str]:

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,20 +14,13 @@ import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer, client_env, wait_for
+from tests.conftest import RunningServer, client_env, rest_job_ended, wait_for
 
 
 def _rest_job(server: RunningServer, token: str, body: dict[str, object]) -> dict[str, object]:
     created = server.rest("POST", "/v1/jobs", token, json=body)
     assert created.status_code == 201, created.text
-    job_id = created.json()["job_id"]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        job = server.rest("GET", f"/v1/jobs/{job_id}", token).json()
-        if job["state"] not in ("queued", "running"):
-            return job  # type: ignore[no-any-return]
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not end")
+    return rest_job_ended(server, token, created.json()["job_id"], timeout=30)
 
 
 @pytest.mark.parametrize("use_sdk", [True, False], ids=["python", "rest"])

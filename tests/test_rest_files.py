@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import io
 import tarfile
-import time
 import zipfile
 from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, rest_job_ended
 
 TRAIN = """\
 import argparse, json, os
@@ -57,16 +56,6 @@ def _upload(server: RunningServer, token: str, body: bytes, content_type: str, n
     return server.rest("POST", path, token, content=body, headers={"content-type": content_type})
 
 
-def _wait(server: RunningServer, token: str, job_id: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        job = server.rest("GET", f"/v1/jobs/{job_id}", token).json()
-        if job["state"] not in ("queued", "running"):
-            return job  # type: ignore[no-any-return]
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not end")
-
-
 @pytest.mark.parametrize("kind", ["tar.gz", "zip"])
 def test_upload_run_and_download_with_nothing_but_http(server: RunningServer, user_token: str, kind: str) -> None:
     files = {"train.py": TRAIN.encode(), "data/notes.txt": b"from an archive\n"}
@@ -83,7 +72,7 @@ def test_upload_run_and_download_with_nothing_but_http(server: RunningServer, us
     }
     created = server.rest("POST", "/v1/jobs", user_token, json=job)
     assert created.status_code == 201, created.text
-    info = _wait(server, user_token, created.json()["job_id"])
+    info = rest_job_ended(server, user_token, created.json()["job_id"])
     logs = server.rest("GET", f"/v1/jobs/{info['job_id']}/logs", user_token).json()["data"]
     assert info["state"] == "succeeded", logs
     assert "trained from an archive" in logs

@@ -71,7 +71,7 @@ def _names_for(host: str) -> set[str]:
 
 def _make_certificate(names: set[str]) -> tuple[bytes, bytes]:
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -83,24 +83,31 @@ def _make_certificate(names: set[str]) -> tuple[bytes, bytes]:
             alt_names.append(x509.IPAddress(ipaddress.ip_address(name)))
         except ValueError:
             alt_names.append(x509.DNSName(name))
-    now = datetime.datetime.now(datetime.timezone.utc)
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=365 * DEFAULT_CERT_VALID_YEARS))
+        _builder(subject, subject, key)
         .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(key, hashes.SHA256())
     )
-    key_pem = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    return _pem_pair(cert, key)
+
+
+def _builder(subject, issuer, key, not_after=None):  # type: ignore[no-untyped-def]
+    """A certificate of ``key``'s public half for ``subject``, by ``issuer``, from yesterday to
+    ``not_after`` (default: ``DEFAULT_CERT_VALID_YEARS`` from now), with a random serial."""
+    from cryptography import x509
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(not_after or now + datetime.timedelta(days=365 * DEFAULT_CERT_VALID_YEARS))
     )
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
 def _pem_pair(cert, key) -> tuple[bytes, bytes]:  # type: ignore[no-untyped-def]
@@ -121,18 +128,11 @@ def _make_client_ca() -> tuple[bytes, bytes]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpuport client CA")])
-    now = datetime.datetime.now(datetime.timezone.utc)
     usage = dict.fromkeys(
         ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment", "key_agreement"), False
     )
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(now + datetime.timedelta(days=365 * DEFAULT_CERT_VALID_YEARS))
+        _builder(subject, subject, key)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(**usage, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
@@ -154,15 +154,9 @@ def _make_client_certificate(ca_cert_pem: bytes, ca_key_pem: bytes, user: str) -
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user)])
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, user)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(days=1))
-        .not_valid_after(ca_cert.not_valid_after_utc)
+        _builder(subject, ca_cert.subject, key, ca_cert.not_valid_after_utc)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .add_extension(

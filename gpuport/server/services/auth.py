@@ -108,33 +108,26 @@ class AuthService:
         token = token.strip()
         if scheme.lower() != "bearer" or not token.startswith(TOKEN_PREFIX):
             raise AuthenticationError("the token is malformed: expected 'Bearer gp_...'")
-        digest = _hash(token)
-        identity = self._cache.get(digest)
-        if identity is not None:
-            return identity
-        row = self._store.query_one("SELECT name, admin, revoked_at FROM tokens WHERE hash = ?", (digest,))
-        if row is None:
-            raise AuthenticationError("the token is not known to this server")
-        if row["revoked_at"] is not None:
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["revoked_at"]))
-            raise AuthenticationError(f"the token '{row['name']}' was revoked on {when}")
-        identity = Identity(row["name"], bool(row["admin"]))
-        self._cache[digest] = identity
-        return identity
+        return self._identity("hash", _hash(token), "the token", "the token '{name}'")
 
     def _by_certificate(self, fingerprint: str) -> Identity:
-        key = "cert:" + fingerprint
+        return self._identity(
+            "cert_fingerprint", fingerprint, "the client certificate", "the client certificate of token '{name}'"
+        )
+
+    def _identity(self, column: str, value: str, unknown: str, revoked: str) -> Identity:
+        """The identity of the token whose ``column`` is ``value`` (a token's hash, or its client
+        certificate's fingerprint), from the cache of valid ones or the store."""
+        key = f"{column}:{value}"
         identity = self._cache.get(key)
         if identity is not None:
             return identity
-        row = self._store.query_one(
-            "SELECT name, admin, revoked_at FROM tokens WHERE cert_fingerprint = ?", (fingerprint,)
-        )
+        row = self._store.query_one(f"SELECT name, admin, revoked_at FROM tokens WHERE {column} = ?", (value,))
         if row is None:
-            raise AuthenticationError("the client certificate is not known to this server")
+            raise AuthenticationError(f"{unknown} is not known to this server")
         if row["revoked_at"] is not None:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["revoked_at"]))
-            raise AuthenticationError(f"the client certificate of token '{row['name']}' was revoked on {when}")
+            raise AuthenticationError(f"{revoked.format(name=row['name'])} was revoked on {when}")
         identity = Identity(row["name"], bool(row["admin"]))
         self._cache[key] = identity
         return identity

@@ -111,15 +111,20 @@ class SnapshotService:
                         f"file {e.path!r}: the manifest says {e.size} bytes, its blob has another size"
                     )
             self._insert(caller.name, sid, entries)
-        if name:
-            with self.store.transaction() as db:
-                db.execute(
-                    "INSERT INTO snapshot_names (owner, name, snapshot_id, updated_at) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT (owner, name) DO UPDATE SET snapshot_id = excluded.snapshot_id, "
-                    "updated_at = excluded.updated_at",
-                    (caller.name, name, sid, time.time()),
-                )
+        self._name(caller.name, name, sid)
         return self._record(sid, caller.name, name), []
+
+    def _name(self, owner: str, name: str, sid: str) -> None:
+        """Point ``owner``'s snapshot name ``name`` (none: nothing) at snapshot ``sid``."""
+        if not name:
+            return
+        with self.store.transaction() as db:
+            db.execute(
+                "INSERT INTO snapshot_names (owner, name, snapshot_id, updated_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (owner, name) DO UPDATE SET snapshot_id = excluded.snapshot_id, "
+                "updated_at = excluded.updated_at",
+                (owner, name, sid, time.time()),
+            )
 
     def missing(self, caller: Identity, blobs: Iterable[str] | dict[str, int | None]) -> list[str]:
         """The blobs ``caller`` must upload: those the store lacks, and those it has from someone else.
@@ -199,14 +204,7 @@ class SnapshotService:
         entries = check_manifest(entries)
         sid = snapshot_id(entries)
         self._insert(caller.name, sid, entries)
-        if name:
-            with self.store.transaction() as db:
-                db.execute(
-                    "INSERT INTO snapshot_names (owner, name, snapshot_id, updated_at) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT (owner, name) DO UPDATE SET snapshot_id = excluded.snapshot_id, "
-                    "updated_at = excluded.updated_at",
-                    (caller.name, name, sid, time.time()),
-                )
+        self._name(caller.name, name, sid)
         return self._record(sid, caller.name, name)
 
     def _record(self, sid: str, owner: str, name: str) -> SnapshotRecord:

@@ -61,5 +61,14 @@ __all__ = [
     "format_size",
     "parse_duration",
     "format_duration",
+    "load_ipython_extension",
     *_errors.__all__,
 ]
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext gpuport`` in Jupyter or IPython: cells that run on the GPU machine (``%%gpuport``),
+    with ``%gpuport_pull``, ``%gpuport_push`` and ``%gpuport_close``; see the README's Notebooks."""
+    from gpuport._notebook import load_ipython_extension as load
+
+    load(ipython)

@@ -162,8 +162,8 @@ def _by_value(function: Callable[..., Any]) -> None:
     name = getattr(function, "__module__", None) or ""
     top = name.partition(".")[0]
     module = sys.modules.get(top)
-    if module is None or top == "__main__" or top in sys.builtin_module_names:
-        return
+    if module is None or top in ("__main__", "gpuport") or top in sys.builtin_module_names:
+        return  # gpuport's own functions (the notebook's cells) are imports: the server has gpuport
     path = getattr(module, "__file__", None)
     if not path or os.path.realpath(path).startswith(_INSTALLED):
         return

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test bench proto clean sandbox
+.PHONY: demo test bench proto clean sandbox test-tools
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,23 @@ sandbox:
 		echo "not installed:$$missing — jobs run without a sandbox, and tests that need other users skip (sudo apt-get install$$missing)"; \
 	fi
 
+# What some tests need from Debian beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes).
+# Installed when missing and root; otherwise those tests skip, saying what is missing.
+TEST_TOOLS := sshd:openssh-server
+test-tools:
+	@missing=""; for tool in $(TEST_TOOLS); do command -v $${tool%%:*} >/dev/null || [ -x /usr/sbin/$${tool%%:*} ] || missing="$$missing $${tool#*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing$$missing (for the tests)"; \
+		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
+	else \
+		echo "not installed:$$missing — the tests that need it skip (sudo apt-get install$$missing)"; \
+	fi
+
 demo: $(VENV)/.demo sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh
 
-test: $(VENV)/.dev sandbox
+test: $(VENV)/.dev sandbox test-tools
 	$(PY) -m pytest
 
 # The peers: Ray from the bench extra; rsync from Debian (sync figures are skipped without it).

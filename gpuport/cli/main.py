@@ -228,6 +228,16 @@ def _confirm_certificate(target: Target, presented: str, pinned_before: str | No
 @click.option("--fingerprint", help="Expected certificate fingerprint (sha256:...), as `gpuport server` prints it.")
 @click.option("--profile", "profile_name", help="Save as this profile [default: the --profile above, else 'default'].")
 @click.option("--yes", "-y", is_flag=True, help="Trust the presented certificate without asking.")
+@click.option(
+    "--start",
+    "start_command",
+    is_flag=False,
+    flag_value="gpuport server",
+    default=None,
+    metavar="[COMMAND]",
+    help="With an ssh:// URL: start the server on the box when none answers there (COMMAND, default "
+    "'gpuport server', run with --host 127.0.0.1); its first admin token is used when no --token is given.",
+)
 @json_option
 @click.pass_context
 def login_command(
@@ -237,14 +247,20 @@ def login_command(
     fingerprint: str | None,
     profile_name: str | None,
     yes: bool,
+    start_command: str | None,
     as_json: bool,
 ) -> None:
-    """Pin the server's certificate, check your token, and save them as a profile."""
+    """Pin the server's certificate, check your token, and save them as a profile.
+
+    URL is https://HOST:7600, or ssh://[USER@]HOST[:PORT][?port=7600] to reach a server whose box
+    has only SSH open: every command then goes through the system's ssh (its config and agent)."""
     profile_name = profile_name or ctx.obj.get("profile") or DEFAULT_PROFILE
-    if not token:
+    if not token and start_command is None:
         token = click.prompt("Token", hide_input=True, err=True)
     confirm = (lambda *_: True) if yes else _confirm_certificate
-    with login(url, token, fingerprint=fingerprint, profile=profile_name, confirm=confirm) as client:
+    with login(
+        url, token, fingerprint=fingerprint, profile=profile_name, confirm=confirm, start=start_command
+    ) as client:
         if as_json:
             print_json(
                 {

@@ -37,13 +37,19 @@ _PINNED_NAME = "localhost"
 
 @dataclass(frozen=True)
 class Target:
+    """Where a server is: ``scheme://host:port``. Reached through SSH (``via`` an ``ssh://`` URL),
+    ``host`` and ``port`` are the local end of the tunnel and ``forwards`` maps the box's ports to
+    their local ends; ``url`` is then the ssh:// URL, as the user wrote it."""
+
     scheme: str
     host: str
     port: int
+    via: str = ""
+    forwards: tuple[tuple[int, int], ...] = ()
 
     @property
     def tls(self) -> bool:
-        return self.scheme == "https"
+        return self.scheme in ("https", "ssh")
 
     @property
     def address(self) -> str:
@@ -51,7 +57,23 @@ class Target:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://{self.address}"
+        return self.via or f"{self.scheme}://{self.address}"
+
+    def local_port(self, port: int) -> int:
+        """Where to connect for the server's ``port`` (another of its ports, such as the data port)."""
+        return dict(self.forwards).get(port, port)
+
+
+def reach(target: Target) -> Target:
+    """``target`` ready to connect to: for an ``ssh://`` one, the local end of this process's tunnel."""
+    if target.scheme != "ssh":
+        return target
+    from gpuport.client._ssh import parse_ssh_url, tunnel
+
+    route = parse_ssh_url(target.via)
+    made = tunnel(route)
+    forwards = ((route.remote_port, made.grpc_port), (made.remote_data_port, made.data_port))
+    return Target("https", "127.0.0.1", made.grpc_port, via=route.url, forwards=forwards)
 
 
 def _is_loopback(host: str) -> bool:
@@ -69,10 +91,15 @@ def parse_url(url: str) -> Target:
         raise ConfigError(f"server URL {url!r} has no scheme — write it like https://{url.strip('/')}")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
+    if scheme == "ssh":
+        from gpuport.client._ssh import parse_ssh_url
+
+        route = parse_ssh_url(url)
+        return Target("ssh", route.host, route.ssh_port or 22, via=route.url)
     if scheme not in ("https", "http"):
         raise ConfigError(
             f"server URL {url!r} uses {scheme}://; gpuport speaks https:// (or http:// to a server started "
-            "with --insecure on this machine)"
+            "with --insecure on this machine, or ssh://user@host through SSH)"
         )
     try:
         port = parts.port or DEFAULT_GRPC_PORT

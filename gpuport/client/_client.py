@@ -27,6 +27,7 @@ from gpuport.client._channel import (
     open_channel,
     parse_url,
     probe,
+    reach,
     read_certificate,
 )
 from gpuport.client._config import Settings, resolve_settings
@@ -79,7 +80,7 @@ class Client:
     """
 
     def __init__(self, settings: Settings, *, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
-        self._target = parse_url(settings.url)
+        self._target = reach(parse_url(settings.url))
         self.url = self._target.url
         self.profile = settings.profile
         self.fingerprint = settings.fingerprint if self._target.tls else None

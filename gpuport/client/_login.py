@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
-from gpuport.client._channel import Target, mismatch_error, parse_url, read_certificate
+from gpuport.client._channel import Target, mismatch_error, parse_url, reach, read_certificate
 from gpuport.client._client import Client
 from gpuport.client._config import Profile, Settings, load_profiles, save_profile
 from gpuport.defaults import DEFAULT_CONNECT_TIMEOUT, DEFAULT_PROFILE, ENV_TOKEN
-from gpuport.protocol.errors import AuthenticationError, ConfigError, TLSError
+from gpuport.protocol.errors import AuthenticationError, ConfigError, ServerUnreachable, TLSError
 from gpuport.protocol.tls import normalize_fingerprint
 
 # Asked to trust a certificate: (target, presented fingerprint, fingerprint pinned before or None) → yes?
@@ -24,6 +25,7 @@ def login(
     profile: str = DEFAULT_PROFILE,
     confirm: Confirm | None = None,
     timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    start: str | None = None,
 ) -> Client:
     """Pin ``url``'s certificate, check ``token`` against it, and save both as profile ``profile``.
 
@@ -31,9 +33,16 @@ def login(
     profile already pinned for that URL, or ``confirm`` says yes. Otherwise nothing is saved and
     ``TLSError`` (or ``FingerprintMismatch``) is raised. Returns the connected client.
 
+    An ``ssh://[user@]host[:port]`` URL reaches the server through SSH (see ``_ssh``); with
+    ``start`` (the command, e.g. ``"gpuport server"``) the server is started on the box when none
+    answers there, and its first admin token is used when no token is given.
+
     >>> gpuport.login("https://gpubox:7600", token="gp_...", fingerprint="sha256:...")
     """
     target = parse_url(url)
+    if start is not None:
+        token = _start(target, start, token, timeout) or token
+    target = reach(target)
     token = token or os.environ.get(ENV_TOKEN)
     if not token:
         raise AuthenticationError(f"no token given for {target.url} — pass --token gp_... (the server's admin has it)")
@@ -58,3 +67,16 @@ def login(
     client = Client(Settings(target.url, token, presented, certificate, profile), timeout=timeout)
     save_profile(profile, Profile(target.url, token, presented, certificate))
     return client
+
+
+def _start(target: Target, command: str, token: str | None, timeout: float) -> str | None:
+    """Start the server on an ssh:// target's box when nothing answers there; its first admin token."""
+    if target.scheme != "ssh":
+        raise ConfigError(f"--start starts a server through SSH: give an ssh:// URL, not {target.url}")
+    from gpuport.client._channel import probe
+    from gpuport.client._ssh import parse_ssh_url, start_server
+
+    with contextlib.suppress(ServerUnreachable, TLSError):
+        probe(reach(target), timeout)
+        return None  # one runs there already
+    return start_server(parse_ssh_url(target.url), command)

@@ -659,7 +659,7 @@ def _data_connection(client: Client, ticket: pb.TransferTicket) -> socket.socket
     then on) when it cannot be reached, as behind a firewall that lets only the gRPC port through."""
     target = client._target
     try:
-        raw = socket.create_connection((target.host, ticket.port), timeout=DEFAULT_CONNECT_TIMEOUT)
+        raw = socket.create_connection((target.host, target.local_port(ticket.port)), timeout=DEFAULT_CONNECT_TIMEOUT)
     except OSError as e:
         warnings.warn(
             f"cannot reach the server's data port {target.host}:{ticket.port} ({e.strerror or e}); large values "

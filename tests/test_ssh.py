@@ -1,0 +1,114 @@
+"""ssh:// : a server reached through SSH port forwarding, the box's SSH port the only one used.
+
+A real sshd on loopback (Debian's openssh-server, throwaway keys), the system's ssh client with a
+config file of the test's (``GPUPORT_SSH="ssh -F ..."``), and a real gpuport server that
+``gpuport login ssh://... --start`` starts on the "box" itself, listening on its loopback only."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import gpuport
+from tests._sshd import sshd
+from tests.conftest import needs_users
+
+
+def _free_ports(count: int) -> int:
+    """A port P with P .. P+count-1 all free on loopback (the server's gRPC, HTTP and data ports)."""
+    for _ in range(50):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = int(sock.getsockname()[1])
+        if base + count >= 65536:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for offset in range(1, count):
+                    taken = stack.enter_context(socket.socket())
+                    taken.bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+            return base
+    raise AssertionError("no run of free ports")
+
+
+def _end_processes_of(state: Path) -> None:
+    """End the server --start made (and what it runs), found by its state dir: processes we started."""
+    found = [p for p in psutil.process_iter(["cmdline"]) if str(state) in " ".join(p.info["cmdline"] or [])]
+    for process in found:
+        with contextlib.suppress(psutil.Error):
+            for child in process.children(recursive=True):
+                child.kill()
+            process.terminate()
+    psutil.wait_procs(found, timeout=10)
+
+
+@pytest.fixture
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """An sshd to reach the "box" through, and where a server started there keeps its state."""
+    with sshd(tmp_path / "ssh") as config:
+        monkeypatch.setenv("GPUPORT_SSH", f"ssh -F {config}")
+        state = tmp_path / "box-state"
+        try:
+            yield {"config": config, "state": state, "port": _free_ports(4)}
+        finally:
+            _end_processes_of(state)
+
+
+def test_login_start_and_work_through_ssh_only(box: dict[str, Any], cli: Any, tmp_path: Path) -> None:
+    needs_users()
+    port, state = box["port"], box["state"]
+    url = f"ssh://gpubox?port={port}"
+    server = f"{sys.executable} -m gpuport server --state-dir {state}"
+    done = cli("login", url, "--start", server, "--yes")
+    assert done.code == 0, done.stderr
+    assert f"Logged in to {url} as admin" in done.stdout
+
+    # Every command goes through the tunnel; the profile keeps the route.
+    status = cli("status")
+    assert status.code == 0 and status.stdout.startswith(f"{url}  gpuport "), status.stdout + status.stderr
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "hello.py").write_text("print('hello through ssh', 6 * 7)\n")
+    ran = cli("run", "--", "python", "hello.py", cwd=project)
+    assert ran.code == 0 and "hello through ssh 42" in ran.stdout, ran.stdout + ran.stderr
+
+    # A session's large value goes through the forwarded data port, not gRPC (which would warn).
+    with gpuport.connect() as gpu:
+        assert gpu.url == url
+        with gpu.session() as s, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            big = bytes(range(256)) * (32 * 1024)  # 8 MiB: past the 4 MiB that go through gRPC
+            ref = s.put(big)
+            assert s.get(ref) == big and s.call(len, ref) == len(big)
+
+    # A second login with --start finds the server running and starts no other.
+    servers = [p for p in psutil.process_iter(["cmdline"]) if str(state) in " ".join(p.info["cmdline"] or [])]
+    token = json.loads((tmp_path / "config" / "config.json").read_text())["profiles"]["default"]["token"]
+    again = cli("login", url, "--start", server, "--token", token, "--yes", "--profile", "second")
+    assert again.code == 0, again.stderr
+    after = [p for p in psutil.process_iter(["cmdline"]) if str(state) in " ".join(p.info["cmdline"] or [])]
+    assert {p.pid for p in after} == {p.pid for p in servers}
+
+
+def test_ssh_that_cannot_log_in_says_so(box: dict[str, Any], cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUPORT_SSH", f"ssh -F {box['config']} -o IdentityFile=/nonexistent -o IdentitiesOnly=yes")
+    (box["config"].parent / "client_key").unlink()  # no key that the box takes
+    done = cli("login", f"ssh://gpubox?port={box['port']}", "--token", "gp_x", "--yes")
+    assert done.code == 1
+    assert "ssh to ssh://gpubox" in done.stderr and "gpuport asks for no password" in done.stderr
+
+
+def test_nothing_listening_on_the_box_is_a_clear_error(box: dict[str, Any], cli: Any) -> None:
+    done = cli("login", f"ssh://gpubox?port={box['port']}", "--token", "gp_x", "--yes")
+    assert done.code == 1 and "ssh://gpubox" in done.stderr, done.stderr

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -48,12 +49,12 @@ class SshRoute:
         port = f"?port={self.remote_port}" if self.remote_port != DEFAULT_GRPC_PORT else ""
         return f"ssh://{who}{where}{port}"
 
-    def command(self, *extra: str) -> list[str]:
-        """``ssh`` (or ``GPUPORT_SSH``) to the box, with ``extra`` options and arguments after the host."""
+    def command(self, *remote: str, options: Sequence[str] = ()) -> list[str]:
+        """``ssh`` (or ``GPUPORT_SSH``) with ``options`` to the box, running ``remote`` there (if any)."""
         base = shlex.split(os.environ.get(ENV_SSH, "ssh"))
-        options = ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=15"]
-        options += ["-p", str(self.ssh_port)] if self.ssh_port else []
-        return [*base, *options, f"{self.user}@{self.host}" if self.user else self.host, *extra]
+        fixed = ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=15"]
+        fixed += ["-p", str(self.ssh_port)] if self.ssh_port else []
+        return [*base, *fixed, *options, f"{self.user}@{self.host}" if self.user else self.host, *remote]
 
 
 def parse_ssh_url(url: str) -> SshRoute:
@@ -89,13 +90,13 @@ class Tunnel:
         self.route = route
         self.grpc_port, self.data_port = _free_port(), _free_port()
         self.remote_data_port = route.remote_port + 2
-        forwards = [
+        self.forwards = [
             "-L",
             f"127.0.0.1:{self.grpc_port}:127.0.0.1:{route.remote_port}",
             "-L",
             f"127.0.0.1:{self.data_port}:127.0.0.1:{self.remote_data_port}",
         ]
-        command = route.command("-N", "-T", "-o", "ExitOnForwardFailure=yes", *forwards)
+        command = route.command(options=["-N", "-T", "-o", "ExitOnForwardFailure=yes", *self.forwards])
         try:
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
@@ -107,15 +108,17 @@ class Tunnel:
     def _wait_listening(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.grpc_port), timeout=1):
+                return
+            # An ssh that shares a connection (ControlMaster) hands the forwards to its master and
+            # exits 0: the master listens for us then.
+            if self.process.poll() is not None and self.process.returncode != 0:
                 said = (self.process.stderr.read() if self.process.stderr else b"").decode(errors="replace")
                 raise ServerUnreachable(
                     f"ssh to {self.route.url} failed (exit code {self.process.returncode}): {said.strip()[-500:]} "
                     f"— check that `{shlex.join(self.route.command('true'))}` works (keys in your agent or "
                     "~/.ssh/config; gpuport asks for no password)"
                 )
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.grpc_port), timeout=1):
-                return
             time.sleep(0.05)
         self.close()
         raise ServerUnreachable(f"ssh to {self.route.url} did not set up its forwarding in {_READY_TIMEOUT:g} s")
@@ -125,6 +128,10 @@ class Tunnel:
         return {self.route.remote_port: self.grpc_port, self.remote_data_port: self.data_port}.get(remote_port)
 
     def close(self) -> None:
+        if self.process.poll() == 0:  # the forwards are a shared master's: take them back from it
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                cancel = self.route.command(options=["-O", "cancel", *self.forwards])
+                subprocess.run(cancel, capture_output=True, timeout=10)
         if self.process.poll() is None:
             self.process.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +43,16 @@ def _free_ports(count: int) -> int:
                 continue
             return base
     raise AssertionError("no run of free ports")
+
+
+def _servers_of(state: Path) -> set[int]:
+    """The pids of the gpuport servers running on ``state``."""
+    found = set()
+    for process in psutil.process_iter(["cmdline"]):
+        line = " ".join(process.info["cmdline"] or [])
+        if str(state) in line and "gpuport server" in line:
+            found.add(process.pid)
+    return found
 
 
 def _end_processes_of(state: Path) -> None:
@@ -93,12 +106,11 @@ def test_login_start_and_work_through_ssh_only(box: dict[str, Any], cli: Any, tm
             assert s.get(ref) == big and s.call(len, ref) == len(big)
 
     # A second login with --start finds the server running and starts no other.
-    servers = [p for p in psutil.process_iter(["cmdline"]) if str(state) in " ".join(p.info["cmdline"] or [])]
+    servers = _servers_of(state)
     token = json.loads((tmp_path / "config" / "config.json").read_text())["profiles"]["default"]["token"]
     again = cli("login", url, "--start", server, "--token", token, "--yes", "--profile", "second")
     assert again.code == 0, again.stderr
-    after = [p for p in psutil.process_iter(["cmdline"]) if str(state) in " ".join(p.info["cmdline"] or [])]
-    assert {p.pid for p in after} == {p.pid for p in servers}
+    assert _servers_of(state) == servers
 
 
 def test_ssh_that_cannot_log_in_says_so(box: dict[str, Any], cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,3 +124,26 @@ def test_ssh_that_cannot_log_in_says_so(box: dict[str, Any], cli: Any, monkeypat
 def test_nothing_listening_on_the_box_is_a_clear_error(box: dict[str, Any], cli: Any) -> None:
     done = cli("login", f"ssh://gpubox?port={box['port']}", "--token", "gp_x", "--yes")
     assert done.code == 1 and "ssh://gpubox" in done.stderr, done.stderr
+
+
+def test_with_ssh_connection_sharing(
+    box: dict[str, Any], cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ControlMaster auto / ControlPersist (as the README suggests): the first ssh becomes the master
+    and exits; later commands' forwards are the master's, and are taken back when they end."""
+    needs_users()
+    config = box["config"]
+    shared = config.with_name("ssh_config_shared")
+    control = Path(tempfile.mkdtemp(prefix="cm", dir="/tmp"))  # a socket's path: short, under 108 bytes
+    shared.write_text(config.read_text() + f"  ControlMaster auto\n  ControlPath {control}/%C\n  ControlPersist 30\n")
+    monkeypatch.setenv("GPUPORT_SSH", f"ssh -F {shared}")
+    url = f"ssh://gpubox?port={box['port']}"
+    server = f"{sys.executable} -m gpuport server --state-dir {box['state']}"
+    try:
+        assert cli("login", url, "--start", server, "--yes").code == 0
+        for _ in range(2):
+            status = cli("status")
+            assert status.code == 0 and status.stdout.startswith(f"{url}  gpuport "), status.stderr
+    finally:
+        subprocess.run(["ssh", "-F", str(shared), "-O", "exit", "gpubox"], capture_output=True, timeout=30)
+        shutil.rmtree(control, ignore_errors=True)

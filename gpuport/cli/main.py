@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Coroutine
@@ -431,6 +432,32 @@ def token_revoke(ctx: click.Context, name: str, end_work: bool) -> None:
     _client(ctx).revoke_token(name, end_work=end_work)
     ended = ", and ended their jobs and sessions" if end_work else ""
     out.print(f"Revoked the token '{escape(name)}'{ended}.")
+
+
+@cli.command("tf-connect")
+@click.option("--gpus", type=int, default=0, show_default=True, help="Whole GPUs (none: the remote CPU).")
+@click.option("--gpu-memory", help="A slice of one GPU instead, e.g. 8GiB.")
+@click.option("--cpus", type=float, default=0.0, help="CPUs reserved.")
+@click.option("--memory", help="RAM reserved, e.g. 16GiB.")
+@click.pass_context
+def tf_connect(ctx: click.Context, gpus: int, gpu_memory: str | None, cpus: float, memory: str | None) -> None:
+    """Start TensorFlow's server on the GPU machine, reachable here over gpuport's TLS, until Ctrl-C.
+
+    Prints the address for other processes here, which connect with
+    tf.config.experimental_connect_to_host(ADDRESS, job_name="worker") and place ops with
+    tf.device("/job:worker/replica:0/task:0/device:GPU:0"). The allocation is freed on exit."""
+    import threading
+
+    remote = _client(ctx).tensorflow(gpus=gpus, gpu_memory=gpu_memory, cpus=cpus, memory=memory, connect=False)
+    with remote:
+        print(remote.address, flush=True)
+        err.print(
+            f"TensorFlow server (job 'worker', devices {', '.join(remote.devices)}) at {remote.address}. In your "
+            f"program: tf.config.experimental_connect_to_host({remote.address!r}, job_name='worker'), then "
+            f"tf.device({remote.device('GPU:0' if 'GPU:0' in remote.devices else 'CPU:0')!r}). Ctrl-C ends it."
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            threading.Event().wait()
 
 
 for _command in JOB_COMMANDS:

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cloudpickle
 import grpc
@@ -47,6 +47,9 @@ from gpuport.protocol.errors import IncompatibleVersions, InvalidRequest, Server
 from gpuport.protocol.paths import check_entries
 from gpuport.protocol.units import parse_duration, parse_size
 from gpuport.protocol.values import check_compatible
+
+if TYPE_CHECKING:
+    from gpuport.client._tensorflow import RemoteTensorFlow
 
 Reply = TypeVar("Reply")
 # progress(done_bytes, total_bytes), called as an upload or download goes.
@@ -607,6 +610,30 @@ class Client:
         """Stop serving ``name`` (every version, or just ``version``); returns what was undeployed."""
         reply = self._call(self._models.Undeploy, pb.ModelRef(name=name, version=version or 0))
         return [ModelInfo.from_message(m) for m in reply.models]
+
+    def tensorflow(
+        self,
+        *,
+        gpus: int = 0,
+        gpu_memory: int | str | None = None,
+        cpus: float = 0.0,
+        memory: int | str | None = None,
+        connect: bool = True,
+    ) -> RemoteTensorFlow:
+        """TensorFlow's own remote device on the GPU machine, over gpuport's TLS: an allocation
+        queued like a session's (``gpus``, or a ``gpu_memory`` slice; none: the remote CPU), with a
+        TensorFlow server in it that only this tunnel reaches. With ``connect`` (the default) this
+        process's TensorFlow is connected to it (``tf.config.experimental_connect_to_host``), so that
+        ``with tf.device(remote.device("GPU:0")):`` runs ops there. Use it as a context manager:
+        the allocation is freed when the block ends (or a minute after this client is gone).
+
+        >>> with gpu.tensorflow(gpus=1) as remote:
+        ...     with tf.device(remote.device("GPU:0")):
+        ...         y = tf.matmul(x, x)                     # runs on the GPU machine
+        """
+        from gpuport.client._tensorflow import open_remote
+
+        return open_remote(self, connect, gpus=gpus, gpu_memory=gpu_memory, cpus=cpus, memory=memory)
 
     def function(
         self,

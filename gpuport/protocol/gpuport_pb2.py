@@ -4,7 +4,6 @@
 # source: gpuport/protocol/gpuport.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
@@ -12,166 +11,171 @@ from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
 
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "gpuport/protocol/gpuport.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'gpuport/protocol/gpuport.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x1egpuport/protocol/gpuport.proto\x12\ngpuport.v1"\x07\n\x05\x45mpty"[\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\x03 \x01(\t"\x9b\x01\n\nHelloReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\x12\r\n\x05\x61\x64min\x18\x05 \x01(\x08\x12\x1b\n\x13\x63loudpickle_version\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\x05">\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x13\n\x0bmemory_used\x18\x02 \x01(\x03\x12\x0e\n\x06job_id\x18\x03 \x01(\t"S\n\rGpuAllocation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06memory\x18\x03 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x04 \x01(\x03"\xe7\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x03\x12\x13\n\x0butilization\x18\x06 \x01(\x05\x12)\n\tprocesses\x18\x07 \x03(\x0b\x32\x16.gpuport.v1.GpuProcess\x12\x0c\n\x04jobs\x18\x08 \x03(\t\x12.\n\x0b\x61llocations\x18\t \x03(\x0b\x32\x19.gpuport.v1.GpuAllocation\x12\x0c\n\x04node\x18\n \x01(\t"I\n\x07GpuList\x12\x11\n\tinventory\x18\x01 \x01(\t\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x1d\n\x04gpus\x18\x03 \x03(\x0b\x32\x0f.gpuport.v1.Gpu"\xe1\x01\n\x0bStatusReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x03\x12\x18\n\x10memory_available\x18\x06 \x01(\x03\x12!\n\x04gpus\x18\x07 \x01(\x0b\x32\x13.gpuport.v1.GpuList\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\x12\x16\n\x0epython_version\x18\n \x01(\t"P\n\tTokenInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\x12\n\nrevoked_at\x18\x04 \x01(\x01"F\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x13\n\x0b\x63lient_cert\x18\x03 \x01(\x08"\x95\x01\n\x10\x43reateTokenReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.gpuport.v1.TokenInfo\x12\r\n\x05token\x18\x02 \x01(\t\x12\x10\n\x08\x63\x65rt_pem\x18\x03 \x01(\t\x12\x0f\n\x07key_pem\x18\x04 \x01(\t\x12\x17\n\x0fserver_cert_pem\x18\x05 \x01(\t\x12\x11\n\tcert_port\x18\x06 \x01(\r",\n\x11ListTokensRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08"2\n\tTokenList\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.TokenInfo"4\n\x12RevokeTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65nd_work\x18\x02 \x01(\x08"U\n\rManifestEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62lob\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0c\n\x04link\x18\x05 \x01(\t"Q\n\x15\x43reateSnapshotRequest\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\x12\x0c\n\x04name\x18\x02 \x01(\t"Y\n\x13\x43reateSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03"0\n\x0bSnapshotRef\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"\x8b\x01\n\x08Snapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\r\n\x05\x66iles\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12*\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry"7\n\x0cSnapshotList\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.Snapshot"D\n\x08\x42lobPart\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08"0\n\tBlobBatch\x12#\n\x05parts\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.BlobPart"+\n\x0bUploadReply\x12\r\n\x05\x62lobs\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03"5\n\x0f\x44ownloadRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t"\x19\n\x08\x42lobList\x12\r\n\x05\x62lobs\x18\x01 \x03(\t"\x88\x04\n\x07JobSpec\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\r\n\x05shell\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0f\n\x07project\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12)\n\x03\x65nv\x18\x07 \x03(\x0b\x32\x1c.gpuport.v1.JobSpec.EnvEntry\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\n \x01(\t\x12\x12\n\ntime_limit\x18\x0b \x01(\x01\x12\x12\n\ngpu_memory\x18\x0c \x01(\x03\x12\x0c\n\x04\x63pus\x18\r \x01(\x01\x12\x0e\n\x06memory\x18\x0e \x01(\x03\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x0e\n\x06nprocs\x18\x10 \x01(\x05\x12\x32\n\x08tf_roles\x18\x11 \x03(\x0b\x32 .gpuport.v1.JobSpec.TfRolesEntry\x12\x0f\n\x07retries\x18\x12 \x01(\x05\x12\r\n\x05nodes\x18\x13 \x01(\x05\x12\x17\n\x0fnprocs_per_node\x18\x14 \x01(\x05\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cTfRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01"\xcb\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x07 \x03(\x05\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x10\n\x08\x65nded_at\x18\n \x01(\x01\x12\x15\n\rhas_exit_code\x18\x0b \x01(\x08\x12\x11\n\texit_code\x18\x0c \x01(\x05\x12\x0f\n\x07message\x18\r \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x0e \x01(\t\x12\x1a\n\x12output_snapshot_id\x18\x0f \x01(\t\x12\x0f\n\x07outputs\x18\x10 \x03(\t\x12\x11\n\tlog_bytes\x18\x11 \x01(\x03\x12\x12\n\ntime_limit\x18\x12 \x01(\x01\x12\x12\n\ngpu_memory\x18\x13 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x14 \x01(\x01\x12\x0e\n\x06memory\x18\x15 \x01(\x03\x12\x10\n\x08priority\x18\x16 \x01(\x05\x12\x0e\n\x06nprocs\x18\x17 \x01(\x05\x12\x10\n\x08position\x18\x18 \x01(\x05\x12\x0c\n\x04node\x18\x19 \x01(\t"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t"\x1e\n\x0fListJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08",\n\x07JobList\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.gpuport.v1.JobInfo"=\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08"(\n\x08LogChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c".\n\x0bWaitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01"e\n\tQuotaInfo\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\x04gpus\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04jobs\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nupdated_at\x18\x04 \x01(\x01\x42\x07\n\x05_gpusB\x07\n\x05_jobs"2\n\tQuotaList\x12%\n\x06quotas\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.QuotaInfo"\x18\n\x08QuotaRef\x12\x0c\n\x04user\x18\x01 \x01(\t"\x93\x02\n\x0bSessionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\x12\x12\n\ngpu_memory\x18\x03 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x01\x12\x0e\n\x06memory\x18\x05 \x01(\x03\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x14\n\x0cidle_timeout\x18\x07 \x01(\x01\x12-\n\x03\x65nv\x18\x08 \x03(\x0b\x32 .gpuport.v1.SessionSpec.EnvEntry\x12\x16\n\x0epython_version\x18\t \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"\xc9\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x12\n\ngpu_memory\x18\x07 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x08 \x01(\x01\x12\x0e\n\x06memory\x18\t \x01(\x03\x12\x13\n\x0bgpu_indices\x18\n \x03(\x05\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_call_at\x18\x0c \x01(\x01\x12\x14\n\x0cidle_timeout\x18\r \x01(\x01\x12\x0f\n\x07message\x18\x0e \x01(\t\x12\x0c\n\x04refs\x18\x0f \x01(\x05\x12\x10\n\x08\x61ttached\x18\x10 \x01(\x05\x12\x10\n\x08position\x18\x11 \x01(\x05\x12\x12\n\nreattached\x18\x12 \x01(\x08".\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"8\n\x0bSessionList\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.gpuport.v1.SessionInfo"G\n\x05Value\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07\x62uffers\x18\x02 \x03(\x0c\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\r\n\x05sizes\x18\x04 \x03(\x03"F\n\x07RefInfo\x12\x0e\n\x06ref_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t"\xa0\x02\n\x0b\x43\x61llRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x02op\x18\x02 \x01(\x0e\x32\x1a.gpuport.v1.CallRequest.Op\x12 \n\x05value\x18\x03 \x01(\x0b\x32\x11.gpuport.v1.Value\x12\x10\n\x08\x66unction\x18\x04 \x01(\t\x12\x17\n\x0f\x66unction_pickle\x18\x05 \x01(\x0c\x12\x0c\n\x04keep\x18\x06 \x01(\x08\x12\x10\n\x08ref_name\x18\x07 \x01(\t\x12\x0f\n\x07ref_ids\x18\x08 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0f\n\x07timeout\x18\n \x01(\x01"6\n\x02Op\x12\x08\n\x04\x43\x41LL\x10\x00\x12\x07\n\x03PUT\x10\x01\x12\x07\n\x03GET\x10\x02\x12\n\n\x06\x44\x45LETE\x10\x03\x12\x08\n\x04REFS\x10\x04"\xa1\x01\n\rRemoteFailure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\ttraceback\x18\x04 \x01(\t\x12\x11\n\texception\x18\x05 \x01(\x0c\x12\x15\n\rhas_exit_code\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\x08 \x01(\t"\xf8\x01\n\tCallReply\x12 \n\x05value\x18\x01 \x01(\x0b\x32\x11.gpuport.v1.Value\x12 \n\x03ref\x18\x02 \x01(\x0b\x32\x13.gpuport.v1.RefInfo\x12!\n\x04refs\x18\x03 \x03(\x0b\x32\x13.gpuport.v1.RefInfo\x12*\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x19.gpuport.v1.RemoteFailure\x12\x18\n\x10unknown_function\x18\x05 \x01(\x08\x12\x15\n\rstdout_offset\x18\x06 \x01(\x03\x12\x15\n\rstderr_offset\x18\x07 \x01(\x03\x12\x10\n\x08\x64ownload\x18\x08 \x01(\t"=\n\x0bUploadChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c"\x18\n\x06Staged\x12\x0e\n\x06staged\x18\x01 \x01(\t":\n\x14\x44ownloadChunkRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06staged\x18\x02 \x01(\t"\x19\n\tDataChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c"T\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\x08">\n\x0eTransferTicket\x12\x0e\n\x06staged\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05"Q\n\rOutputRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rstdout_offset\x18\x02 \x01(\x03\x12\x15\n\rstderr_offset\x18\x03 \x01(\x03"V\n\x0bOutputChunk\x12\n\n\x02\x66\x64\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t"\xf0\x01\n\rDeployRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x01(\x05\x12\x12\n\ngpu_memory\x18\x06 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x07 \x01(\x01\x12\x0e\n\x06memory\x18\x08 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\n \x01(\x01\x12\x10\n\x08replicas\x18\x0b \x01(\x05\x12\x0e\n\x06public\x18\x0c \x01(\x08\x12\r\n\x05label\x18\r \x01(\t"<\n\x0cLabelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03"\xdc\x03\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12&\n\x06inputs\x18\t \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\'\n\x07outputs\x18\n \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\x0c \x01(\x01\x12\x10\n\x08replicas\x18\r \x01(\x05\x12\x0c\n\x04gpus\x18\x0e \x01(\x05\x12\x12\n\ngpu_memory\x18\x0f \x01(\x03\x12\x0c\n\x04jobs\x18\x10 \x03(\t\x12\x12\n\ncreated_at\x18\x11 \x01(\x01\x12\x10\n\x08requests\x18\x12 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x13 \x01(\x03\x12\x0c\n\x04rows\x18\x14 \x01(\x03\x12\x16\n\x0e\x66\x61iled_batches\x18\x15 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x16 \x01(\x05\x12\x0e\n\x06public\x18\x17 \x01(\x08\x12\x0e\n\x06labels\x18\x18 \x03(\t")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05"2\n\tModelList\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.ModelInfo2\xdc\x01\n\x07\x43ontrol\x12\x39\n\x05Hello\x12\x18.gpuport.v1.HelloRequest\x1a\x16.gpuport.v1.HelloReply\x12,\n\x04Ping\x12\x11.gpuport.v1.Empty\x1a\x11.gpuport.v1.Empty\x12\x34\n\x06Status\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.StatusReply\x12\x32\n\x08ListGpus\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.GpuList2\xcf\x01\n\x06Tokens\x12\x46\n\x06\x43reate\x12\x1e.gpuport.v1.CreateTokenRequest\x1a\x1c.gpuport.v1.CreateTokenReply\x12<\n\x04List\x12\x1d.gpuport.v1.ListTokensRequest\x1a\x15.gpuport.v1.TokenList\x12?\n\x06Revoke\x12\x1e.gpuport.v1.RevokeTokenRequest\x1a\x15.gpuport.v1.TokenInfo2\xf9\x02\n\tSnapshots\x12L\n\x06\x43reate\x12!.gpuport.v1.CreateSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12\x35\n\x07Missing\x12\x14.gpuport.v1.BlobList\x1a\x14.gpuport.v1.BlobList\x12\x34\n\x03Get\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12\x33\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x18.gpuport.v1.SnapshotList\x12:\n\x06Upload\x12\x15.gpuport.v1.BlobBatch\x1a\x17.gpuport.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x1b.gpuport.v1.DownloadRequest\x1a\x15.gpuport.v1.BlobBatch0\x01\x32\xf7\x02\n\x04Jobs\x12\x32\n\x06Submit\x12\x13.gpuport.v1.JobSpec\x1a\x13.gpuport.v1.JobInfo\x12.\n\x03Get\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12\x38\n\x04List\x12\x1b.gpuport.v1.ListJobsRequest\x1a\x13.gpuport.v1.JobList\x12\x37\n\x04Logs\x12\x17.gpuport.v1.LogsRequest\x1a\x14.gpuport.v1.LogChunk0\x01\x12\x34\n\x04Wait\x12\x17.gpuport.v1.WaitRequest\x1a\x13.gpuport.v1.JobInfo\x12\x31\n\x06\x43\x61ncel\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12/\n\x05Queue\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.JobList2\xa1\x01\n\x06Quotas\x12\x33\n\x03Set\x12\x15.gpuport.v1.QuotaInfo\x1a\x15.gpuport.v1.QuotaInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.QuotaList\x12\x30\n\x05Unset\x12\x14.gpuport.v1.QuotaRef\x1a\x11.gpuport.v1.Empty2\xe3\x04\n\x08Sessions\x12\x38\n\x04Open\x12\x17.gpuport.v1.SessionSpec\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x03Get\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x32\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.SessionList\x12\x38\n\x05\x43lose\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12:\n\x07Restart\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x04\x43\x61ll\x12\x17.gpuport.v1.CallRequest\x1a\x15.gpuport.v1.CallReply\x12\x37\n\x06Upload\x12\x17.gpuport.v1.UploadChunk\x1a\x12.gpuport.v1.Staged(\x01\x12\x45\n\x08\x44ownload\x12 .gpuport.v1.DownloadChunkRequest\x1a\x15.gpuport.v1.DataChunk0\x01\x12\x43\n\x08Transfer\x12\x1b.gpuport.v1.TransferRequest\x1a\x1a.gpuport.v1.TransferTicket\x12>\n\x06Output\x12\x19.gpuport.v1.OutputRequest\x1a\x17.gpuport.v1.OutputChunk0\x01\x32\x9d\x02\n\x06Models\x12:\n\x06\x44\x65ploy\x12\x19.gpuport.v1.DeployRequest\x1a\x15.gpuport.v1.ModelInfo\x12\x32\n\x03Get\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.ModelList\x12\x37\n\x08Undeploy\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelList\x12\x38\n\x05Label\x12\x18.gpuport.v1.LabelRequest\x1a\x15.gpuport.v1.ModelInfob\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egpuport/protocol/gpuport.proto\x12\ngpuport.v1\"\x07\n\x05\x45mpty\"[\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\x03 \x01(\t\"\x9b\x01\n\nHelloReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\x12\r\n\x05\x61\x64min\x18\x05 \x01(\x08\x12\x1b\n\x13\x63loudpickle_version\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\x05\">\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x13\n\x0bmemory_used\x18\x02 \x01(\x03\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"S\n\rGpuAllocation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06memory\x18\x03 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x04 \x01(\x03\"\xe7\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x03\x12\x13\n\x0butilization\x18\x06 \x01(\x05\x12)\n\tprocesses\x18\x07 \x03(\x0b\x32\x16.gpuport.v1.GpuProcess\x12\x0c\n\x04jobs\x18\x08 \x03(\t\x12.\n\x0b\x61llocations\x18\t \x03(\x0b\x32\x19.gpuport.v1.GpuAllocation\x12\x0c\n\x04node\x18\n \x01(\t\"I\n\x07GpuList\x12\x11\n\tinventory\x18\x01 \x01(\t\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x1d\n\x04gpus\x18\x03 \x03(\x0b\x32\x0f.gpuport.v1.Gpu\"\xe1\x01\n\x0bStatusReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x03\x12\x18\n\x10memory_available\x18\x06 \x01(\x03\x12!\n\x04gpus\x18\x07 \x01(\x0b\x32\x13.gpuport.v1.GpuList\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\x12\x16\n\x0epython_version\x18\n \x01(\t\"P\n\tTokenInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\x12\n\nrevoked_at\x18\x04 \x01(\x01\"F\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x13\n\x0b\x63lient_cert\x18\x03 \x01(\x08\"\x95\x01\n\x10\x43reateTokenReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.gpuport.v1.TokenInfo\x12\r\n\x05token\x18\x02 \x01(\t\x12\x10\n\x08\x63\x65rt_pem\x18\x03 \x01(\t\x12\x0f\n\x07key_pem\x18\x04 \x01(\t\x12\x17\n\x0fserver_cert_pem\x18\x05 \x01(\t\x12\x11\n\tcert_port\x18\x06 \x01(\r\",\n\x11ListTokensRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08\"2\n\tTokenList\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.TokenInfo\"4\n\x12RevokeTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65nd_work\x18\x02 \x01(\x08\"U\n\rManifestEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62lob\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0c\n\x04link\x18\x05 \x01(\t\"Q\n\x15\x43reateSnapshotRequest\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\x12\x0c\n\x04name\x18\x02 \x01(\t\"Y\n\x13\x43reateSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"0\n\x0bSnapshotRef\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x8b\x01\n\x08Snapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\r\n\x05\x66iles\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12*\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\"7\n\x0cSnapshotList\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.Snapshot\"D\n\x08\x42lobPart\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"0\n\tBlobBatch\x12#\n\x05parts\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.BlobPart\"+\n\x0bUploadReply\x12\r\n\x05\x62lobs\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"5\n\x0f\x44ownloadRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t\"\x19\n\x08\x42lobList\x12\r\n\x05\x62lobs\x18\x01 \x03(\t\"\x88\x04\n\x07JobSpec\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\r\n\x05shell\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0f\n\x07project\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12)\n\x03\x65nv\x18\x07 \x03(\x0b\x32\x1c.gpuport.v1.JobSpec.EnvEntry\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\n \x01(\t\x12\x12\n\ntime_limit\x18\x0b \x01(\x01\x12\x12\n\ngpu_memory\x18\x0c \x01(\x03\x12\x0c\n\x04\x63pus\x18\r \x01(\x01\x12\x0e\n\x06memory\x18\x0e \x01(\x03\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x0e\n\x06nprocs\x18\x10 \x01(\x05\x12\x32\n\x08tf_roles\x18\x11 \x03(\x0b\x32 .gpuport.v1.JobSpec.TfRolesEntry\x12\x0f\n\x07retries\x18\x12 \x01(\x05\x12\r\n\x05nodes\x18\x13 \x01(\x05\x12\x17\n\x0fnprocs_per_node\x18\x14 \x01(\x05\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cTfRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xcb\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x07 \x03(\x05\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x10\n\x08\x65nded_at\x18\n \x01(\x01\x12\x15\n\rhas_exit_code\x18\x0b \x01(\x08\x12\x11\n\texit_code\x18\x0c \x01(\x05\x12\x0f\n\x07message\x18\r \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x0e \x01(\t\x12\x1a\n\x12output_snapshot_id\x18\x0f \x01(\t\x12\x0f\n\x07outputs\x18\x10 \x03(\t\x12\x11\n\tlog_bytes\x18\x11 \x01(\x03\x12\x12\n\ntime_limit\x18\x12 \x01(\x01\x12\x12\n\ngpu_memory\x18\x13 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x14 \x01(\x01\x12\x0e\n\x06memory\x18\x15 \x01(\x03\x12\x10\n\x08priority\x18\x16 \x01(\x05\x12\x0e\n\x06nprocs\x18\x17 \x01(\x05\x12\x10\n\x08position\x18\x18 \x01(\x05\x12\x0c\n\x04node\x18\x19 \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x1e\n\x0fListJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\",\n\x07JobList\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.gpuport.v1.JobInfo\"=\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"(\n\x08LogChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\".\n\x0bWaitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"e\n\tQuotaInfo\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\x04gpus\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04jobs\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nupdated_at\x18\x04 \x01(\x01\x42\x07\n\x05_gpusB\x07\n\x05_jobs\"2\n\tQuotaList\x12%\n\x06quotas\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.QuotaInfo\"\x18\n\x08QuotaRef\x12\x0c\n\x04user\x18\x01 \x01(\t\"\x93\x02\n\x0bSessionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\x12\x12\n\ngpu_memory\x18\x03 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x01\x12\x0e\n\x06memory\x18\x05 \x01(\x03\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x14\n\x0cidle_timeout\x18\x07 \x01(\x01\x12-\n\x03\x65nv\x18\x08 \x03(\x0b\x32 .gpuport.v1.SessionSpec.EnvEntry\x12\x16\n\x0epython_version\x18\t \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc9\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x12\n\ngpu_memory\x18\x07 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x08 \x01(\x01\x12\x0e\n\x06memory\x18\t \x01(\x03\x12\x13\n\x0bgpu_indices\x18\n \x03(\x05\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_call_at\x18\x0c \x01(\x01\x12\x14\n\x0cidle_timeout\x18\r \x01(\x01\x12\x0f\n\x07message\x18\x0e \x01(\t\x12\x0c\n\x04refs\x18\x0f \x01(\x05\x12\x10\n\x08\x61ttached\x18\x10 \x01(\x05\x12\x10\n\x08position\x18\x11 \x01(\x05\x12\x12\n\nreattached\x18\x12 \x01(\x08\".\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"8\n\x0bSessionList\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.gpuport.v1.SessionInfo\"G\n\x05Value\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07\x62uffers\x18\x02 \x03(\x0c\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\r\n\x05sizes\x18\x04 \x03(\x03\"F\n\x07RefInfo\x12\x0e\n\x06ref_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\"\xa0\x02\n\x0b\x43\x61llRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x02op\x18\x02 \x01(\x0e\x32\x1a.gpuport.v1.CallRequest.Op\x12 \n\x05value\x18\x03 \x01(\x0b\x32\x11.gpuport.v1.Value\x12\x10\n\x08\x66unction\x18\x04 \x01(\t\x12\x17\n\x0f\x66unction_pickle\x18\x05 \x01(\x0c\x12\x0c\n\x04keep\x18\x06 \x01(\x08\x12\x10\n\x08ref_name\x18\x07 \x01(\t\x12\x0f\n\x07ref_ids\x18\x08 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0f\n\x07timeout\x18\n \x01(\x01\"6\n\x02Op\x12\x08\n\x04\x43\x41LL\x10\x00\x12\x07\n\x03PUT\x10\x01\x12\x07\n\x03GET\x10\x02\x12\n\n\x06\x44\x45LETE\x10\x03\x12\x08\n\x04REFS\x10\x04\"\xa1\x01\n\rRemoteFailure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\ttraceback\x18\x04 \x01(\t\x12\x11\n\texception\x18\x05 \x01(\x0c\x12\x15\n\rhas_exit_code\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\x08 \x01(\t\"\xf8\x01\n\tCallReply\x12 \n\x05value\x18\x01 \x01(\x0b\x32\x11.gpuport.v1.Value\x12 \n\x03ref\x18\x02 \x01(\x0b\x32\x13.gpuport.v1.RefInfo\x12!\n\x04refs\x18\x03 \x03(\x0b\x32\x13.gpuport.v1.RefInfo\x12*\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x19.gpuport.v1.RemoteFailure\x12\x18\n\x10unknown_function\x18\x05 \x01(\x08\x12\x15\n\rstdout_offset\x18\x06 \x01(\x03\x12\x15\n\rstderr_offset\x18\x07 \x01(\x03\x12\x10\n\x08\x64ownload\x18\x08 \x01(\t\"=\n\x0bUploadChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x18\n\x06Staged\x12\x0e\n\x06staged\x18\x01 \x01(\t\":\n\x14\x44ownloadChunkRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06staged\x18\x02 \x01(\t\"\x19\n\tDataChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"d\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\x08\x12\x0e\n\x06tunnel\x18\x05 \x01(\t\">\n\x0eTransferTicket\x12\x0e\n\x06staged\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\"Q\n\rOutputRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rstdout_offset\x18\x02 \x01(\x03\x12\x15\n\rstderr_offset\x18\x03 \x01(\x03\"V\n\x0bOutputChunk\x12\n\n\x02\x66\x64\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\"\xf0\x01\n\rDeployRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x01(\x05\x12\x12\n\ngpu_memory\x18\x06 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x07 \x01(\x01\x12\x0e\n\x06memory\x18\x08 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\n \x01(\x01\x12\x10\n\x08replicas\x18\x0b \x01(\x05\x12\x0e\n\x06public\x18\x0c \x01(\x08\x12\r\n\x05label\x18\r \x01(\t\"<\n\x0cLabelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xdc\x03\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12&\n\x06inputs\x18\t \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\'\n\x07outputs\x18\n \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\x0c \x01(\x01\x12\x10\n\x08replicas\x18\r \x01(\x05\x12\x0c\n\x04gpus\x18\x0e \x01(\x05\x12\x12\n\ngpu_memory\x18\x0f \x01(\x03\x12\x0c\n\x04jobs\x18\x10 \x03(\t\x12\x12\n\ncreated_at\x18\x11 \x01(\x01\x12\x10\n\x08requests\x18\x12 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x13 \x01(\x03\x12\x0c\n\x04rows\x18\x14 \x01(\x03\x12\x16\n\x0e\x66\x61iled_batches\x18\x15 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x16 \x01(\x05\x12\x0e\n\x06public\x18\x17 \x01(\x08\x12\x0e\n\x06labels\x18\x18 \x03(\t\")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"2\n\tModelList\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.ModelInfo2\xdc\x01\n\x07\x43ontrol\x12\x39\n\x05Hello\x12\x18.gpuport.v1.HelloRequest\x1a\x16.gpuport.v1.HelloReply\x12,\n\x04Ping\x12\x11.gpuport.v1.Empty\x1a\x11.gpuport.v1.Empty\x12\x34\n\x06Status\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.StatusReply\x12\x32\n\x08ListGpus\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.GpuList2\xcf\x01\n\x06Tokens\x12\x46\n\x06\x43reate\x12\x1e.gpuport.v1.CreateTokenRequest\x1a\x1c.gpuport.v1.CreateTokenReply\x12<\n\x04List\x12\x1d.gpuport.v1.ListTokensRequest\x1a\x15.gpuport.v1.TokenList\x12?\n\x06Revoke\x12\x1e.gpuport.v1.RevokeTokenRequest\x1a\x15.gpuport.v1.TokenInfo2\xf9\x02\n\tSnapshots\x12L\n\x06\x43reate\x12!.gpuport.v1.CreateSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12\x35\n\x07Missing\x12\x14.gpuport.v1.BlobList\x1a\x14.gpuport.v1.BlobList\x12\x34\n\x03Get\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12\x33\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x18.gpuport.v1.SnapshotList\x12:\n\x06Upload\x12\x15.gpuport.v1.BlobBatch\x1a\x17.gpuport.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x1b.gpuport.v1.DownloadRequest\x1a\x15.gpuport.v1.BlobBatch0\x01\x32\xf7\x02\n\x04Jobs\x12\x32\n\x06Submit\x12\x13.gpuport.v1.JobSpec\x1a\x13.gpuport.v1.JobInfo\x12.\n\x03Get\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12\x38\n\x04List\x12\x1b.gpuport.v1.ListJobsRequest\x1a\x13.gpuport.v1.JobList\x12\x37\n\x04Logs\x12\x17.gpuport.v1.LogsRequest\x1a\x14.gpuport.v1.LogChunk0\x01\x12\x34\n\x04Wait\x12\x17.gpuport.v1.WaitRequest\x1a\x13.gpuport.v1.JobInfo\x12\x31\n\x06\x43\x61ncel\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12/\n\x05Queue\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.JobList2\xa1\x01\n\x06Quotas\x12\x33\n\x03Set\x12\x15.gpuport.v1.QuotaInfo\x1a\x15.gpuport.v1.QuotaInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.QuotaList\x12\x30\n\x05Unset\x12\x14.gpuport.v1.QuotaRef\x1a\x11.gpuport.v1.Empty2\xe3\x04\n\x08Sessions\x12\x38\n\x04Open\x12\x17.gpuport.v1.SessionSpec\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x03Get\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x32\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.SessionList\x12\x38\n\x05\x43lose\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12:\n\x07Restart\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x04\x43\x61ll\x12\x17.gpuport.v1.CallRequest\x1a\x15.gpuport.v1.CallReply\x12\x37\n\x06Upload\x12\x17.gpuport.v1.UploadChunk\x1a\x12.gpuport.v1.Staged(\x01\x12\x45\n\x08\x44ownload\x12 .gpuport.v1.DownloadChunkRequest\x1a\x15.gpuport.v1.DataChunk0\x01\x12\x43\n\x08Transfer\x12\x1b.gpuport.v1.TransferRequest\x1a\x1a.gpuport.v1.TransferTicket\x12>\n\x06Output\x12\x19.gpuport.v1.OutputRequest\x1a\x17.gpuport.v1.OutputChunk0\x01\x32\x9d\x02\n\x06Models\x12:\n\x06\x44\x65ploy\x12\x19.gpuport.v1.DeployRequest\x1a\x15.gpuport.v1.ModelInfo\x12\x32\n\x03Get\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.ModelList\x12\x37\n\x08Undeploy\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelList\x12\x38\n\x05Label\x12\x18.gpuport.v1.LabelRequest\x1a\x15.gpuport.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "gpuport.protocol.gpuport_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpuport.protocol.gpuport_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_JOBSPEC_ENVENTRY"]._loaded_options = None
-    _globals["_JOBSPEC_ENVENTRY"]._serialized_options = b"8\001"
-    _globals["_JOBSPEC_TFROLESENTRY"]._loaded_options = None
-    _globals["_JOBSPEC_TFROLESENTRY"]._serialized_options = b"8\001"
-    _globals["_SESSIONSPEC_ENVENTRY"]._loaded_options = None
-    _globals["_SESSIONSPEC_ENVENTRY"]._serialized_options = b"8\001"
-    _globals["_EMPTY"]._serialized_start = 46
-    _globals["_EMPTY"]._serialized_end = 53
-    _globals["_HELLOREQUEST"]._serialized_start = 55
-    _globals["_HELLOREQUEST"]._serialized_end = 146
-    _globals["_HELLOREPLY"]._serialized_start = 149
-    _globals["_HELLOREPLY"]._serialized_end = 304
-    _globals["_GPUPROCESS"]._serialized_start = 306
-    _globals["_GPUPROCESS"]._serialized_end = 368
-    _globals["_GPUALLOCATION"]._serialized_start = 370
-    _globals["_GPUALLOCATION"]._serialized_end = 453
-    _globals["_GPU"]._serialized_start = 456
-    _globals["_GPU"]._serialized_end = 687
-    _globals["_GPULIST"]._serialized_start = 689
-    _globals["_GPULIST"]._serialized_end = 762
-    _globals["_STATUSREPLY"]._serialized_start = 765
-    _globals["_STATUSREPLY"]._serialized_end = 990
-    _globals["_TOKENINFO"]._serialized_start = 992
-    _globals["_TOKENINFO"]._serialized_end = 1072
-    _globals["_CREATETOKENREQUEST"]._serialized_start = 1074
-    _globals["_CREATETOKENREQUEST"]._serialized_end = 1144
-    _globals["_CREATETOKENREPLY"]._serialized_start = 1147
-    _globals["_CREATETOKENREPLY"]._serialized_end = 1296
-    _globals["_LISTTOKENSREQUEST"]._serialized_start = 1298
-    _globals["_LISTTOKENSREQUEST"]._serialized_end = 1342
-    _globals["_TOKENLIST"]._serialized_start = 1344
-    _globals["_TOKENLIST"]._serialized_end = 1394
-    _globals["_REVOKETOKENREQUEST"]._serialized_start = 1396
-    _globals["_REVOKETOKENREQUEST"]._serialized_end = 1448
-    _globals["_MANIFESTENTRY"]._serialized_start = 1450
-    _globals["_MANIFESTENTRY"]._serialized_end = 1535
-    _globals["_CREATESNAPSHOTREQUEST"]._serialized_start = 1537
-    _globals["_CREATESNAPSHOTREQUEST"]._serialized_end = 1618
-    _globals["_CREATESNAPSHOTREPLY"]._serialized_start = 1620
-    _globals["_CREATESNAPSHOTREPLY"]._serialized_end = 1709
-    _globals["_SNAPSHOTREF"]._serialized_start = 1711
-    _globals["_SNAPSHOTREF"]._serialized_end = 1759
-    _globals["_SNAPSHOT"]._serialized_start = 1762
-    _globals["_SNAPSHOT"]._serialized_end = 1901
-    _globals["_SNAPSHOTLIST"]._serialized_start = 1903
-    _globals["_SNAPSHOTLIST"]._serialized_end = 1958
-    _globals["_BLOBPART"]._serialized_start = 1960
-    _globals["_BLOBPART"]._serialized_end = 2028
-    _globals["_BLOBBATCH"]._serialized_start = 2030
-    _globals["_BLOBBATCH"]._serialized_end = 2078
-    _globals["_UPLOADREPLY"]._serialized_start = 2080
-    _globals["_UPLOADREPLY"]._serialized_end = 2123
-    _globals["_DOWNLOADREQUEST"]._serialized_start = 2125
-    _globals["_DOWNLOADREQUEST"]._serialized_end = 2178
-    _globals["_BLOBLIST"]._serialized_start = 2180
-    _globals["_BLOBLIST"]._serialized_end = 2205
-    _globals["_JOBSPEC"]._serialized_start = 2208
-    _globals["_JOBSPEC"]._serialized_end = 2728
-    _globals["_JOBSPEC_ENVENTRY"]._serialized_start = 2638
-    _globals["_JOBSPEC_ENVENTRY"]._serialized_end = 2680
-    _globals["_JOBSPEC_TFROLESENTRY"]._serialized_start = 2682
-    _globals["_JOBSPEC_TFROLESENTRY"]._serialized_end = 2728
-    _globals["_JOBINFO"]._serialized_start = 2731
-    _globals["_JOBINFO"]._serialized_end = 3190
-    _globals["_JOBREF"]._serialized_start = 3192
-    _globals["_JOBREF"]._serialized_end = 3216
-    _globals["_LISTJOBSREQUEST"]._serialized_start = 3218
-    _globals["_LISTJOBSREQUEST"]._serialized_end = 3248
-    _globals["_JOBLIST"]._serialized_start = 3250
-    _globals["_JOBLIST"]._serialized_end = 3294
-    _globals["_LOGSREQUEST"]._serialized_start = 3296
-    _globals["_LOGSREQUEST"]._serialized_end = 3357
-    _globals["_LOGCHUNK"]._serialized_start = 3359
-    _globals["_LOGCHUNK"]._serialized_end = 3399
-    _globals["_WAITREQUEST"]._serialized_start = 3401
-    _globals["_WAITREQUEST"]._serialized_end = 3447
-    _globals["_QUOTAINFO"]._serialized_start = 3449
-    _globals["_QUOTAINFO"]._serialized_end = 3550
-    _globals["_QUOTALIST"]._serialized_start = 3552
-    _globals["_QUOTALIST"]._serialized_end = 3602
-    _globals["_QUOTAREF"]._serialized_start = 3604
-    _globals["_QUOTAREF"]._serialized_end = 3628
-    _globals["_SESSIONSPEC"]._serialized_start = 3631
-    _globals["_SESSIONSPEC"]._serialized_end = 3906
-    _globals["_SESSIONSPEC_ENVENTRY"]._serialized_start = 2638
-    _globals["_SESSIONSPEC_ENVENTRY"]._serialized_end = 2680
-    _globals["_SESSIONINFO"]._serialized_start = 3909
-    _globals["_SESSIONINFO"]._serialized_end = 4238
-    _globals["_SESSIONREF"]._serialized_start = 4240
-    _globals["_SESSIONREF"]._serialized_end = 4286
-    _globals["_SESSIONLIST"]._serialized_start = 4288
-    _globals["_SESSIONLIST"]._serialized_end = 4344
-    _globals["_VALUE"]._serialized_start = 4346
-    _globals["_VALUE"]._serialized_end = 4417
-    _globals["_REFINFO"]._serialized_start = 4419
-    _globals["_REFINFO"]._serialized_end = 4489
-    _globals["_CALLREQUEST"]._serialized_start = 4492
-    _globals["_CALLREQUEST"]._serialized_end = 4780
-    _globals["_CALLREQUEST_OP"]._serialized_start = 4726
-    _globals["_CALLREQUEST_OP"]._serialized_end = 4780
-    _globals["_REMOTEFAILURE"]._serialized_start = 4783
-    _globals["_REMOTEFAILURE"]._serialized_end = 4944
-    _globals["_CALLREPLY"]._serialized_start = 4947
-    _globals["_CALLREPLY"]._serialized_end = 5195
-    _globals["_UPLOADCHUNK"]._serialized_start = 5197
-    _globals["_UPLOADCHUNK"]._serialized_end = 5258
-    _globals["_STAGED"]._serialized_start = 5260
-    _globals["_STAGED"]._serialized_end = 5284
-    _globals["_DOWNLOADCHUNKREQUEST"]._serialized_start = 5286
-    _globals["_DOWNLOADCHUNKREQUEST"]._serialized_end = 5344
-    _globals["_DATACHUNK"]._serialized_start = 5346
-    _globals["_DATACHUNK"]._serialized_end = 5371
-    _globals["_TRANSFERREQUEST"]._serialized_start = 5373
-    _globals["_TRANSFERREQUEST"]._serialized_end = 5457
-    _globals["_TRANSFERTICKET"]._serialized_start = 5459
-    _globals["_TRANSFERTICKET"]._serialized_end = 5521
-    _globals["_OUTPUTREQUEST"]._serialized_start = 5523
-    _globals["_OUTPUTREQUEST"]._serialized_end = 5604
-    _globals["_OUTPUTCHUNK"]._serialized_start = 5606
-    _globals["_OUTPUTCHUNK"]._serialized_end = 5692
-    _globals["_DEPLOYREQUEST"]._serialized_start = 5695
-    _globals["_DEPLOYREQUEST"]._serialized_end = 5935
-    _globals["_LABELREQUEST"]._serialized_start = 5937
-    _globals["_LABELREQUEST"]._serialized_end = 5997
-    _globals["_TENSORSPEC"]._serialized_start = 5999
-    _globals["_TENSORSPEC"]._serialized_end = 6058
-    _globals["_MODELINFO"]._serialized_start = 6061
-    _globals["_MODELINFO"]._serialized_end = 6537
-    _globals["_MODELREF"]._serialized_start = 6539
-    _globals["_MODELREF"]._serialized_end = 6580
-    _globals["_MODELLIST"]._serialized_start = 6582
-    _globals["_MODELLIST"]._serialized_end = 6632
-    _globals["_CONTROL"]._serialized_start = 6635
-    _globals["_CONTROL"]._serialized_end = 6855
-    _globals["_TOKENS"]._serialized_start = 6858
-    _globals["_TOKENS"]._serialized_end = 7065
-    _globals["_SNAPSHOTS"]._serialized_start = 7068
-    _globals["_SNAPSHOTS"]._serialized_end = 7445
-    _globals["_JOBS"]._serialized_start = 7448
-    _globals["_JOBS"]._serialized_end = 7823
-    _globals["_QUOTAS"]._serialized_start = 7826
-    _globals["_QUOTAS"]._serialized_end = 7987
-    _globals["_SESSIONS"]._serialized_start = 7990
-    _globals["_SESSIONS"]._serialized_end = 8601
-    _globals["_MODELS"]._serialized_start = 8604
-    _globals["_MODELS"]._serialized_end = 8889
+  DESCRIPTOR._loaded_options = None
+  _globals['_JOBSPEC_ENVENTRY']._loaded_options = None
+  _globals['_JOBSPEC_ENVENTRY']._serialized_options = b'8\001'
+  _globals['_JOBSPEC_TFROLESENTRY']._loaded_options = None
+  _globals['_JOBSPEC_TFROLESENTRY']._serialized_options = b'8\001'
+  _globals['_SESSIONSPEC_ENVENTRY']._loaded_options = None
+  _globals['_SESSIONSPEC_ENVENTRY']._serialized_options = b'8\001'
+  _globals['_EMPTY']._serialized_start=46
+  _globals['_EMPTY']._serialized_end=53
+  _globals['_HELLOREQUEST']._serialized_start=55
+  _globals['_HELLOREQUEST']._serialized_end=146
+  _globals['_HELLOREPLY']._serialized_start=149
+  _globals['_HELLOREPLY']._serialized_end=304
+  _globals['_GPUPROCESS']._serialized_start=306
+  _globals['_GPUPROCESS']._serialized_end=368
+  _globals['_GPUALLOCATION']._serialized_start=370
+  _globals['_GPUALLOCATION']._serialized_end=453
+  _globals['_GPU']._serialized_start=456
+  _globals['_GPU']._serialized_end=687
+  _globals['_GPULIST']._serialized_start=689
+  _globals['_GPULIST']._serialized_end=762
+  _globals['_STATUSREPLY']._serialized_start=765
+  _globals['_STATUSREPLY']._serialized_end=990
+  _globals['_TOKENINFO']._serialized_start=992
+  _globals['_TOKENINFO']._serialized_end=1072
+  _globals['_CREATETOKENREQUEST']._serialized_start=1074
+  _globals['_CREATETOKENREQUEST']._serialized_end=1144
+  _globals['_CREATETOKENREPLY']._serialized_start=1147
+  _globals['_CREATETOKENREPLY']._serialized_end=1296
+  _globals['_LISTTOKENSREQUEST']._serialized_start=1298
+  _globals['_LISTTOKENSREQUEST']._serialized_end=1342
+  _globals['_TOKENLIST']._serialized_start=1344
+  _globals['_TOKENLIST']._serialized_end=1394
+  _globals['_REVOKETOKENREQUEST']._serialized_start=1396
+  _globals['_REVOKETOKENREQUEST']._serialized_end=1448
+  _globals['_MANIFESTENTRY']._serialized_start=1450
+  _globals['_MANIFESTENTRY']._serialized_end=1535
+  _globals['_CREATESNAPSHOTREQUEST']._serialized_start=1537
+  _globals['_CREATESNAPSHOTREQUEST']._serialized_end=1618
+  _globals['_CREATESNAPSHOTREPLY']._serialized_start=1620
+  _globals['_CREATESNAPSHOTREPLY']._serialized_end=1709
+  _globals['_SNAPSHOTREF']._serialized_start=1711
+  _globals['_SNAPSHOTREF']._serialized_end=1759
+  _globals['_SNAPSHOT']._serialized_start=1762
+  _globals['_SNAPSHOT']._serialized_end=1901
+  _globals['_SNAPSHOTLIST']._serialized_start=1903
+  _globals['_SNAPSHOTLIST']._serialized_end=1958
+  _globals['_BLOBPART']._serialized_start=1960
+  _globals['_BLOBPART']._serialized_end=2028
+  _globals['_BLOBBATCH']._serialized_start=2030
+  _globals['_BLOBBATCH']._serialized_end=2078
+  _globals['_UPLOADREPLY']._serialized_start=2080
+  _globals['_UPLOADREPLY']._serialized_end=2123
+  _globals['_DOWNLOADREQUEST']._serialized_start=2125
+  _globals['_DOWNLOADREQUEST']._serialized_end=2178
+  _globals['_BLOBLIST']._serialized_start=2180
+  _globals['_BLOBLIST']._serialized_end=2205
+  _globals['_JOBSPEC']._serialized_start=2208
+  _globals['_JOBSPEC']._serialized_end=2728
+  _globals['_JOBSPEC_ENVENTRY']._serialized_start=2638
+  _globals['_JOBSPEC_ENVENTRY']._serialized_end=2680
+  _globals['_JOBSPEC_TFROLESENTRY']._serialized_start=2682
+  _globals['_JOBSPEC_TFROLESENTRY']._serialized_end=2728
+  _globals['_JOBINFO']._serialized_start=2731
+  _globals['_JOBINFO']._serialized_end=3190
+  _globals['_JOBREF']._serialized_start=3192
+  _globals['_JOBREF']._serialized_end=3216
+  _globals['_LISTJOBSREQUEST']._serialized_start=3218
+  _globals['_LISTJOBSREQUEST']._serialized_end=3248
+  _globals['_JOBLIST']._serialized_start=3250
+  _globals['_JOBLIST']._serialized_end=3294
+  _globals['_LOGSREQUEST']._serialized_start=3296
+  _globals['_LOGSREQUEST']._serialized_end=3357
+  _globals['_LOGCHUNK']._serialized_start=3359
+  _globals['_LOGCHUNK']._serialized_end=3399
+  _globals['_WAITREQUEST']._serialized_start=3401
+  _globals['_WAITREQUEST']._serialized_end=3447
+  _globals['_QUOTAINFO']._serialized_start=3449
+  _globals['_QUOTAINFO']._serialized_end=3550
+  _globals['_QUOTALIST']._serialized_start=3552
+  _globals['_QUOTALIST']._serialized_end=3602
+  _globals['_QUOTAREF']._serialized_start=3604
+  _globals['_QUOTAREF']._serialized_end=3628
+  _globals['_SESSIONSPEC']._serialized_start=3631
+  _globals['_SESSIONSPEC']._serialized_end=3906
+  _globals['_SESSIONSPEC_ENVENTRY']._serialized_start=2638
+  _globals['_SESSIONSPEC_ENVENTRY']._serialized_end=2680
+  _globals['_SESSIONINFO']._serialized_start=3909
+  _globals['_SESSIONINFO']._serialized_end=4238
+  _globals['_SESSIONREF']._serialized_start=4240
+  _globals['_SESSIONREF']._serialized_end=4286
+  _globals['_SESSIONLIST']._serialized_start=4288
+  _globals['_SESSIONLIST']._serialized_end=4344
+  _globals['_VALUE']._serialized_start=4346
+  _globals['_VALUE']._serialized_end=4417
+  _globals['_REFINFO']._serialized_start=4419
+  _globals['_REFINFO']._serialized_end=4489
+  _globals['_CALLREQUEST']._serialized_start=4492
+  _globals['_CALLREQUEST']._serialized_end=4780
+  _globals['_CALLREQUEST_OP']._serialized_start=4726
+  _globals['_CALLREQUEST_OP']._serialized_end=4780
+  _globals['_REMOTEFAILURE']._serialized_start=4783
+  _globals['_REMOTEFAILURE']._serialized_end=4944
+  _globals['_CALLREPLY']._serialized_start=4947
+  _globals['_CALLREPLY']._serialized_end=5195
+  _globals['_UPLOADCHUNK']._serialized_start=5197
+  _globals['_UPLOADCHUNK']._serialized_end=5258
+  _globals['_STAGED']._serialized_start=5260
+  _globals['_STAGED']._serialized_end=5284
+  _globals['_DOWNLOADCHUNKREQUEST']._serialized_start=5286
+  _globals['_DOWNLOADCHUNKREQUEST']._serialized_end=5344
+  _globals['_DATACHUNK']._serialized_start=5346
+  _globals['_DATACHUNK']._serialized_end=5371
+  _globals['_TRANSFERREQUEST']._serialized_start=5373
+  _globals['_TRANSFERREQUEST']._serialized_end=5473
+  _globals['_TRANSFERTICKET']._serialized_start=5475
+  _globals['_TRANSFERTICKET']._serialized_end=5537
+  _globals['_OUTPUTREQUEST']._serialized_start=5539
+  _globals['_OUTPUTREQUEST']._serialized_end=5620
+  _globals['_OUTPUTCHUNK']._serialized_start=5622
+  _globals['_OUTPUTCHUNK']._serialized_end=5708
+  _globals['_DEPLOYREQUEST']._serialized_start=5711
+  _globals['_DEPLOYREQUEST']._serialized_end=5951
+  _globals['_LABELREQUEST']._serialized_start=5953
+  _globals['_LABELREQUEST']._serialized_end=6013
+  _globals['_TENSORSPEC']._serialized_start=6015
+  _globals['_TENSORSPEC']._serialized_end=6074
+  _globals['_MODELINFO']._serialized_start=6077
+  _globals['_MODELINFO']._serialized_end=6553
+  _globals['_MODELREF']._serialized_start=6555
+  _globals['_MODELREF']._serialized_end=6596
+  _globals['_MODELLIST']._serialized_start=6598
+  _globals['_MODELLIST']._serialized_end=6648
+  _globals['_CONTROL']._serialized_start=6651
+  _globals['_CONTROL']._serialized_end=6871
+  _globals['_TOKENS']._serialized_start=6874
+  _globals['_TOKENS']._serialized_end=7081
+  _globals['_SNAPSHOTS']._serialized_start=7084
+  _globals['_SNAPSHOTS']._serialized_end=7461
+  _globals['_JOBS']._serialized_start=7464
+  _globals['_JOBS']._serialized_end=7839
+  _globals['_QUOTAS']._serialized_start=7842
+  _globals['_QUOTAS']._serialized_end=8003
+  _globals['_SESSIONS']._serialized_start=8006
+  _globals['_SESSIONS']._serialized_end=8617
+  _globals['_MODELS']._serialized_start=8620
+  _globals['_MODELS']._serialized_end=8905
 # @@protoc_insertion_point(module_scope)

@@ -18,6 +18,11 @@ channel; a user holds at most ``_MAX_CHANNELS`` channels open. A channel with no
 ``_PARK_AFTER`` seconds gives its thread up: it waits in that same selector, and gets a thread again
 when its next call comes.
 
+A tunnel (``TransferRequest.tunnel``, NAME) is a byte stream to the socket ``tunnel-NAME.sock`` that
+the session's worker listens on (a TensorFlow server it runs, in its own network namespace): answered
+``T``, then relayed both ways until either side closes, or ``E`` and why when the worker has no such
+socket. It counts among its user's channels, and closes with their token.
+
 A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
 keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and
 the serialized ``CallRequest``, and each reply as a length, one byte (0: a ``CallReply`` follows; 1: an
@@ -48,6 +53,7 @@ from google.protobuf.message import DecodeError
 from gpuport.defaults import MAX_MESSAGE_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import ConfigError, GpuportError, InvalidRequest, ServerError
+from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.sessions import Direct, SessionService
@@ -236,6 +242,11 @@ class DataPort:
             if found is None:
                 conn.sendall(b"Ethis ticket is unknown, used or expired: ask for another with Sessions.Transfer\n")
                 return
+            if found.kind.startswith("tunnel:"):
+                assert found.caller is not None
+                tunnel, conn = conn, None  # the tunnel's own from here on
+                self._tunnel(tunnel, found.caller.name, found.key, found.kind.partition(":")[2], peer)
+                return
             if found.kind == "channel":
                 assert found.caller is not None
                 conn.settimeout(None)  # a channel waits for the client's next call as long as it likes
@@ -291,6 +302,31 @@ class DataPort:
             if conn is not None:
                 with contextlib.suppress(OSError):
                     conn.close()
+
+    def _tunnel(self, conn: socket.socket, name: str, session_id: str, tunnel: str, peer: object) -> None:
+        """Relay a tunnel's bytes between the client and the worker's socket until either side ends."""
+        conn.settimeout(None)
+        with self._held_lock:
+            held = self._held.setdefault(name, set())
+            if len(held) >= _MAX_CHANNELS:
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"E{name} holds {len(held)} channels and tunnels open, the most allowed\n".encode())
+                    conn.close()
+                return
+            held.add(conn)
+        try:
+            try:
+                worker = self.sessions.tunnel_socket(session_id, tunnel)
+            except OSError as e:
+                conn.sendall(f"Ethe session's worker has no tunnel {tunnel!r} open: {e.strerror or e}\n".encode())
+                return
+            with worker:
+                conn.sendall(b"T")
+                relay(conn, worker)
+        except (OSError, ValueError) as e:
+            log.info("a tunnel from %s ended: %s", peer, e)
+        finally:
+            self._let_go(conn, name)
 
     def _hold_channel(self, conn: socket.socket, caller: Identity, direct: Direct) -> None:
         """Relay a channel's calls in this thread until it ends (then closed) or goes idle (then parked)."""

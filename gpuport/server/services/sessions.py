@@ -22,6 +22,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -69,6 +70,7 @@ _CONNECT_TIMEOUT = 60.0  # seconds from a worker's start to its socket accepting
 _END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it ended
 _STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
 _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
+_TUNNEL_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")  # a worker's tunnel-NAME.sock
 # Seconds the server waits for a worker's reply before it turns to other work: most calls answer
 # within it, and then cost no extra turns of the event loop (which is blocked that long at most).
 _QUICK_REPLY = 0.001
@@ -199,7 +201,7 @@ class Redeemed:
     calls of session ``key`` by ``caller``."""
 
     key: str
-    kind: str  # upload, download, channel
+    kind: str  # upload, download, channel, tunnel:NAME
     staged: Staged | None
     caller: Identity | None = None
 
@@ -245,7 +247,7 @@ class Staging:
             if found is None or found[2] < time.monotonic():
                 return None
             key, kind, _, caller = found
-            if kind == "channel":
+            if kind == "channel" or kind.startswith("tunnel:"):
                 return Redeemed(key, kind, None, caller)
             staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
         return Redeemed(key, kind, staged) if staged is not None else None
@@ -885,16 +887,21 @@ class SessionService:
         return key
 
     def transfer(
-        self, caller: Identity, session_id: str, size: int, key: str, channel: bool = False
+        self, caller: Identity, session_id: str, size: int, key: str, channel: bool = False, tunnel: str = ""
     ) -> tuple[str, str]:
         """A ticket for the data port: to upload ``size`` bytes (a new staged key), to download the
-        staged result ``key``, or with ``channel`` for a channel carrying the session's calls.
-        Returns (key, ticket)."""
+        staged result ``key``, with ``channel`` for a channel carrying the session's calls, or with
+        ``tunnel`` for a byte stream to the worker's socket ``tunnel-NAME.sock`` (a TensorFlow server
+        the worker runs). Returns (key, ticket)."""
         live = self._find(caller, session_id)
         if not self.data_port:
             raise InvalidRequest("this server has no data port: send values through gRPC (Upload, Download)")
         if channel:
             return "", self.staging.ticket(live.id, "channel", caller)
+        if tunnel:
+            if not _TUNNEL_NAME.fullmatch(tunnel):
+                raise InvalidRequest(f"tunnel name {tunnel[:40]!r}: use up to 32 lower-case letters, digits and '-'")
+            return "", self.staging.ticket(live.id, f"tunnel:{tunnel}", caller)
         if key:
             staged = self.staging.peek(key[:64])
             if staged is None or staged.session_id != live.id:
@@ -908,6 +915,15 @@ class SessionService:
         key = self.staging.add(staged, "u-")
         live.last_call_at = time.time()
         return key, self.staging.ticket(key, "upload")
+
+    def tunnel_socket(self, session_id: str, name: str) -> socket.socket:
+        """A connection to the socket ``tunnel-NAME.sock`` that session ``session_id``'s worker listens
+        on (checked to be the worker's). Raises OSError when there is none, PermissionError when
+        another process listens there."""
+        live = self._live.get(session_id)
+        if live is None:
+            raise FileNotFoundError(f"session {session_id} has ended")
+        return wire.connect(str(self.root / live.id / f"tunnel-{name}.sock"), self.jobs.process_of(live.job_id))
 
     def _memory_for(self, live: _Live, size: int) -> tuple[int, mmap.mmap | None]:
         """A memfd of ``size`` bytes to receive a value into: one the worker let go of (with the

@@ -71,6 +71,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_isolation.py
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_ssh.py
+	$(PY) bench/bench_tf_remote.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

@@ -6,13 +6,22 @@ import contextlib
 import select
 import socket
 import ssl
+import threading
 
 _CHUNK = 1024 * 1024
 
 
 def relay(a: socket.socket, b: socket.socket) -> None:
     """Copy bytes both ways between ``a`` (TLS or plain) and ``b`` in this one thread, until either
-    side closes; then shut both down. One thread: a TLS socket is never read and written at once."""
+    side closes; then shut both down. One thread: a TLS socket is never read and written at once.
+    Small writes go out at once (TCP_NODELAY on either TCP end): a tunnel carries RPCs, and Nagle's
+    wait for the peer's delayed ACK would add 40 ms to each."""
+    for end in (a, b):
+        if end.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if not isinstance(a, ssl.SSLSocket) and not isinstance(b, ssl.SSLSocket):
+        return _both_ways(a, b)
     try:
         while True:
             pending = isinstance(a, ssl.SSLSocket) and a.pending()
@@ -26,5 +35,25 @@ def relay(a: socket.socket, b: socket.socket) -> None:
         return  # either side went away: the tunnel is over
     finally:
         for end in (a, b):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+
+def _both_ways(a: socket.socket, b: socket.socket) -> None:
+    """Plain sockets both ways: a thread each way, blocked in recv (no select per message)."""
+    other = threading.Thread(target=_one_way, args=(b, a), daemon=True)
+    other.start()
+    _one_way(a, b)
+    other.join()
+
+
+def _one_way(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(_CHUNK):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for end in (source, sink):
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)

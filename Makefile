@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+comma  := ,
 
 .PHONY: demo test bench proto clean sandbox test-tools
 
@@ -24,31 +25,27 @@ $(VENV)/.dev: pyproject.toml | $(PY)
 	$(PIP) --no-deps tritonclient==2.73.0 tensorflow-serving-api==2.21.0
 	touch $@
 
-# The jobs' sandbox: bubblewrap, and slirp4netns for their network's way out, from Debian. Installed
-# when missing and root; otherwise said, and the server runs without isolation (admin tokens only).
-SANDBOX_TOOLS := bwrap:bubblewrap slirp4netns:slirp4netns
-sandbox:
-	@missing=""; for tool in $(SANDBOX_TOOLS); do command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; done; \
+# Debian packages installed when their command is missing and we are root (apt-get); otherwise
+# said, with what then does without them. $(1): TOOL:PACKAGE pairs, $(2): what for, $(3): what happens without.
+define apt_install
+	@missing=""; for tool in $(1); do command -v $${tool%%:*} >/dev/null || [ -x /usr/sbin/$${tool%%:*} ] || missing="$$missing $${tool#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing$$missing (the jobs' sandbox)"; \
+		echo "installing$$missing ($(2))"; \
 		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
 	else \
-		echo "not installed:$$missing — jobs run without a sandbox, and tests that need other users skip (sudo apt-get install$$missing)"; \
+		echo "not installed:$$missing — $(3) (sudo apt-get install$$missing)"; \
 	fi
+endef
 
-# What some tests need from Debian beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes).
-# Installed when missing and root; otherwise those tests skip, saying what is missing.
-TEST_TOOLS := sshd:openssh-server
+# The jobs' sandbox: bubblewrap, and slirp4netns for their network's way out. Without them the
+# server runs without isolation (admin tokens only).
+sandbox:
+	$(call apt_install,bwrap:bubblewrap slirp4netns:slirp4netns,the jobs' sandbox,jobs run without a sandbox$(comma) and tests that need other users skip)
+
+# What some tests need beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes).
 test-tools:
-	@missing=""; for tool in $(TEST_TOOLS); do command -v $${tool%%:*} >/dev/null || [ -x /usr/sbin/$${tool%%:*} ] || missing="$$missing $${tool#*:}"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing$$missing (for the tests)"; \
-		apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq$$missing >/dev/null; \
-	else \
-		echo "not installed:$$missing — the tests that need it skip (sudo apt-get install$$missing)"; \
-	fi
+	$(call apt_install,sshd:openssh-server,for the tests,the tests that need it skip)
 
 demo: $(VENV)/.demo sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh

@@ -48,19 +48,9 @@ def _start_server(port: int) -> list[str]:
 
     cluster = tf.train.ClusterSpec({JOB: [f"127.0.0.1:{port}"]})
     server = tf.distribute.Server(cluster, job_name=JOB, task_index=0, protocol="grpc", start=True)
-    folder = os.environ["GPUPORT_SESSION_DIR"]
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    here = os.getcwd()
-    os.chdir(folder)  # bound by its relative name: the folder's path may be longer than a socket's limit
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"tunnel-{_TUNNEL}.sock.new")
-        listener.bind(f"tunnel-{_TUNNEL}.sock.new")
-        os.chmod(f"tunnel-{_TUNNEL}.sock.new", 0o600)
-        listener.listen(64)
-        os.replace(f"tunnel-{_TUNNEL}.sock.new", f"tunnel-{_TUNNEL}.sock")
-    finally:
-        os.chdir(here)
+    from gpuport.server.worker import wire  # in the worker: the server's package is there
+
+    listener = wire.listen(os.environ["GPUPORT_SESSION_DIR"], f"tunnel-{_TUNNEL}.sock", backlog=64)
 
     def accept() -> None:
         while True:

@@ -27,7 +27,7 @@ from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, 
 from gpuport.server.api.callers import grpc_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.serving import DeploymentRecord, version_number
+from gpuport.server.services.serving import DeploymentRecord, Endpoint, version_number
 from gpuport.server.serving import triton
 from gpuport.server.serving.tensors import pack_bytes, unpack_bytes
 
@@ -65,11 +65,11 @@ _TF_VALUES = {
     "FP16": "half_val",
 }
 
-Handler = Callable[[ServerApp, Any, Identity | None], Awaitable[Any]]
-# Who may call a method: anyone (health), anyone for a public model (the model a request names, as
-# (name, version number) from the request), or a caller with credentials.
+Handler = Callable[[ServerApp, Any, Identity | None, Endpoint | None], Awaitable[Any]]
+# Who may call a method: anyone (health), anyone for a public model (the deployment a request names,
+# found once and handed to the method), or a caller with credentials.
 ANYONE = "anyone"
-_Model = Callable[[ServerApp, Any], tuple[str, int]]
+_Model = Callable[[ServerApp, Any], Endpoint | None]
 
 
 def _unary(
@@ -78,16 +78,16 @@ def _unary(
     @functools.wraps(method)
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            caller = None
-            if who != ANYONE:
+            caller = endpoint = None
+            if callable(who):
                 try:
-                    name, version = who(app, request) if callable(who) else ("", 0)
+                    endpoint = who(app, request)
                 except NotFound:
-                    grpc_caller(app.auth, context)  # an unknown version or label: for callers with credentials
+                    grpc_caller(app.auth, context)  # an unknown model, version or label: for callers with credentials
                     raise
-                if not (name and app.serving.is_public(name, version)):
-                    caller = grpc_caller(app.auth, context)
-            return await method(app, request, caller)
+            if who != ANYONE and not (endpoint is not None and endpoint.public):
+                caller = grpc_caller(app.auth, context)
+            return await method(app, request, caller, endpoint)
         except Exception as e:
             if isinstance(e, AuthenticationError):
                 log.warning("rejected a prediction call from %s: %s", context.peer(), e)
@@ -102,16 +102,17 @@ def _unary(
     )
 
 
-def _named(app: ServerApp, request: Any) -> tuple[str, int]:
-    return request.name, version_number(request.version)
+def _named(app: ServerApp, request: Any) -> Endpoint | None:
+    """The deployment ``name`` and ``version`` name; None for none named (every model's statistics)."""
+    return app.serving.endpoint(request.name, version_number(request.version)) if request.name else None
 
 
-def _infer_named(app: ServerApp, request: Any) -> tuple[str, int]:
-    return request.model_name, version_number(request.model_version)
+def _infer_named(app: ServerApp, request: Any) -> Endpoint:
+    return app.serving.endpoint(request.model_name, version_number(request.model_version))
 
 
-def _spec_named(app: ServerApp, request: Any) -> tuple[str, int]:
-    return request.model_spec.name, _spec_version(app, request.model_spec)
+def _spec_named(app: ServerApp, request: Any) -> Endpoint:
+    return app.serving.endpoint(request.model_spec.name, _spec_version(app, request.model_spec))
 
 
 def _spec_version(app: ServerApp, spec: Any) -> int:
@@ -167,29 +168,29 @@ def add_serving_services(server: grpc.aio.Server, app: ServerApp) -> None:
 # ---- KServe v2 ---------------------------------------------------------------------------------------
 
 
-async def _server_live(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _server_live(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     return kserve.ServerLiveResponse(live=True)
 
 
-async def _server_ready(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _server_ready(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     return kserve.ServerReadyResponse(ready=app.serving.all_ready())
 
 
-async def _server_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _server_metadata(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     return kserve.ServerMetadataResponse(name="gpuport", version=__version__, extensions=list(triton.EXTENSIONS))
 
 
-async def _model_config(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _model_config(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     d = app.serving.find(request.name, version_number(request.version))
     return json_format.ParseDict({"config": triton.model_config(d)}, kserve.ModelConfigResponse())
 
 
-async def _model_statistics(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _model_statistics(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     found = app.serving.statistics(request.name, version_number(request.version))
     return json_format.ParseDict(triton.model_statistics(found), kserve.ModelStatisticsResponse())
 
 
-async def _repository_index(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _repository_index(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     assert caller is not None  # the method needs credentials
     if request.repository_name:
         raise InvalidRequest(f"repository {request.repository_name!r}: gpuport has one, unnamed")
@@ -199,12 +200,12 @@ async def _repository_index(app: ServerApp, request: Any, caller: Identity | Non
     return json_format.ParseDict({"models": index}, kserve.RepositoryIndexResponse())
 
 
-async def _model_ready(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _model_ready(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     d = app.serving.find(request.name, version_number(request.version))
     return kserve.ModelReadyResponse(ready=d.state == "ready")
 
 
-async def _model_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _model_metadata(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     d = app.serving.find(request.name, version_number(request.version))
     meta = kserve.ModelMetadataResponse.TensorMetadata
     return kserve.ModelMetadataResponse(
@@ -247,10 +248,11 @@ def _kserve_input(tensor: Any, raw: bytes | None) -> np.ndarray:
     return array.reshape(shape)
 
 
-async def _model_infer(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _model_infer(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
-    d = app.serving.endpoint(request.model_name, version_number(request.model_version))
+    d = endpoint
+    assert d is not None  # found by _infer_named
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one per input")
@@ -319,11 +321,11 @@ def _tensor_proto(array: np.ndarray) -> Any:
     return proto
 
 
-async def _predict(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _predict(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     if request.ByteSize() > MAX_INFER_BYTES:
         raise InvalidRequest(f"request of {request.ByteSize()} bytes is over the limit of {MAX_INFER_BYTES} bytes")
-    spec = request.model_spec
-    d = app.serving.endpoint(spec.name, _spec_version(app, spec))
+    spec, d = request.model_spec, endpoint
+    assert d is not None  # found by _spec_named
     if spec.signature_name not in ("", "serving_default"):
         raise InvalidRequest(f"unknown signature {spec.signature_name!r}: this model has serving_default only")
     inputs = {name: _from_tensor_proto(name, proto) for name, proto in request.inputs.items()}
@@ -353,7 +355,7 @@ def signature_def(d: DeploymentRecord) -> Any:
     return signature
 
 
-async def _get_model_metadata(app: ServerApp, request: Any, caller: Identity | None) -> Any:
+async def _get_model_metadata(app: ServerApp, request: Any, caller: Identity | None, endpoint: Endpoint | None) -> Any:
     spec = request.model_spec
     d = app.serving.find(spec.name, _spec_version(app, spec))
     fields = list(request.metadata_field)

@@ -41,7 +41,7 @@ from gpuport.server.api import openapi
 from gpuport.server.api.callers import asgi_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.serving import DeploymentRecord, message_for, version_number
+from gpuport.server.services.serving import DeploymentRecord, Endpoint, message_for, version_number
 from gpuport.server.serving import kserve_rest, tfs_rest, triton
 
 _HEADER_LENGTH = b"inference-header-content-length"  # as ASGI gives header names: lower case
@@ -402,21 +402,24 @@ class Predictions:
             else:
                 assert tfs is not None
                 name, version, verb = _tfs_target(tfs[1], tfs[3])
-                if tfs[2] == "labels":
-                    try:
-                        version = str(self.server.serving.labelled(name, version))
-                    except NotFound:
-                        self._authenticate(headers, scope)  # told to callers with credentials only
-                        raise
-            if not self.server.serving.is_public(name, version_number(version)):
+            serving = self.server.serving
+            try:
+                number = serving.labelled(name, version) if tfs is not None and tfs[2] == "labels" else None
+                endpoint = serving.endpoint(name, version_number(version) if number is None else number)
+            except NotFound:
+                self._authenticate(
+                    headers, scope
+                )  # an unknown model, version or label: told to callers with credentials
+                raise
+            if not endpoint.public:
                 self._authenticate(headers, scope)
             body = await _read_body(headers, receive)
             if body is None:
                 return  # the client is gone
             if kserve is not None:
-                status, extra, answer = await self._infer(name, version, headers, body)
+                status, extra, answer = await self._infer(endpoint, headers, body)
             else:
-                status, extra, answer = await self._tfs_predict(name, version, verb, body)
+                status, extra, answer = await self._tfs_predict(endpoint, verb, body)
         except GpuportError as e:
             status, extra, answer = _status(e), [], _error_body(e)
         except Exception:
@@ -446,29 +449,23 @@ class Predictions:
             log.warning("rejected POST %s from %s: %s", scope["path"], client[0], e)
             raise
 
-    async def _infer(
-        self, name: str, version: str, headers: dict[bytes, bytes], body: bytes
-    ) -> tuple[int, _Headers, bytes]:
-        serving = self.server.serving
-        d = serving.endpoint(name, version_number(version))
+    async def _infer(self, d: Endpoint, headers: dict[bytes, bytes], body: bytes) -> tuple[int, _Headers, bytes]:
         header = headers.get(_HEADER_LENGTH, b"")
         parsed = kserve_rest.parse_kserve(body, int(header) if header.isdigit() else None)
-        outputs = await serving.infer(d, {i.name: i.array for i in parsed.inputs})
+        outputs = await self.server.serving.infer(d, {i.name: i.array for i in parsed.inputs})
         chosen = _requested(outputs, [o.name for o in parsed.outputs])
-        answer, length = kserve_rest.form_kserve(name, str(d.version), parsed.id, chosen, parsed.binary_output)
+        answer, length = kserve_rest.form_kserve(d.name, str(d.version), parsed.id, chosen, parsed.binary_output)
         extra = [] if length is None else [(_HEADER_LENGTH, str(length).encode())]
         return 200, extra, answer
 
-    async def _tfs_predict(self, name: str, version: str, verb: str, body: bytes) -> tuple[int, _Headers, bytes]:
+    async def _tfs_predict(self, d: Endpoint, verb: str, body: bytes) -> tuple[int, _Headers, bytes]:
         if verb != "predict":
             raise NotFound(f"unknown method {verb!r}: gpuport serves :predict (not classify or regress)")
-        serving = self.server.serving
-        d = serving.endpoint(name, version_number(version))
         signature, raw, style = tfs_rest.parse_tfs_predict(body)
         if signature not in ("", "serving_default"):
             raise InvalidRequest(f"unknown signature {signature!r}: this model has serving_default only")
         specs = [(i["name"], numpy_dtype(i["datatype"])) for i in d.inputs]
-        outputs = await serving.infer(d, tfs_rest.tfs_to_inputs(raw, specs))
+        outputs = await self.server.serving.infer(d, tfs_rest.tfs_to_inputs(raw, specs))
         return 200, [], tfs_rest.form_tfs_predict(outputs, style)
 
 

@@ -116,6 +116,7 @@ class Endpoint:
     name: str
     version: int
     inputs: list[dict[str, Any]]
+    public: bool = False  # its predictions need no credentials
     deployment: Any = field(repr=False, compare=False, default=None)  # the live _Deployment
 
 
@@ -463,7 +464,7 @@ class ServingService:
         d = self._find(name, version)
         if d is None:
             raise NotFound(self._unknown(name, version))
-        return Endpoint(d.name, d.version, d.metadata.get("inputs", []), d)
+        return Endpoint(d.name, d.version, d.metadata.get("inputs", []), bool(d.spec.get("public")), d)
 
     def statistics(self, name: str = "", version: int = 0) -> list[tuple[DeploymentRecord, Timings]]:
         """Each live deployment's record and its batcher's timings: every version of ``name`` (or

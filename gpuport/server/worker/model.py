@@ -119,23 +119,6 @@ class Worker:
                         break
 
 
-def _listen(folder: Path, replica: int) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    name = f"replica-{replica}.sock"
-    cwd = os.getcwd()
-    os.chdir(folder)  # bound by its relative name: the folder's path may be longer than a socket's limit
-    try:
-        if os.path.exists(name + ".new"):
-            os.unlink(name + ".new")
-        listener.bind(name + ".new")
-        os.chmod(name + ".new", 0o600)
-        listener.listen(4)
-        os.replace(name + ".new", name)  # appears only once it accepts connections
-    finally:
-        os.chdir(cwd)
-    return listener
-
-
 def main() -> None:
     folder = Path(os.environ[ENV_MODEL_DIR])
     replica = int(os.environ.get(ENV_MODEL_REPLICA, "0"))
@@ -151,7 +134,7 @@ def main() -> None:
         print(f"gpuport: the model did not load: {message}", file=sys.stderr, flush=True)
         sys.exit(LOAD_FAILED)
     print(f"gpuport: {model.format} model loaded on the {device}", file=sys.stderr, flush=True)
-    Worker(model).serve(_listen(folder, replica), folder)
+    Worker(model).serve(wire.listen(str(folder), f"replica-{replica}.sock"), folder)
 
 
 if __name__ == "__main__":

@@ -374,27 +374,10 @@ def _output(folder: Path) -> None:
         os.close(target)
 
 
-def _listen(folder: Path) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    cwd = os.getcwd()
-    os.chdir(folder)  # bound by its relative name: the folder's path may be longer than a socket's limit
-    try:
-        for name in ("worker.sock.new",):
-            if os.path.exists(name):
-                os.unlink(name)
-        listener.bind("worker.sock.new")
-        os.chmod("worker.sock.new", 0o600)
-        listener.listen(4)
-        os.replace("worker.sock.new", "worker.sock")  # appears only once it accepts connections
-    finally:
-        os.chdir(cwd)
-    return listener
-
-
 def main() -> None:
     folder = Path(os.environ[ENV_SESSION_DIR])
     _output(folder)
-    listener = _listen(folder)
+    listener = wire.listen(str(folder), "worker.sock")
     # The user's functions import their modules from the session's workdir, as a script's would.
     sys.path.insert(0, os.getcwd())
     idle = float(os.environ.get(ENV_SESSION_IDLE_TIMEOUT, "0")) or None

@@ -399,7 +399,7 @@ def bench_calls(args: argparse.Namespace, gpu: gpuport.Client, server: _servers.
             first = time.perf_counter() - start
             track_worker(s, server)
             track_worker(g, server)
-            through_grpc._data_port = 0  # as behind a firewall that lets only the gRPC port through
+            through_grpc.transport.data_port = 0  # as behind a firewall that lets only the gRPC port through
             with raw_channel(raw.address, cert_path.read_bytes()) as channel:
                 proto = channel.unary_unary(
                     _servers.PROTO_METHOD,

@@ -65,10 +65,10 @@ def test_a_hash_neither_tells_nor_hands_out_another_users_content(
     alice.push(tmp_path / "alice", "keys")
 
     # Bob guesses the content: the server answers as if nobody had it.
-    assert list(bob._call(bob._snapshots.Missing, pb.BlobList(blobs=[blob])).blobs) == [blob]
+    assert list(bob.transport.call(bob.transport.snapshots.Missing, pb.BlobList(blobs=[blob])).blobs) == [blob]
     # A manifest naming it makes no snapshot of it for him.
     entry = pb.ManifestEntry(path="stolen.txt", blob=blob, size=len(secret), mode=0o644)
-    reply = bob._call(bob._snapshots.Create, pb.CreateSnapshotRequest(entries=[entry], name="stolen"))
+    reply = bob.transport.call(bob.transport.snapshots.Create, pb.CreateSnapshotRequest(entries=[entry], name="stolen"))
     assert list(reply.missing) == [blob] and not reply.snapshot_id
     assert "stolen" not in [s.name for s in bob.snapshots()]
 

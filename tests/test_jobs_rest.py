@@ -161,7 +161,7 @@ def test_a_symlink_leaving_the_workdir_is_refused_before_upload(
 def test_the_server_refuses_bad_manifest_paths(admin: gpuport.Client, entry: pb.ManifestEntry, problem: str) -> None:
     request = pb.CreateSnapshotRequest(entries=[entry], name="evil")
     with pytest.raises(gpuport.InvalidRequest, match=problem):
-        admin._call(admin._snapshots.Create, request)
+        admin.transport.call(admin.transport.snapshots.Create, request)
     assert "evil" not in [s.name for s in admin.snapshots()]
 
 
@@ -169,10 +169,10 @@ def test_a_blob_whose_bytes_do_not_match_its_hash_is_refused(admin: gpuport.Clie
     claimed = hashlib.sha256(b"the real content").hexdigest()
     batch = pb.BlobBatch(parts=[pb.BlobPart(blob=claimed, offset=0, data=b"something else", last=True)])
     with pytest.raises(gpuport.InvalidRequest, match=f"uploaded as blob {claimed} hash to"):
-        admin._call(admin._snapshots.Upload, iter([batch]))
+        admin.transport.call(admin.transport.snapshots.Upload, iter([batch]))
     assert not (server.state_dir / "blobs" / claimed[:2] / claimed[2:]).exists()
     entry = pb.ManifestEntry(path="f", blob=claimed, size=16, mode=0o644)
-    reply = admin._call(admin._snapshots.Create, pb.CreateSnapshotRequest(entries=[entry]))
+    reply = admin.transport.call(admin.transport.snapshots.Create, pb.CreateSnapshotRequest(entries=[entry]))
     assert list(reply.missing) == [claimed] and not reply.snapshot_id
 
 
@@ -210,9 +210,9 @@ def test_malformed_requests_say_what_is_wrong(server: RunningServer, admin: gpup
 
 def test_upload_without_a_valid_token_is_refused(server: RunningServer) -> None:
     with server.connect() as gpu:
-        gpu._metadata = (("authorization", "Bearer gp_wrong"),)
+        gpu.transport.metadata = (("authorization", "Bearer gp_wrong"),)
         with pytest.raises(gpuport.AuthenticationError):
-            gpu._call(gpu._snapshots.Upload, iter([pb.BlobBatch()]))
+            gpu.transport.call(gpu.transport.snapshots.Upload, iter([pb.BlobBatch()]))
 
 
 def test_a_client_that_vanishes_mid_upload_leaves_nothing_behind(admin: gpuport.Client, server: RunningServer) -> None:
@@ -224,7 +224,7 @@ def test_a_client_that_vanishes_mid_upload_leaves_nothing_behind(admin: gpuport.
         sent.set()
         released.wait(30)  # the client goes silent, then away
 
-    call = admin._snapshots.Upload.future(parts(), metadata=admin._metadata)
+    call = admin.transport.snapshots.Upload.future(parts(), metadata=admin.transport.metadata)
     try:
         assert sent.wait(10)
         folder = server.state_dir / "blobs" / blob[:2]

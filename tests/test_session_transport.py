@@ -33,7 +33,7 @@ def session(admin: gpuport.Client) -> Iterator[gpuport.Session]:
 
 
 def test_large_values_go_through_the_data_port_both_ways(admin: gpuport.Client, session: gpuport.Session) -> None:
-    assert admin._data_port > 0
+    assert admin.transport.data_port > 0
     x = _large()
     ref = session.put(x)
     assert ref.summary == f"float32 ({LARGE},)"
@@ -45,7 +45,7 @@ def test_large_values_go_through_the_data_port_both_ways(admin: gpuport.Client, 
 
 
 def test_without_the_data_port_values_go_through_grpc(admin: gpuport.Client, session: gpuport.Session) -> None:
-    admin._data_port = 0  # as for a server reached through a firewall that lets only the gRPC port through
+    admin.transport.data_port = 0  # as for a server reached through a firewall that lets only the gRPC port through
     x = _large()
     ref = session.put(x)
     assert np.array_equal(session.get(ref).view(np.uint32), x.view(np.uint32))
@@ -55,17 +55,17 @@ def test_an_unreachable_data_port_warns_and_falls_back_to_grpc(admin: gpuport.Cl
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]  # nothing listens there once this socket is closed
-    original = session._client._sessions.Transfer
+    original = session._transport.sessions.Transfer
 
     def elsewhere(request: pb.TransferRequest, **kw: object) -> pb.TransferTicket:
         ticket = original(request, **kw)
         return pb.TransferTicket(staged=ticket.staged, ticket=ticket.ticket, port=closed)
 
-    admin._sessions.Transfer = elsewhere  # type: ignore[method-assign]
+    admin.transport.sessions.Transfer = elsewhere  # type: ignore[method-assign]
     x = _large()
     with pytest.warns(UserWarning, match="data port"):
         ref = session.put(x)
-    assert admin._data_port == 0  # not tried again
+    assert admin.transport.data_port == 0  # not tried again
     assert np.array_equal(session.get(ref).view(np.uint32), x.view(np.uint32))
 
 
@@ -80,9 +80,11 @@ def _data_port_says(server: RunningServer, port: int, line: bytes) -> bytes:
 def test_the_data_port_takes_only_a_valid_unused_ticket(
     server: RunningServer, admin: gpuport.Client, session: gpuport.Session
 ) -> None:
-    port = admin._data_port
+    port = admin.transport.data_port
     assert _data_port_says(server, port, b"0" * 64 + b"\n").startswith(b"Ethis ticket is unknown")
-    ticket = admin._sessions.Transfer(pb.TransferRequest(session_id=session.id, size=4), metadata=admin._metadata)
+    ticket = admin.transport.sessions.Transfer(
+        pb.TransferRequest(session_id=session.id, size=4), metadata=admin.transport.metadata
+    )
     assert _data_port_says(server, port, ticket.ticket.encode() + b"\n" + b"abcd") == b"K"
     again = _data_port_says(server, port, ticket.ticket.encode() + b"\n" + b"abcd")
     assert again.startswith(b"E")  # used up
@@ -90,7 +92,7 @@ def test_the_data_port_takes_only_a_valid_unused_ticket(
 
 def test_another_users_session_gets_no_ticket(server: RunningServer, user_token: str, session: gpuport.Session) -> None:
     with server.connect(user_token) as other, pytest.raises(gpuport.NotFound):
-        other._call(other._sessions.Transfer, pb.TransferRequest(session_id=session.id, size=4))
+        other.transport.call(other.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, size=4))
 
 
 def test_refs_of_an_earlier_worker_say_so(session: gpuport.Session) -> None:
@@ -152,7 +154,7 @@ def test_a_worker_whose_server_is_gone_ends_itself_once_idle(tmp_path: Path) -> 
 def _channel(server: RunningServer, client: gpuport.Client, session_id: str) -> ssl.SSLSocket:
     """A raw channel on the data port for ``session_id``, as the client opens one."""
     request = pb.TransferRequest(session_id=session_id, channel=True)
-    ticket = client._call(client._sessions.Transfer, request)
+    ticket = client.transport.call(client.transport.sessions.Transfer, request)
     context = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
     context.check_hostname = False
     conn = context.wrap_socket(socket.create_connection(("127.0.0.1", ticket.port), timeout=30))
@@ -204,14 +206,14 @@ def test_a_channel_ticket_is_only_for_the_sessions_owner(
     server: RunningServer, user_token: str, session: gpuport.Session
 ) -> None:
     with server.connect(user_token) as other, pytest.raises(gpuport.NotFound):
-        other._call(other._sessions.Transfer, pb.TransferRequest(session_id=session.id, channel=True))
+        other.transport.call(other.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, channel=True))
 
 
 def test_calls_from_threads_and_from_another_client_are_answered_in_turn(
     server: RunningServer, admin: gpuport.Client
 ) -> None:
     with admin.session(name="busy") as s, server.connect() as second:
-        second._data_port = 0  # this one's calls go through gRPC: the worker answers both connections
+        second.transport.data_port = 0  # this one's calls go through gRPC: the worker answers both connections
         s.call(lambda i: i, 0)
         assert s._channel is not None
         results: dict[str, list[int]] = {}

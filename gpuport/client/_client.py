@@ -3,76 +3,33 @@
 from __future__ import annotations
 
 import os
-import platform
 import shutil
 import tempfile
-import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-import grpc
-
-from gpuport._version import __version__
-from gpuport.client import _sync
-from gpuport.client._channel import (
-    Target,
-    diagnose,
-    map_rpc_error,
-    mismatch_error,
-    open_channel,
-    parse_url,
-    probe,
-    reach,
-    read_certificate,
-)
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import Job, JobInfo
 from gpuport.client._models import ModelInfo
-from gpuport.client._sessions import RemoteFunction, Session, SessionInfo
+from gpuport.client._sessions import RemoteFunction, Session, SessionInfo, open_session
+from gpuport.client._transport import Progress, Transport
 from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
 from gpuport.defaults import (
-    DEFAULT_CALL_TIMEOUT,
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_QUEUE_DELAY,
 )
 from gpuport.protocol import gpuport_pb2 as pb
-from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
-from gpuport.protocol.errors import IncompatibleVersions, InvalidRequest, ServerError, ServerUnreachable, TLSError
-from gpuport.protocol.paths import check_entries
+from gpuport.protocol.errors import InvalidRequest, ServerError
 from gpuport.protocol.units import parse_duration, parse_size
-from gpuport.protocol.values import check_compatible
 
 if TYPE_CHECKING:
     from gpuport.client._tensorflow import RemoteTensorFlow
 
-Reply = TypeVar("Reply")
-# progress(done_bytes, total_bytes), called as an upload or download goes.
-Progress = Callable[[int, int], None]
 _EMPTY = pb.Empty()  # requests are only read, never changed: one instance serves every call
-
-
-def _trusted_certificate(target: Target, settings: Settings, timeout: float) -> str | None:
-    """The certificate to trust for ``target``: the pinned one, or one read now that matches the pin."""
-    if not target.tls:
-        return None
-    if settings.certificate:
-        return settings.certificate
-    if not settings.fingerprint:
-        probe(target, timeout)  # nothing there at all is said first: ServerUnreachable
-        raise TLSError(
-            f"no certificate pinned for {target.url} — run `gpuport login {target.url}`, or set "
-            "GPUPORT_FINGERPRINT to the fingerprint `gpuport server` printed"
-        )
-    certificate, presented = read_certificate(target, timeout)
-    if presented != settings.fingerprint:
-        raise mismatch_error(target, settings.fingerprint, presented)
-    return certificate
 
 
 class Client:
@@ -83,98 +40,32 @@ class Client:
     """
 
     def __init__(self, settings: Settings, *, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
-        self._target = reach(parse_url(settings.url))
-        self.url = self._target.url
+        self.transport = Transport(settings, timeout=timeout)
+        hello = self.transport.hello
+        self.url = self.transport.url
         self.profile = settings.profile
-        self.fingerprint = settings.fingerprint if self._target.tls else None
-        self._metadata = (("authorization", f"Bearer {settings.token}"),)
-        certificate = _trusted_certificate(self._target, settings, timeout)
-        self._certificate = certificate  # also trusted on the data port, where sessions' large values go
-        self._channel = open_channel(self._target, certificate)
-        self._control = pb_grpc.ControlStub(self._channel)
-        self._tokens = pb_grpc.TokensStub(self._channel)
-        self._snapshots = pb_grpc.SnapshotsStub(self._channel)
-        self._jobs = pb_grpc.JobsStub(self._channel)
-        self._quotas = pb_grpc.QuotasStub(self._channel)
-        self._sessions = pb_grpc.SessionsStub(self._channel)
-        self._models = pb_grpc.ModelsStub(self._channel)
-        self._open_sessions: weakref.WeakSet[Session] = weakref.WeakSet()
-        # Uploads send messages encoded ahead of time (_sync.prefetched), so they go out as bytes.
-        self._upload = self._channel.stream_unary(
-            "/gpuport.v1.Snapshots/Upload", request_serializer=None, response_deserializer=pb.UploadReply.FromString
-        )
-        try:
-            hello = self._call(
-                self._control.Hello,
-                pb.HelloRequest(
-                    client_version=__version__,
-                    python_version=platform.python_version(),
-                    cloudpickle_version=cloudpickle.__version__,
-                ),
-                timeout=timeout,
-                connecting=True,
-            )
-        except BaseException:
-            self._channel.close()
-            raise
+        self.fingerprint = self.transport.fingerprint
         self.user: str = hello.user
         self.admin: bool = hello.admin
         self.server_version: str = hello.server_version
         self.server_python: str = hello.python_version
         self.hostname: str = hello.hostname
         self.server_cloudpickle: str = hello.cloudpickle_version
-        self._data_port: int = hello.data_port  # 0: none; after a failed connection, too (gRPC instead)
-        # Sessions and functions exchange pickles, which need the same Python minor version (and
-        # cloudpickle major version) on both sides: found out now, said when a session is opened.
-        self._pickle_problem = check_compatible(self.server_python, self.server_cloudpickle or cloudpickle.__version__)
-
-    def _call(
-        self,
-        method: Callable[..., Reply],
-        request: Any,
-        *,
-        timeout: float | None = DEFAULT_CALL_TIMEOUT,
-        connecting: bool = False,
-    ) -> Reply:
-        try:
-            return method(request, metadata=self._metadata, timeout=timeout)
-        except grpc.RpcError as e:
-            error = map_rpc_error(e, self._target)
-            details = e.details() or ""  # type: ignore[attr-defined]
-        # Raised outside the except block: the gRPC error adds nothing a user can act on.
-        if connecting and isinstance(error, ServerUnreachable):
-            error = diagnose(self._target, self.fingerprint, details, timeout or DEFAULT_CONNECT_TIMEOUT)
-        raise error
-
-    def _stream(
-        self, method: Callable[..., Iterator[Reply]], request: Any, timeout: float | None = None
-    ) -> Iterator[Reply]:
-        """A server stream, with errors mapped as ``_call`` maps them."""
-        call: Any = method(request, metadata=self._metadata, timeout=timeout)  # an iterator and a grpc.Call
-        try:
-            yield from call
-        except grpc.RpcError as e:
-            error = map_rpc_error(e, self._target)
-        else:
-            return
-        finally:
-            call.cancel()  # a consumer that stops early frees the server's side of the stream
-        raise error
 
     def ping(self) -> float:
         """Make one authenticated no-op call; return its round trip in seconds."""
         start = time.perf_counter()
-        self._call(self._control.Ping, _EMPTY)
+        self.transport.call(self.transport.control.Ping, _EMPTY)
         return time.perf_counter() - start
 
     def gpus(self) -> list[GPU]:
         """Every GPU of the server, read live (an empty list on a machine without GPUs)."""
-        reply = self._call(self._control.ListGpus, _EMPTY)
+        reply = self.transport.call(self.transport.control.ListGpus, _EMPTY)
         return [GPU._from_message(g) for g in reply.gpus]
 
     def status(self) -> ServerStatus:
         """The server's version, machine, GPUs, and who you are to it."""
-        s = self._call(self._control.Status, _EMPTY)
+        s = self.transport.call(self.transport.control.Status, _EMPTY)
         return ServerStatus(
             url=self.url,
             server_version=s.server_version,
@@ -202,7 +93,7 @@ class Client:
         when the name is taken.
         """
         request = pb.CreateTokenRequest(name=name, admin=admin, client_cert=client_cert)
-        reply = self._call(self._tokens.Create, request)
+        reply = self.transport.call(self.transport.tokens.Create, request)
         return NewToken(
             reply.info.name,
             reply.info.admin,
@@ -215,7 +106,7 @@ class Client:
 
     def tokens(self, *, include_revoked: bool = False) -> list[TokenInfo]:
         """Every token (admin only); revoked ones too with ``include_revoked``."""
-        reply = self._call(self._tokens.List, pb.ListTokensRequest(include_revoked=include_revoked))
+        reply = self.transport.call(self.transport.tokens.List, pb.ListTokensRequest(include_revoked=include_revoked))
         return [TokenInfo._from_message(t) for t in reply.tokens]
 
     def revoke_token(self, name: str, *, end_work: bool = False) -> TokenInfo:
@@ -226,92 +117,9 @@ class Client:
         Raises ``NotFound`` when no valid token has that name, ``Conflict`` for the last admin token.
         """
         request = pb.RevokeTokenRequest(name=name, end_work=end_work)
-        return TokenInfo._from_message(self._call(self._tokens.Revoke, request))
+        return TokenInfo._from_message(self.transport.call(self.transport.tokens.Revoke, request))
 
     # ---- sync ---------------------------------------------------------------------------------------
-
-    def _sync_folder(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
-        """Sync ``folder``: only blobs the server lacks travel, and they start while the rest is hashed."""
-        files = _sync.scan(folder)
-        cache = _sync.HashCache(folder)
-        known, unknown = cache.split(files)
-        uploads = _sync.UploadQueue()
-        files = self._hash_and_upload(cache, known, unknown, uploads, progress) if unknown else known
-        request = pb.CreateSnapshotRequest(entries=_sync.manifest(files), name=name)
-        reply = self._call(self._snapshots.Create, request)
-        if reply.missing:  # the server lost blobs the hash cache knew, or a file changed meanwhile
-            missing = set(reply.missing)
-            retry = _sync.UploadQueue()
-            for f in files:
-                if f.blob in missing:
-                    retry.add(f)
-            retry.close()
-            self._send(retry, progress)
-            uploads.files, uploads.bytes = uploads.files + retry.files, uploads.bytes + retry.bytes
-            reply = self._call(self._snapshots.Create, request)
-            if reply.missing:
-                raise ServerError(f"the server still lacks {len(reply.missing)} file(s) after the upload — sync again")
-        elif progress and not uploads.files:
-            progress(0, 0)
-        return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploads.files, uploads.bytes)
-
-    def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
-        """Upload the queue's files in one stream, until the queue is closed."""
-        self._call(self._upload, _sync.prefetched(_sync.upload_batches(uploads, progress)), timeout=None)
-
-    def _hash_and_upload(
-        self,
-        cache: _sync.HashCache,
-        known: list[_sync.LocalFile],
-        unknown: list[_sync.LocalFile],
-        uploads: _sync.UploadQueue,
-        progress: Progress | None,
-    ) -> list[_sync.LocalFile]:
-        """Hash ``unknown`` in rounds; upload what the server lacks in a background stream meanwhile."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        failure: list[BaseException] = []
-
-        def upload() -> None:
-            try:
-                self._send(uploads, progress)
-            except BaseException as e:  # raised in the caller's thread below
-                failure.append(e)
-                for _ in uploads:  # drain, so that the producer never waits on a dead stream
-                    pass
-
-        sender = threading.Thread(target=upload, name="gpuport upload", daemon=True)
-        started = False
-
-        def offer(batch: list[_sync.LocalFile]) -> None:
-            nonlocal started
-            blobs = [f.blob for f in batch if f.blob]
-            if not blobs:
-                return
-            missing = set(self._call(self._snapshots.Missing, pb.BlobList(blobs=blobs)).blobs)
-            for f in batch:
-                if f.blob in missing:
-                    if not started:
-                        sender.start()
-                        started = True
-                    uploads.add(f)
-
-        hashed: list[_sync.LocalFile] = []
-        try:
-            offer(known)
-            with ThreadPoolExecutor(max_workers=_sync._HASH_THREADS) as pool:
-                for group in _sync.rounds(unknown):
-                    done = cache.hash_files(group, pool)
-                    hashed += done
-                    offer(done)
-        finally:
-            uploads.close()
-            if started:
-                sender.join()
-        cache.save()
-        if failure:
-            raise failure[0]
-        return known + hashed
 
     def push(self, folder: str | os.PathLike[str], name: str, *, progress: Progress | None = None) -> Snapshot:
         """Upload ``folder`` as a snapshot named ``name`` (a project or dataset for later jobs).
@@ -321,24 +129,12 @@ class Client:
         """
         if not name:
             raise InvalidRequest("a pushed snapshot needs a name")
-        return self._sync_folder(Path(folder), name, progress)
+        return self.transport.sync(Path(folder), name, progress)
 
     def snapshots(self) -> list[Snapshot]:
         """Your named snapshots (made with ``push``)."""
-        reply = self._call(self._snapshots.List, _EMPTY)
+        reply = self.transport.call(self.transport.snapshots.List, _EMPTY)
         return [Snapshot(s.snapshot_id, s.name, s.files, s.bytes) for s in reply.snapshots]
-
-    def _download(self, snapshot_id: str, dest: Path, path: str | None, progress: Progress | None) -> list[Path]:
-        snapshot = self._call(self._snapshots.Get, pb.SnapshotRef(snapshot_id=snapshot_id))
-        entries = list(snapshot.entries)
-        check_entries(entries)  # a manifest from the server gets the checks one sent to it gets
-        chosen = _sync.select(entries, path)
-        dest.mkdir(parents=True, exist_ok=True)
-        needed = [e for e in chosen if not _sync.already_there(dest, e)]
-        blobs = sorted({e.blob for e in needed if e.blob})
-        stream = self._stream(self._snapshots.Download, pb.DownloadRequest(snapshot_id=snapshot_id, blobs=blobs))
-        _sync.place(dest, needed, stream if blobs else iter(()), progress)
-        return [dest / e.path for e in chosen]
 
     # ---- jobs ---------------------------------------------------------------------------------------
 
@@ -412,23 +208,26 @@ class Client:
         if project:
             spec.project = project
         elif workdir is not None:
-            spec.snapshot_id = self._sync_folder(Path(workdir), "", progress).id
-        return Job(self, JobInfo._from_message(self._call(self._jobs.Submit, spec)))
+            spec.snapshot_id = self.transport.sync(Path(workdir), "", progress).id
+        return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
 
     def job(self, job_id: str) -> Job:
         """The job with this id (yours, or anyone's for an admin). Raises ``NotFound``."""
-        return Job(self, JobInfo._from_message(self._call(self._jobs.Get, pb.JobRef(job_id=job_id))))
+        return Job(
+            self.transport,
+            JobInfo._from_message(self.transport.call(self.transport.jobs.Get, pb.JobRef(job_id=job_id))),
+        )
 
     def jobs(self, *, all: bool = False) -> list[Job]:
         """Your queued and running jobs and those of the last day, newest first; with ``all``, every
         one (every user's, for an admin) up to the newest 500."""
-        reply = self._call(self._jobs.List, pb.ListJobsRequest(all=all))
-        return [Job(self, JobInfo._from_message(j)) for j in reply.jobs]
+        reply = self.transport.call(self.transport.jobs.List, pb.ListJobsRequest(all=all))
+        return [Job(self.transport, JobInfo._from_message(j)) for j in reply.jobs]
 
     def queue(self) -> list[JobInfo]:
         """Every user's queued jobs in the order they will start, each with its ``position`` and the
         reason it waits (``message``). Other users' jobs come without their command and name."""
-        return [JobInfo._from_message(j) for j in self._call(self._jobs.Queue, _EMPTY).jobs]
+        return [JobInfo._from_message(j) for j in self.transport.call(self.transport.jobs.Queue, _EMPTY).jobs]
 
     # ---- quotas -------------------------------------------------------------------------------------
 
@@ -439,15 +238,15 @@ class Client:
         Jobs over the quota wait, saying so. Raises ``PermissionDenied``, ``InvalidRequest``.
         """
         request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs)
-        return QuotaInfo._from_message(self._call(self._quotas.Set, request))
+        return QuotaInfo._from_message(self.transport.call(self.transport.quotas.Set, request))
 
     def quotas(self) -> list[QuotaInfo]:
         """Every quota (admins), or your own and the default one."""
-        return [QuotaInfo._from_message(q) for q in self._call(self._quotas.List, _EMPTY).quotas]
+        return [QuotaInfo._from_message(q) for q in self.transport.call(self.transport.quotas.List, _EMPTY).quotas]
 
     def unset_quota(self, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
-        self._call(self._quotas.Unset, pb.QuotaRef(user=user))
+        self.transport.call(self.transport.quotas.Unset, pb.QuotaRef(user=user))
 
     # ---- sessions and functions --------------------------------------------------------------------
 
@@ -477,42 +276,28 @@ class Client:
 
         Raises ``IncompatibleVersions`` when this Python cannot exchange pickles with the server's.
         """
-        if self._pickle_problem:
-            raise IncompatibleVersions(
-                f"sessions and remote functions cannot work with this server: {self._pickle_problem}"
-            )
-        spec = pb.SessionSpec(
-            name=name or "",
+        return open_session(
+            self.transport,
+            name=name,
             gpus=gpus,
-            gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else 0,
+            gpu_memory=gpu_memory,
             cpus=cpus,
-            memory=parse_size(memory) if memory is not None else 0,
+            memory=memory,
             priority=priority,
-            idle_timeout=parse_duration(idle_timeout) if idle_timeout is not None else 0.0,
-            env=env or {},
-            python_version=platform.python_version(),
-            cloudpickle_version=cloudpickle.__version__,
+            idle_timeout=idle_timeout,
+            env=env,
+            wait=wait,
+            progress=progress,
         )
-        info = self._call(self._sessions.Open, spec)
-        session = Session(self, info, progress=progress)
-        self._open_sessions.add(session)
-        if wait:
-            try:
-                session._wait_running(info)
-            except BaseException:  # Ctrl-C while queued: give the place in the queue back
-                if not name:
-                    session.close()
-                raise
-        return session
 
     def sessions(self) -> list[SessionInfo]:
         """Your live sessions (every user's, for an admin)."""
-        return [SessionInfo.from_message(m) for m in self._call(self._sessions.List, _EMPTY).sessions]
+        return [SessionInfo.from_message(m) for m in self.transport.call(self.transport.sessions.List, _EMPTY).sessions]
 
     def close_session(self, name_or_id: str) -> SessionInfo:
         """End a session by its name or id (``gpuport sessions close``)."""
         ref = pb.SessionRef(session_id=name_or_id) if name_or_id.startswith("s-") else pb.SessionRef(name=name_or_id)
-        return SessionInfo.from_message(self._call(self._sessions.Close, ref))
+        return SessionInfo.from_message(self.transport.call(self.transport.sessions.Close, ref))
 
     # ---- serving ----------------------------------------------------------------------------------
 
@@ -567,7 +352,7 @@ class Client:
             public=public,
             label=label or "",
         )
-        info = ModelInfo.from_message(self._call(self._models.Deploy, request))
+        info = ModelInfo.from_message(self.transport.call(self.transport.models.Deploy, request))
         if not wait:
             return info
         deadline = time.monotonic() + timeout
@@ -583,32 +368,34 @@ class Client:
     def _upload_model(self, path: Path) -> str:
         """Upload a local model as an unnamed snapshot; its source for a deployment."""
         if path.is_dir():
-            return f"snapshot:{self._sync_folder(path, '', None).id}"
+            return f"snapshot:{self.transport.sync(path, '', None).id}"
         with tempfile.TemporaryDirectory(prefix="gpuport-model-") as tmp:
             os.link(path, Path(tmp) / path.name) if _same_device(path, tmp) else shutil.copy2(path, tmp)
             spec = path.parent / "gpuport-model.json"
             if spec.exists():
                 shutil.copy2(spec, tmp)
-            return f"snapshot:{self._sync_folder(Path(tmp), '', None).id}:{path.name}"
+            return f"snapshot:{self.transport.sync(Path(tmp), '', None).id}:{path.name}"
 
     def model(self, name: str, version: int | None = None) -> ModelInfo:
         """A deployed model (its newest ready version, unless ``version``)."""
-        return ModelInfo.from_message(self._call(self._models.Get, pb.ModelRef(name=name, version=version or 0)))
+        return ModelInfo.from_message(
+            self.transport.call(self.transport.models.Get, pb.ModelRef(name=name, version=version or 0))
+        )
 
     def models(self) -> list[ModelInfo]:
         """Every deployed model on the server, each version apart."""
-        return [ModelInfo.from_message(m) for m in self._call(self._models.List, _EMPTY).models]
+        return [ModelInfo.from_message(m) for m in self.transport.call(self.transport.models.List, _EMPTY).models]
 
     def label(self, name: str, label: str, version: int) -> ModelInfo:
         """Point version label ``label`` of model ``name`` at ``version`` (its owner or an admin):
         TensorFlow Serving's clients that ask for the label reach that version from now on. Raises
         ``NotFound`` for a version not deployed, ``InvalidRequest`` for a bad label."""
         request = pb.LabelRequest(name=name, label=label, version=version)
-        return ModelInfo.from_message(self._call(self._models.Label, request))
+        return ModelInfo.from_message(self.transport.call(self.transport.models.Label, request))
 
     def undeploy(self, name: str, version: int | None = None) -> list[ModelInfo]:
         """Stop serving ``name`` (every version, or just ``version``); returns what was undeployed."""
-        reply = self._call(self._models.Undeploy, pb.ModelRef(name=name, version=version or 0))
+        reply = self.transport.call(self.transport.models.Undeploy, pb.ModelRef(name=name, version=version or 0))
         return [ModelInfo.from_message(m) for m in reply.models]
 
     def tensorflow(
@@ -633,7 +420,7 @@ class Client:
         """
         from gpuport.client._tensorflow import open_remote
 
-        return open_remote(self, connect, gpus=gpus, gpu_memory=gpu_memory, cpus=cpus, memory=memory)
+        return open_remote(self.transport, connect, gpus=gpus, gpu_memory=gpu_memory, cpus=cpus, memory=memory)
 
     def function(
         self,
@@ -657,19 +444,14 @@ class Client:
         options = {"gpus": gpus, "gpu_memory": gpu_memory, "cpus": cpus, "memory": memory, "env": env}
 
         def wrap(f: Callable[..., Any]) -> RemoteFunction:
-            return RemoteFunction(self, f, options, timeout, max_workers)
+            return RemoteFunction(self.transport, f, options, timeout, max_workers)
 
         return wrap(function) if function is not None else wrap
 
     def close(self) -> None:
         """Close the connection, closing the unnamed sessions opened through it. The client cannot be
         used afterwards."""
-        for session in list(self._open_sessions):
-            if session.name:
-                session.detach()
-            else:
-                session.close()
-        self._channel.close()
+        self.transport.close()
 
     def __enter__(self) -> Client:
         return self

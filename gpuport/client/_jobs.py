@@ -13,7 +13,7 @@ from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import ConnectionFailed, InvalidRequest, ServerError, WaitTimeout
 
 if TYPE_CHECKING:
-    from gpuport.client._client import Client, Progress
+    from gpuport.client._transport import Progress, Transport
 
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timeout", "killed", "lost"})
 # Longest single Wait call; longer waits make several.
@@ -110,8 +110,8 @@ class Job:
     >>> job.download("results/")
     """
 
-    def __init__(self, client: Client, info: JobInfo) -> None:
-        self._client = client
+    def __init__(self, transport: Transport, info: JobInfo) -> None:
+        self._transport = transport
         self.info = info
 
     @property
@@ -124,7 +124,7 @@ class Job:
 
     def refresh(self) -> JobInfo:
         """Ask the server for the job's current state."""
-        self.info = JobInfo._from_message(self._client._call(self._client._jobs.Get, pb.JobRef(job_id=self.id)))
+        self.info = JobInfo._from_message(self._transport.call(self._transport.jobs.Get, pb.JobRef(job_id=self.id)))
         return self.info
 
     @property
@@ -150,7 +150,9 @@ class Job:
                 raise WaitTimeout(f"job {self.id} is still {self.info.state} after {timeout:g}s")
             request = pb.WaitRequest(job_id=self.id, timeout=min(remaining, _WAIT_SLICE))
             try:
-                reply = self._client._call(self._client._jobs.Wait, request, timeout=min(remaining, _WAIT_SLICE) + 30)
+                reply = self._transport.call(
+                    self._transport.jobs.Wait, request, timeout=min(remaining, _WAIT_SLICE) + 30
+                )
             except ConnectionFailed:
                 reconnecting_since = _keep_trying(reconnecting_since)
                 if reconnecting_since is None:
@@ -165,7 +167,7 @@ class Job:
 
         Raises ``Conflict`` when it has already ended.
         """
-        self.info = JobInfo._from_message(self._client._call(self._client._jobs.Cancel, pb.JobRef(job_id=self.id)))
+        self.info = JobInfo._from_message(self._transport.call(self._transport.jobs.Cancel, pb.JobRef(job_id=self.id)))
         return self.info
 
     def log_chunks(self, offset: int = 0, *, follow: bool = False) -> Iterator[tuple[int, bytes]]:
@@ -178,7 +180,7 @@ class Job:
         while True:
             request = pb.LogsRequest(job_id=self.id, offset=offset, follow=follow)
             try:
-                for chunk in self._client._stream(self._client._jobs.Logs, request):
+                for chunk in self._transport.stream(self._transport.jobs.Logs, request):
                     if chunk.offset != offset:
                         raise ServerError(f"log of {self.id}: got bytes from offset {chunk.offset}, expected {offset}")
                     reconnecting_since = None
@@ -222,7 +224,7 @@ class Job:
             if path is not None:
                 raise InvalidRequest(f"job {self.id} has no outputs")
             return []
-        return self._client._download(self.info.output_snapshot_id, Path(dest), path, progress)
+        return self._transport.download(self.info.output_snapshot_id, Path(dest), path, progress)
 
     def __repr__(self) -> str:
         return f"<gpuport.Job {self.id} {self.info.state}>"

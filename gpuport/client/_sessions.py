@@ -15,16 +15,15 @@ import hashlib
 import json
 import mmap
 import os
+import platform
 import select
 import signal
 import socket
-import ssl
 import struct
 import sys
 import sysconfig
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ import cloudpickle
 import grpc
 
 from gpuport.defaults import (
-    DEFAULT_CONNECT_TIMEOUT,
     SESSION_INLINE_BYTES,
     SESSION_PROGRESS_BYTES,
     SESSION_REUSE_BYTES,
@@ -47,14 +45,16 @@ from gpuport.protocol.errors import (
     CallTimeout,
     ConnectionFailed,
     GpuportError,
+    IncompatibleVersions,
     InvalidRequest,
     RemoteError,
     WorkerDied,
     error_from_name,
 )
+from gpuport.protocol.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
-    from gpuport.client._client import Client
+    from gpuport.client._transport import Transport
 
 _OUTPUT_WAIT = 5.0  # seconds a call waits for its output to arrive before returning anyway
 _RECONNECT_PAUSE = 0.5
@@ -271,13 +271,13 @@ class _Output:
         self._thread.start()
 
     def _run(self) -> None:
-        client = self._session._client
+        transport = self._session._transport
         while not self._stop.is_set():
             request = pb.OutputRequest(
                 session_id=self._session.id, stdout_offset=self._offsets[1], stderr_offset=self._offsets[2]
             )
             try:
-                self._call = client._sessions.Output(request, metadata=client._metadata)
+                self._call = transport.sessions.Output(request, metadata=transport.metadata)
                 for chunk in self._call:
                     if chunk.fd in (1, 2):
                         if chunk.data:
@@ -330,8 +330,8 @@ class Session:
     when closed, or after its idle timeout), and ``gpu.session(name=...)`` finds it again.
     """
 
-    def __init__(self, client: Client, info: pb.SessionInfo, *, progress: bool | None = None) -> None:
-        self._client = client
+    def __init__(self, transport: Transport, info: pb.SessionInfo, *, progress: bool | None = None) -> None:
+        self._transport = transport
         self.id: str = info.session_id
         self.name: str = info.name
         self.reattached: bool = info.reattached
@@ -346,7 +346,7 @@ class Session:
 
     def info(self) -> SessionInfo:
         return SessionInfo.from_message(
-            self._client._call(self._client._sessions.Get, pb.SessionRef(session_id=self.id))
+            self._transport.call(self._transport.sessions.Get, pb.SessionRef(session_id=self.id))
         )
 
     def _wait_running(self, info: pb.SessionInfo) -> None:
@@ -356,11 +356,11 @@ class Session:
                 print(f"gpuport: session {self.id} is queued: {info.message}", file=sys.stderr, flush=True)
                 said = info.message
             time.sleep(0.2)
-            info = self._client._call(self._client._sessions.Get, pb.SessionRef(session_id=self.id))
+            info = self._transport.call(self._transport.sessions.Get, pb.SessionRef(session_id=self.id))
 
     def restart(self) -> None:
         """Start a fresh worker (the values held are lost): after ``WorkerDied``, or to start clean."""
-        info = self._client._call(self._client._sessions.Restart, pb.SessionRef(session_id=self.id), timeout=60)
+        info = self._transport.call(self._transport.sessions.Restart, pb.SessionRef(session_id=self.id), timeout=60)
         self._worker, self._sent = info.job_id, set()
         self._wait_running(info)
 
@@ -372,7 +372,7 @@ class Session:
         self._output.stop()
         self._close_channel()
         with contextlib.suppress(GpuportError):
-            self._client._call(self._client._sessions.Close, pb.SessionRef(session_id=self.id))
+            self._transport.call(self._transport.sessions.Close, pb.SessionRef(session_id=self.id))
 
     def detach(self) -> None:
         """Stop following this session from here; a named session goes on running."""
@@ -409,7 +409,7 @@ class Session:
                     "not have run; the session's values are still there unless its worker died"
                 ) from None
         else:
-            reply = self._client._call(self._client._sessions.Call, request, timeout=None)
+            reply = self._transport.call(self._transport.sessions.Call, request, timeout=None)
         self._output.wait_for(reply.stdout_offset, reply.stderr_offset)
         if reply.HasField("failure"):
             if reply.failure.kind in ("died", "timeout"):
@@ -424,10 +424,9 @@ class Session:
         if channel is not None and channel.idle_and_closed():
             self._close_channel()
             channel = None
-        if channel is None and self._client._data_port:
+        if channel is None and self._transport.data_port:
             request = pb.TransferRequest(session_id=self.id, channel=True)
-            ticket = self._client._call(self._client._sessions.Transfer, request)
-            connection = _data_connection(self._client, ticket)
+            ticket, connection = self._transport.data_connection(request)
             if connection is not None:
                 channel = self._channel = _Channel(connection, ticket.ticket)
         return channel
@@ -448,10 +447,9 @@ class Session:
         )
 
     def _upload(self, buffers: Sequence[memoryview], total: int) -> str:
-        if self._client._data_port:
+        if self._transport.data_port:
             request = pb.TransferRequest(session_id=self.id, size=total)
-            ticket = self._client._call(self._client._sessions.Transfer, request)
-            connection = _data_connection(self._client, ticket)
+            ticket, connection = self._transport.data_connection(request)
             if connection is not None:
                 bar = _Progress("sending", total, self._progress)
                 try:
@@ -483,7 +481,7 @@ class Session:
                     bar.advance(piece.nbytes)
 
         try:
-            reply: pb.Staged = self._client._call(self._client._sessions.Upload, chunks(), timeout=None)
+            reply: pb.Staged = self._transport.call(self._transport.sessions.Upload, chunks(), timeout=None)
         finally:
             bar.close()
         return reply.staged
@@ -501,7 +499,7 @@ class Session:
                 if not self._download_direct(value.staged, view, bar):
                     at = 0
                     request = pb.DownloadChunkRequest(session_id=self.id, staged=value.staged)
-                    for chunk in self._client._stream(self._client._sessions.Download, request):
+                    for chunk in self._transport.stream(self._transport.sessions.Download, request):
                         view[at : at + len(chunk.data)] = chunk.data
                         at += len(chunk.data)
                         bar.advance(len(chunk.data))
@@ -516,11 +514,10 @@ class Session:
 
     def _download_direct(self, staged: str, view: memoryview, bar: _Progress) -> bool:
         """Receive a staged result through the data port into ``view``; False when there is none."""
-        if not self._client._data_port:
+        if not self._transport.data_port:
             return False
         request = pb.TransferRequest(session_id=self.id, staged=staged)
-        ticket = self._client._call(self._client._sessions.Transfer, request)
-        connection = _data_connection(self._client, ticket)
+        ticket, connection = self._transport.data_connection(request)
         if connection is None:
             return False
         got = 0
@@ -654,34 +651,6 @@ class _Progress:
             self._bar.stop()
 
 
-def _data_connection(client: Client, ticket: pb.TransferTicket) -> socket.socket | None:
-    """A connection to the server's data port, TLS with the pinned certificate; None (and gRPC from
-    then on) when it cannot be reached, as behind a firewall that lets only the gRPC port through."""
-    target = client._target
-    try:
-        raw = socket.create_connection((target.host, target.local_port(ticket.port)), timeout=DEFAULT_CONNECT_TIMEOUT)
-    except OSError as e:
-        warnings.warn(
-            f"cannot reach the server's data port {target.host}:{ticket.port} ({e.strerror or e}); large values "
-            "go through the gRPC port instead, about half as fast — open that port too",
-            stacklevel=4,
-        )
-        client._data_port = 0
-        return None
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    raw.settimeout(None)
-    if client._certificate is None:  # --insecure, on loopback only
-        return raw
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.check_hostname = False  # the pinned certificate is the only one trusted: names do not matter
-    context.load_verify_locations(cadata=client._certificate)
-    try:
-        return context.wrap_socket(raw)
-    except (OSError, ssl.SSLError) as e:
-        raw.close()
-        raise ConnectionFailed(f"the TLS handshake with the server's data port failed: {e}") from None
-
-
 class _Memory:
     """Memory that large results are received into, reused once the arrays made from it are gone (their
     views hold references to its map: CPython's reference count tells). Memory first touched costs page
@@ -812,6 +781,50 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 # ---- remote functions --------------------------------------------------------------------------------
 
 
+def open_session(
+    transport: Transport,
+    *,
+    name: str | None = None,
+    gpus: int = 0,
+    gpu_memory: int | str | None = None,
+    cpus: float = 0.0,
+    memory: int | str | None = None,
+    priority: int = 0,
+    idle_timeout: float | str | None = None,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+    progress: bool | None = None,
+) -> Session:
+    """Open (or re-attach) a session through ``transport``: ``Client.session`` says how."""
+    if transport.pickle_problem:
+        raise IncompatibleVersions(
+            f"sessions and remote functions cannot work with this server: {transport.pickle_problem}"
+        )
+    spec = pb.SessionSpec(
+        name=name or "",
+        gpus=gpus,
+        gpu_memory=parse_size(gpu_memory) if gpu_memory is not None else 0,
+        cpus=cpus,
+        memory=parse_size(memory) if memory is not None else 0,
+        priority=priority,
+        idle_timeout=parse_duration(idle_timeout) if idle_timeout is not None else 0.0,
+        env=env or {},
+        python_version=platform.python_version(),
+        cloudpickle_version=cloudpickle.__version__,
+    )
+    info = transport.call(transport.sessions.Open, spec)
+    session = Session(transport, info, progress=progress)
+    transport.opened.add(session)
+    if wait:
+        try:
+            session._wait_running(info)
+        except BaseException:  # Ctrl-C while queued: give the place in the queue back
+            if not name:
+                session.close()
+            raise
+    return session
+
+
 class RemoteFunction:
     """A function that runs on the server, made by ``@gpu.function(...)``.
 
@@ -823,7 +836,7 @@ class RemoteFunction:
 
     def __init__(
         self,
-        client: Client,
+        transport: Transport,
         function: Callable[..., Any],
         options: dict[str, Any],
         timeout: float | None,
@@ -832,7 +845,7 @@ class RemoteFunction:
         if max_workers < 1:
             raise InvalidRequest(f"max_workers must be 1 or more, not {max_workers}")
         functools.update_wrapper(self, function)
-        self._client = client
+        self._transport = transport
         self._function = function
         self._options = options
         self._timeout = timeout
@@ -853,7 +866,7 @@ class RemoteFunction:
                     break
                 self._free.wait()
         try:
-            session = self._client.session(wait=False, **self._options)
+            session = open_session(self._transport, wait=False, **self._options)
             info = session.info()
             if info.state == "queued":
                 with self._free:

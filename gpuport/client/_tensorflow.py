@@ -20,13 +20,13 @@ import threading
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from gpuport.client._sessions import Session, open_session
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import ConnectionFailed, GpuportError, InvalidRequest
 from gpuport.protocol.relay import relay
 
 if TYPE_CHECKING:
-    from gpuport.client._client import Client
-    from gpuport.client._sessions import Session
+    from gpuport.client._transport import Transport
 
 JOB = "worker"
 _TUNNEL = "tf"
@@ -76,8 +76,8 @@ class RemoteTensorFlow:
     strategies; ``devices`` lists them ("CPU:0", "GPU:0", ...). ``close()`` (or leaving the ``with``
     block) ends the session and frees its allocation."""
 
-    def __init__(self, client: Client, session: Session, *, connect: bool) -> None:
-        self._client = client
+    def __init__(self, transport: Transport, session: Session, *, connect: bool) -> None:
+        self._transport = transport
         self.session = session
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
@@ -111,12 +111,9 @@ class RemoteTensorFlow:
             threading.Thread(target=self._tunnel, args=(conn,), name="gpuport tensorflow tunnel", daemon=True).start()
 
     def _tunnel(self, conn: socket.socket) -> None:
-        from gpuport.client._sessions import _data_connection
-
         try:
             request = pb.TransferRequest(session_id=self.session.id, tunnel=_TUNNEL)
-            ticket = self._client._call(self._client._sessions.Transfer, request)
-            remote = _data_connection(self._client, ticket)
+            ticket, remote = self._transport.data_connection(request)
             if remote is None:
                 raise ConnectionFailed("the server's data port cannot be reached: TensorFlow's tunnel needs it")
             remote.sendall(ticket.ticket.encode() + b"\n")
@@ -150,11 +147,11 @@ class RemoteTensorFlow:
         return f"<RemoteTensorFlow {self.address} in session {self.session.id}>"
 
 
-def open_remote(client: Client, connect: bool, **allocation: Any) -> RemoteTensorFlow:
+def open_remote(transport: Transport, connect: bool, **allocation: Any) -> RemoteTensorFlow:
     """A session with ``allocation``, and TensorFlow's server started in it (see ``Client.tensorflow``)."""
-    session = client.session(**allocation)
+    session = open_session(transport, **allocation)
     try:
-        return RemoteTensorFlow(client, session, connect=connect)
+        return RemoteTensorFlow(transport, session, connect=connect)
     except BaseException:
         session.close()
         raise

@@ -1,0 +1,300 @@
+"""``Transport``: the one connection under a ``Client``, and under every ``Job``, ``Session`` and
+TensorFlow tunnel it makes.
+
+It holds the channel, the token's metadata, the service stubs and the pinned certificate; it makes
+calls and streams with errors mapped to gpuport's, syncs folders up and snapshots down, and opens
+connections to the server's data port. Nothing else in the client touches gRPC's channel or the
+data port's sockets.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import ssl
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import cloudpickle
+import grpc
+
+from gpuport._version import __version__
+from gpuport.client import _sync
+from gpuport.client._channel import (
+    Target,
+    diagnose,
+    map_rpc_error,
+    mismatch_error,
+    open_channel,
+    parse_url,
+    probe,
+    reach,
+    read_certificate,
+)
+from gpuport.client._config import Settings
+from gpuport.client._types import Snapshot
+from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
+from gpuport.protocol import gpuport_pb2 as pb
+from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
+from gpuport.protocol.errors import ConnectionFailed, ServerError, ServerUnreachable, TLSError
+from gpuport.protocol.paths import check_entries
+from gpuport.protocol.values import check_compatible
+
+Reply = TypeVar("Reply")
+# progress(done_bytes, total_bytes), called as an upload or download goes.
+Progress = Callable[[int, int], None]
+
+
+class Closable(Protocol):
+    name: str
+
+    def close(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+
+def _trusted_certificate(target: Target, settings: Settings, timeout: float) -> str | None:
+    """The certificate to trust for ``target``: the pinned one, or one read now that matches the pin."""
+    if not target.tls:
+        return None
+    if settings.certificate:
+        return settings.certificate
+    if not settings.fingerprint:
+        probe(target, timeout)  # nothing there at all is said first: ServerUnreachable
+        raise TLSError(
+            f"no certificate pinned for {target.url} — run `gpuport login {target.url}`, or set "
+            "GPUPORT_FINGERPRINT to the fingerprint `gpuport server` printed"
+        )
+    certificate, presented = read_certificate(target, timeout)
+    if presented != settings.fingerprint:
+        raise mismatch_error(target, settings.fingerprint, presented)
+    return certificate
+
+
+class Transport:
+    """An authenticated, encrypted connection to a server, checked with a Hello on creation.
+
+    ``hello`` is the server's answer (who the token is, the server's versions, its data port);
+    the stubs (``control``, ``jobs``, ``sessions`` ...) are gRPC's, called through ``call`` and
+    ``stream``. ``opened`` holds the sessions opened through it, which ``Client.close`` ends.
+    """
+
+    def __init__(self, settings: Settings, *, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> None:
+        self.target = reach(parse_url(settings.url))
+        self.fingerprint = settings.fingerprint if self.target.tls else None
+        self.metadata = (("authorization", f"Bearer {settings.token}"),)
+        # Also trusted on the data port, where sessions' large values and tunnels go.
+        self._certificate = _trusted_certificate(self.target, settings, timeout)
+        self.channel = open_channel(self.target, self._certificate)
+        self.control = pb_grpc.ControlStub(self.channel)
+        self.tokens = pb_grpc.TokensStub(self.channel)
+        self.snapshots = pb_grpc.SnapshotsStub(self.channel)
+        self.jobs = pb_grpc.JobsStub(self.channel)
+        self.quotas = pb_grpc.QuotasStub(self.channel)
+        self.sessions = pb_grpc.SessionsStub(self.channel)
+        self.models = pb_grpc.ModelsStub(self.channel)
+        self.opened: weakref.WeakSet[Closable] = weakref.WeakSet()
+        # Uploads send messages encoded ahead of time (_sync.prefetched), so they go out as bytes.
+        self._upload = self.channel.stream_unary(
+            "/gpuport.v1.Snapshots/Upload", request_serializer=None, response_deserializer=pb.UploadReply.FromString
+        )
+        request = pb.HelloRequest(
+            client_version=__version__,
+            python_version=platform.python_version(),
+            cloudpickle_version=cloudpickle.__version__,
+        )
+        try:
+            self.hello: pb.HelloReply = self.call(self.control.Hello, request, timeout=timeout, connecting=True)
+        except BaseException:
+            self.channel.close()
+            raise
+        self.data_port: int = self.hello.data_port  # 0: none; after a failed connection, too (gRPC instead)
+        # Sessions and functions exchange pickles, which need the same Python minor version (and
+        # cloudpickle major version) on both sides: found out now, said when a session is opened.
+        self.pickle_problem = check_compatible(
+            self.hello.python_version, self.hello.cloudpickle_version or cloudpickle.__version__
+        )
+
+    @property
+    def url(self) -> str:
+        return self.target.url
+
+    def call(
+        self,
+        method: Callable[..., Reply],
+        request: Any,
+        *,
+        timeout: float | None = DEFAULT_CALL_TIMEOUT,
+        connecting: bool = False,
+    ) -> Reply:
+        """One unary (or client-streaming) call; a failure raises the matching ``GpuportError``."""
+        try:
+            return method(request, metadata=self.metadata, timeout=timeout)
+        except grpc.RpcError as e:
+            error = map_rpc_error(e, self.target)
+            details = e.details() or ""  # type: ignore[attr-defined]
+        # Raised outside the except block: the gRPC error adds nothing a user can act on.
+        if connecting and isinstance(error, ServerUnreachable):
+            error = diagnose(self.target, self.fingerprint, details, timeout or DEFAULT_CONNECT_TIMEOUT)
+        raise error
+
+    def stream(
+        self, method: Callable[..., Iterator[Reply]], request: Any, timeout: float | None = None
+    ) -> Iterator[Reply]:
+        """A server stream, with errors mapped as ``call`` maps them."""
+        call: Any = method(request, metadata=self.metadata, timeout=timeout)  # an iterator and a grpc.Call
+        try:
+            yield from call
+        except grpc.RpcError as e:
+            error = map_rpc_error(e, self.target)
+        else:
+            return
+        finally:
+            call.cancel()  # a consumer that stops early frees the server's side of the stream
+        raise error
+
+    # ---- the data port ------------------------------------------------------------------------------
+
+    def data_connection(self, request: pb.TransferRequest) -> tuple[pb.TransferTicket, socket.socket | None]:
+        """A ticket for ``request`` and a connection to the server's data port to present it on: TLS
+        with the pinned certificate. The connection is None (and gRPC is used from then on) when the
+        port cannot be reached, as behind a firewall that lets only the gRPC port through."""
+        ticket: pb.TransferTicket = self.call(self.sessions.Transfer, request)
+        target = self.target
+        try:
+            raw = socket.create_connection(
+                (target.host, target.local_port(ticket.port)), timeout=DEFAULT_CONNECT_TIMEOUT
+            )
+        except OSError as e:
+            warnings.warn(
+                f"cannot reach the server's data port {target.host}:{ticket.port} ({e.strerror or e}); large "
+                "values go through the gRPC port instead, about half as fast — open that port too",
+                stacklevel=4,
+            )
+            self.data_port = 0
+            return ticket, None
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.settimeout(None)
+        if self._certificate is None:  # --insecure, on loopback only
+            return ticket, raw
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False  # the pinned certificate is the only one trusted: names do not matter
+        context.load_verify_locations(cadata=self._certificate)
+        try:
+            return ticket, context.wrap_socket(raw)
+        except (OSError, ssl.SSLError) as e:
+            raw.close()
+            raise ConnectionFailed(f"the TLS handshake with the server's data port failed: {e}") from None
+
+    # ---- folders up, snapshots down ---------------------------------------------------------------
+
+    def sync(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
+        """Sync ``folder``: only blobs the server lacks travel, and they start while the rest is hashed."""
+        files = _sync.scan(folder)
+        cache = _sync.HashCache(folder)
+        known, unknown = cache.split(files)
+        uploads = _sync.UploadQueue()
+        files = self._hash_and_upload(cache, known, unknown, uploads, progress) if unknown else known
+        request = pb.CreateSnapshotRequest(entries=_sync.manifest(files), name=name)
+        reply = self.call(self.snapshots.Create, request)
+        if reply.missing:  # the server lost blobs the hash cache knew, or a file changed meanwhile
+            missing = set(reply.missing)
+            retry = _sync.UploadQueue()
+            for f in files:
+                if f.blob in missing:
+                    retry.add(f)
+            retry.close()
+            self._send(retry, progress)
+            uploads.files, uploads.bytes = uploads.files + retry.files, uploads.bytes + retry.bytes
+            reply = self.call(self.snapshots.Create, request)
+            if reply.missing:
+                raise ServerError(f"the server still lacks {len(reply.missing)} file(s) after the upload — sync again")
+        elif progress and not uploads.files:
+            progress(0, 0)
+        return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploads.files, uploads.bytes)
+
+    def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
+        """Upload the queue's files in one stream, until the queue is closed."""
+        self.call(self._upload, _sync.prefetched(_sync.upload_batches(uploads, progress)), timeout=None)
+
+    def _hash_and_upload(
+        self,
+        cache: _sync.HashCache,
+        known: list[_sync.LocalFile],
+        unknown: list[_sync.LocalFile],
+        uploads: _sync.UploadQueue,
+        progress: Progress | None,
+    ) -> list[_sync.LocalFile]:
+        """Hash ``unknown`` in rounds; upload what the server lacks in a background stream meanwhile."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        failure: list[BaseException] = []
+
+        def upload() -> None:
+            try:
+                self._send(uploads, progress)
+            except BaseException as e:  # raised in the caller's thread below
+                failure.append(e)
+                for _ in uploads:  # drain, so that the producer never waits on a dead stream
+                    pass
+
+        sender = threading.Thread(target=upload, name="gpuport upload", daemon=True)
+        started = False
+
+        def offer(batch: list[_sync.LocalFile]) -> None:
+            nonlocal started
+            blobs = [f.blob for f in batch if f.blob]
+            if not blobs:
+                return
+            missing = set(self.call(self.snapshots.Missing, pb.BlobList(blobs=blobs)).blobs)
+            for f in batch:
+                if f.blob in missing:
+                    if not started:
+                        sender.start()
+                        started = True
+                    uploads.add(f)
+
+        hashed: list[_sync.LocalFile] = []
+        try:
+            offer(known)
+            with ThreadPoolExecutor(max_workers=_sync._HASH_THREADS) as pool:
+                for group in _sync.rounds(unknown):
+                    done = cache.hash_files(group, pool)
+                    hashed += done
+                    offer(done)
+        finally:
+            uploads.close()
+            if started:
+                sender.join()
+        cache.save()
+        if failure:
+            raise failure[0]
+        return known + hashed
+
+    def download(self, snapshot_id: str, dest: Path, path: str | None, progress: Progress | None) -> list[Path]:
+        """Bring snapshot ``snapshot_id`` (the files at ``path`` in it) into ``dest``: only files not
+        there already travel. Returns every file chosen."""
+        snapshot = self.call(self.snapshots.Get, pb.SnapshotRef(snapshot_id=snapshot_id))
+        entries = list(snapshot.entries)
+        check_entries(entries)  # a manifest from the server gets the checks one sent to it gets
+        chosen = _sync.select(entries, path)
+        dest.mkdir(parents=True, exist_ok=True)
+        needed = [e for e in chosen if not _sync.already_there(dest, e)]
+        blobs = sorted({e.blob for e in needed if e.blob})
+        stream = self.stream(self.snapshots.Download, pb.DownloadRequest(snapshot_id=snapshot_id, blobs=blobs))
+        _sync.place(dest, needed, stream if blobs else iter(()), progress)
+        return [dest / e.path for e in chosen]
+
+    def close(self) -> None:
+        """Detach the named sessions opened through this transport, close the unnamed ones, then the
+        channel."""
+        for session in list(self.opened):
+            if session.name:
+                session.detach()
+            else:
+                session.close()
+        self.channel.close()

@@ -43,9 +43,10 @@ endef
 sandbox:
 	$(call apt_install,bwrap:bubblewrap slirp4netns:slirp4netns,the jobs' sandbox,jobs run without a sandbox$(comma) and tests that need other users skip)
 
-# What some tests need beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes).
+# What some tests need beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes) and Chromium
+# (tests/test_dashboard.py drives it with Playwright; no browser is downloaded).
 test-tools:
-	$(call apt_install,sshd:openssh-server,for the tests,the tests that need it skip)
+	$(call apt_install,sshd:openssh-server chromium:chromium,for the tests,the tests that need them skip)
 
 demo: $(VENV)/.demo sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh
@@ -69,6 +70,8 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_ssh.py
 	$(PY) bench/bench_tf_remote.py
+	$(PY) bench/bench_link.py
+	$(PY) bench/bench_dashboard.py
 
 # Regenerate the gRPC stubs after editing gpuport/protocol/gpuport.proto.
 proto: $(VENV)/.dev

@@ -27,7 +27,7 @@ class Row:
     anchor_name: str
     goal: str
     met: bool | None
-    unit: str = "s"  # "s", "MB/s", "jobs/s" or "MB"
+    unit: str = "s"  # "s", "MB/s", "jobs/s", "MB" or "cores"
     note: str = ""
 
     @property
@@ -44,13 +44,13 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def banner(versions: str, quick: bool) -> None:
+def banner(versions: str, quick: bool, where: str = "everything on 127.0.0.1") -> None:
     """A run's first lines: what measures (gpuport, Python, ``versions`` of the peers), on what
     machine, and the load already there (two cores leave no room for anyone else: a load shows in
     every figure)."""
     say(
         f"gpuport {gpuport.__version__}, Python {platform.python_version()}, {versions}, {os.cpu_count()} CPUs, "
-        f"{platform.machine()}, everything on 127.0.0.1" + (" (--quick)" if quick else "")
+        f"{platform.machine()}, {where}" + (" (--quick)" if quick else "")
     )
     say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
@@ -86,6 +86,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value:.1f}/s"
     if unit == "MB":
         return f"{value / MB:.0f} MB"
+    if unit == "cores":
+        return f"{value:.3f}"
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 

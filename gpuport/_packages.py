@@ -21,6 +21,7 @@ BROUGHT_BY: dict[str, tuple[str, str]] = {
     "uvloop": ("uvloop", "server"),
     "psutil": ("psutil", "server"),
     "pynvml": ("nvidia-ml-py", "server"),
+    "prometheus_client": ("prometheus-client", "server"),
     "tensorflow": ("tensorflow-cpu", "tf"),
     "keras": ("tensorflow-cpu", "tf"),
     "torch": ("torch", "torch"),

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,9 +138,9 @@ def start_server(
     else:
         server.stop(signal.SIGKILL)
         raise AssertionError(f"server not ready in {READY_TIMEOUT}s:\n{server.banner}")
-    if wrapper:  # the wrapper passes no signal on: the server's own pid gets them
+    if wrapper:  # a wrapper that passes no signal on: the server's own pid gets them (`ip netns exec` is none)
         found = [p for p in psutil.Process(process.pid).children(recursive=True) if "gpuport" in p.cmdline()[1:3]]
-        server.pid = found[0].pid
+        server.pid = found[0].pid if found else process.pid
     banner = parse_banner(server.banner)
     server.url, server.http_url = banner.grpc_url, banner.http_url
     server.fingerprint, server.admin_token = banner.fingerprint or "", banner.admin_token or ""
@@ -208,11 +208,14 @@ class CliResult:
 def cli(client_config: Path) -> object:
     """Run `gpuport ARGS...` as a subprocess with this test's config dir; returns a CliResult."""
 
-    def run(*args: str, input: str | None = None, cwd: Path | None = None, **env: str) -> CliResult:
+    def run(
+        *args: str, input: str | None = None, cwd: Path | None = None, on: Sequence[str] = (), **env: str
+    ) -> CliResult:
+        """``on``: a command prefix to run it with (``ip netns exec HOST``: on a test host)."""
         full_env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
         full_env.update(GPUPORT_CONFIG_DIR=str(client_config), COLUMNS="200", **env)
         done = subprocess.run(
-            [sys.executable, "-m", "gpuport", *args],
+            [*on, sys.executable, "-m", "gpuport", *args],
             capture_output=True,
             text=True,
             input=input if input is not None else "",

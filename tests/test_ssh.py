@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 import gpuport
-from tests._sshd import sshd
+from tests._sshd import end_processes_of, sshd
 from tests.conftest import needs_users
 
 
@@ -55,17 +55,6 @@ def _servers_of(state: Path) -> set[int]:
     return found
 
 
-def _end_processes_of(state: Path) -> None:
-    """End the server --start made (and what it runs), found by its state dir: processes we started."""
-    found = [p for p in psutil.process_iter(["cmdline"]) if str(state) in " ".join(p.info["cmdline"] or [])]
-    for process in found:
-        with contextlib.suppress(psutil.Error):
-            for child in process.children(recursive=True):
-                child.kill()
-            process.terminate()
-    psutil.wait_procs(found, timeout=10)
-
-
 @pytest.fixture
 def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """An sshd to reach the "box" through, and where a server started there keeps its state."""
@@ -75,7 +64,7 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, A
         try:
             yield {"config": config, "state": state, "port": _free_ports(4)}
         finally:
-            _end_processes_of(state)
+            end_processes_of(state)
 
 
 def test_login_start_and_work_through_ssh_only(box: dict[str, Any], cli: Any, tmp_path: Path) -> None:

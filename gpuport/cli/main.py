@@ -366,9 +366,12 @@ def token_group() -> None:
     help="Also write a client certificate that stands for the token into this new folder: cert.pem, key.pem, "
     "and ca.pem (the server's certificate), for clients that speak TLS options but send no token.",
 )
+@click.option("--scrape", is_flag=True, help="A scrape token: it reads GET /metrics (Prometheus) and nothing else.")
 @json_option
 @click.pass_context
-def token_create(ctx: click.Context, name: str, admin: bool, cert_dir: Path | None, as_json: bool) -> None:
+def token_create(
+    ctx: click.Context, name: str, admin: bool, cert_dir: Path | None, scrape: bool, as_json: bool
+) -> None:
     """Create a token for user NAME; it is printed once.
 
     With --client-cert DIR, the server also signs a client certificate for NAME (revoked with the
@@ -377,7 +380,7 @@ def token_create(ctx: click.Context, name: str, admin: bool, cert_dir: Path | No
     if cert_dir is not None and cert_dir.exists() and any(cert_dir.iterdir()):
         raise click.BadParameter(f"{cert_dir} is not empty: give a new or empty folder", param_hint="--client-cert")
     client = _client(ctx)
-    new = client.create_token(name, admin=admin, client_cert=cert_dir is not None)
+    new = client.create_token(name, admin=admin, client_cert=cert_dir is not None, scrape=scrape)
     if cert_dir is not None:
         cert_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         for file, text, mode in (
@@ -396,7 +399,8 @@ def token_create(ctx: click.Context, name: str, admin: bool, cert_dir: Path | No
             shown |= {"client_cert": str(cert_dir), "cert_port": new.cert_port}
         print_json(shown)
         return
-    err.print(f"Token for '{escape(new.name)}'{' (admin)' if new.admin else ''}; it is shown only now:")
+    kind = " (admin)" if new.admin else " (scrape: GET /metrics only)" if scrape else ""
+    err.print(f"Token for '{escape(new.name)}'{kind}; it is shown only now:")
     print(new.token)
     if cert_dir is not None:
         err.print(
@@ -418,7 +422,8 @@ def token_list(ctx: click.Context, include_revoked: bool, as_json: bool) -> None
         return
     for t in tokens:
         state = f"revoked {when(t.revoked_at)}" if t.revoked_at else "valid"
-        out.print(f"{escape(t.name):24} {'admin' if t.admin else 'user ':5}  created {when(t.created_at)}  {state}")
+        role = "admin" if t.admin else "scrape" if t.scrape else "user"
+        out.print(f"{escape(t.name):24} {role:6}  created {when(t.created_at)}  {state}")
 
 
 @token_group.command("revoke")

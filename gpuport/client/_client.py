@@ -82,17 +82,20 @@ class Client:
             admin=s.admin,
         )
 
-    def create_token(self, name: str, *, admin: bool = False, client_cert: bool = False) -> NewToken:
+    def create_token(
+        self, name: str, *, admin: bool = False, client_cert: bool = False, scrape: bool = False
+    ) -> NewToken:
         """Create a token for user ``name`` (admin only). Its secret is in the result, shown once.
 
         With ``client_cert``, also a client certificate signed by the server's CA that stands for the
         token, for clients that speak TLS but send no header (Triton's examples): its key is in the
-        result, shown once too. Revoking the token revokes it.
+        result, shown once too. Revoking the token revokes it. A ``scrape`` token reads the server's
+        Prometheus metrics (``GET /metrics``) and nothing else.
 
         Raises ``PermissionDenied`` for a non-admin, ``InvalidRequest`` for a bad name, ``Conflict``
         when the name is taken.
         """
-        request = pb.CreateTokenRequest(name=name, admin=admin, client_cert=client_cert)
+        request = pb.CreateTokenRequest(name=name, admin=admin, client_cert=client_cert, scrape=scrape)
         reply = self.transport.call(self.transport.tokens.Create, request)
         return NewToken(
             reply.info.name,

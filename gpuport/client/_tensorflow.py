@@ -6,7 +6,8 @@ encryption. ``gpu.tensorflow()`` opens a session (an allocation, queued like any
 server in the session's worker bound to the worker's own loopback (its own network namespace on a
 sandboxed server: no other job and no other host can reach it), and listens on a loopback port here.
 Each connection TensorFlow makes to that port rides the server's data port, with a ticket for the
-session's owner, to a socket the worker relays to its TF server.
+session's owner; the worker hands the server a connection to its TF server (a file descriptor over
+its Unix socket), and the server relays the client's bytes to it.
 
 TensorFlow's cluster addresses must agree on both ends, so the worker's server listens on the same
 port number as the local end: ``127.0.0.1:PORT`` is the same "worker" to TensorFlow here and there.
@@ -35,8 +36,10 @@ _STATE = "__gpuport_tensorflow__"  # the worker's module holding its TF server, 
 
 def _start_server(port: int) -> list[str]:
     """(In the session's worker.) Start TensorFlow's server for job "worker" on 127.0.0.1:``port``
-    (the worker's own loopback) and a relay to it from ``tunnel-tf.sock`` in the session's folder;
-    return the server's devices. Once per worker."""
+    (the worker's own loopback), and listen on ``tunnel-tf.sock`` in the session's folder: each
+    connection there (the server's, for a tunnel) is handed a new connection to TensorFlow's server,
+    passed as a file descriptor, so that no relay runs in the worker. Return the server's devices.
+    Once per worker."""
     import os
     import sys
     import types
@@ -55,12 +58,10 @@ def _start_server(port: int) -> list[str]:
     def accept() -> None:
         while True:
             conn, _ = listener.accept()
-            try:
-                target = socket.create_connection(("127.0.0.1", port))
-            except OSError:
-                conn.close()
-                continue
-            threading.Thread(target=relay, args=(conn, target), daemon=True).start()
+            with conn, contextlib.suppress(OSError):
+                with socket.create_connection(("127.0.0.1", port)) as target:
+                    target.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    socket.send_fds(conn, [b"F"], [target.fileno()])
 
     threading.Thread(target=accept, name="gpuport tensorflow tunnel", daemon=True).start()
     module = types.ModuleType(_STATE)

@@ -85,10 +85,11 @@ class TokenInfo:
     admin: bool
     created_at: float
     revoked_at: float | None = None
+    scrape: bool = False  # reads GET /metrics and nothing else
 
     @classmethod
     def _from_message(cls, m: pb.TokenInfo) -> TokenInfo:
-        return cls(m.name, m.admin, m.created_at, m.revoked_at or None)
+        return cls(m.name, m.admin, m.created_at, m.revoked_at or None, m.scrape)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-from typing import Optional as _Optional
-from typing import Union as _Union
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -124,26 +120,30 @@ class StatusReply(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., hostname: _Optional[str] = ..., started_at: _Optional[float] = ..., cpus: _Optional[int] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., gpus: _Optional[_Union[GpuList, _Mapping]] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., python_version: _Optional[str] = ...) -> None: ...
 
 class TokenInfo(_message.Message):
-    __slots__ = ("name", "admin", "created_at", "revoked_at")
+    __slots__ = ("name", "admin", "created_at", "revoked_at", "scrape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    SCRAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     admin: bool
     created_at: float
     revoked_at: float
-    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., created_at: _Optional[float] = ..., revoked_at: _Optional[float] = ...) -> None: ...
+    scrape: bool
+    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., created_at: _Optional[float] = ..., revoked_at: _Optional[float] = ..., scrape: _Optional[bool] = ...) -> None: ...
 
 class CreateTokenRequest(_message.Message):
-    __slots__ = ("name", "admin", "client_cert")
+    __slots__ = ("name", "admin", "client_cert", "scrape")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
     CLIENT_CERT_FIELD_NUMBER: _ClassVar[int]
+    SCRAPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     admin: bool
     client_cert: bool
-    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., client_cert: _Optional[bool] = ...) -> None: ...
+    scrape: bool
+    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., client_cert: _Optional[bool] = ..., scrape: _Optional[bool] = ...) -> None: ...
 
 class CreateTokenReply(_message.Message):
     __slots__ = ("info", "token", "cert_pem", "key_pem", "server_cert_pem", "cert_port")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import select
+import selectors
 import socket
 import ssl
 import threading
@@ -22,21 +22,26 @@ def relay(a: socket.socket, b: socket.socket) -> None:
                 end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not isinstance(a, ssl.SSLSocket) and not isinstance(b, ssl.SSLSocket):
         return _both_ways(a, b)
-    try:
-        while True:
-            pending = isinstance(a, ssl.SSLSocket) and a.pending()
-            ready = [a] if pending else select.select([a, b], [], [])[0]
-            for source in ready:
-                data = source.recv(_CHUNK)
-                if not data:
-                    return
-                (b if source is a else a).sendall(data)
-    except (OSError, ValueError):
-        return  # either side went away: the tunnel is over
-    finally:
-        for end in (a, b):
-            with contextlib.suppress(OSError):
-                end.shutdown(socket.SHUT_RDWR)
+    tls = [end for end in (a, b) if isinstance(end, ssl.SSLSocket)]
+    other = {a: b, b: a}
+    with selectors.DefaultSelector() as selector:  # epoll: registered once, not rebuilt per message
+        selector.register(a, selectors.EVENT_READ)
+        selector.register(b, selectors.EVENT_READ)
+        try:
+            while True:
+                # Bytes OpenSSL has already decrypted wake no poll: served first.
+                ready = [end for end in tls if end.pending()] or [key.fileobj for key, _ in selector.select()]
+                for source in ready:
+                    data = source.recv(_CHUNK)  # type: ignore[union-attr]
+                    if not data:
+                        return
+                    other[source].sendall(data)  # type: ignore[index]
+        except (OSError, ValueError):
+            return  # either side went away: the tunnel is over
+        finally:
+            for end in (a, b):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
 
 
 def _both_ways(a: socket.socket, b: socket.socket) -> None:

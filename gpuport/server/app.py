@@ -19,8 +19,10 @@ import psutil
 from gpuport._version import __version__
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
 from gpuport.server.executors import Executor, LocalExecutor
+from gpuport.server.history import GpuHistory
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
+from gpuport.server.metrics import Metrics, Transfers
 from gpuport.server.services.auth import AuthService, Identity, TokenRecord
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
@@ -34,6 +36,7 @@ from gpuport.server.tls import ClientCertificate, issue_client_certificate
 from gpuport.server.watchdog import Watchdog
 
 T = TypeVar("T")
+_HISTORY = Identity("history", admin=True)  # the GPUs' history reads them as the server does
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,9 @@ class ServerApp:
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs)
+        self.transfers = Transfers()  # bytes in and out, counted where they move
+        self.gpu_history = GpuHistory(lambda: self.gpus(_HISTORY).gpus)  # the dashboard's charts
+        self.metrics = Metrics(self)
         self._watching: asyncio.Task[None] | None = None
         self._revoked: dict[str, asyncio.Event] = {}  # user → set when their token goes (streams wait on it)
         self.auth.revoked_hooks.append(self._end_streams)
@@ -116,6 +122,7 @@ class ServerApp:
         await self.sessions.start()
         await self.serving.start()
         self._watching = asyncio.create_task(self.watchdog.run())
+        self.gpu_history.start()
 
     async def until_revoked(self, name: str, replies: AsyncIterator[T]) -> AsyncIterator[T]:
         """The replies of a stream that ``name`` follows (logs, a session's output), ended with
@@ -142,12 +149,16 @@ class ServerApp:
             event.set()
 
     async def create_token(
-        self, caller: Identity, name: str, admin: bool, client_cert: bool = False
+        self, caller: Identity, name: str, admin: bool, client_cert: bool = False, scrape: bool = False
     ) -> tuple[TokenRecord, str, ClientCertificate | None]:
         """A token for user ``name`` and, with ``client_cert``, a client certificate that stands for
-        it (made by a child process, off the event loop); the token and the key are shown once."""
+        it (made by a child process, off the event loop); the token and the key are shown once. A
+        ``scrape`` token reads ``GET /metrics`` and nothing else."""
+        scope = "metrics" if scrape else ""
         if not client_cert:
-            return *self.auth.create(caller, name, admin), None
+            return *self.auth.create(caller, name, admin, scope=scope), None
+        if scrape:
+            raise InvalidRequest("a scrape token is sent as a header by Prometheus: it takes no client certificate")
         self.auth.check_create(caller, name, admin)
         if not self.cert_port:
             raise InvalidRequest("this server runs without TLS (--insecure), so it takes no client certificates")
@@ -212,6 +223,7 @@ class ServerApp:
     def close(self) -> None:
         if self._watching is not None:
             self._watching.cancel()
+        self.gpu_history.stop()
         self.sessions.stop()
         self.serving.stop()
         self.executor.close()

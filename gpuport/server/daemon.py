@@ -244,6 +244,7 @@ async def serve(
             data_port = port + 2 if port else 0
         data = DataPort(
             app.sessions,
+            app.transfers,
             host,
             data_port,
             state.cert_path if identity else None,

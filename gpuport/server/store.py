@@ -174,6 +174,10 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (name, label)
     );
     """,
+    # 14: what a token may do: '' everything its user may; 'metrics' read GET /metrics and nothing else
+    """
+    ALTER TABLE tokens ADD COLUMN scope TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 

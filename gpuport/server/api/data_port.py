@@ -18,10 +18,12 @@ channel; a user holds at most ``_MAX_CHANNELS`` channels open. A channel with no
 ``_PARK_AFTER`` seconds gives its thread up: it waits in that same selector, and gets a thread again
 when its next call comes.
 
-A tunnel (``TransferRequest.tunnel``, NAME) is a byte stream to the socket ``tunnel-NAME.sock`` that
-the session's worker listens on (a TensorFlow server it runs, in its own network namespace): answered
-``T``, then relayed both ways until either side closes, or ``E`` and why when the worker has no such
-socket. It counts among its user's channels, and closes with their token.
+A tunnel (``TransferRequest.tunnel``, NAME) is a byte stream to a server the session's worker runs
+(TensorFlow's, in the worker's own network namespace). The worker listens on ``tunnel-NAME.sock``
+and answers each connection there with a connection to its server, passed as a file descriptor
+(``F`` and SCM_RIGHTS). The client is answered ``T``, and its bytes are relayed both ways to that
+connection until either side closes, or ``E`` and why when the worker has no such socket. It counts
+among its user's channels, and closes with their token.
 
 A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
 keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and
@@ -38,6 +40,7 @@ import contextlib
 import json
 import logging
 import mmap
+import os
 import select
 import selectors
 import socket
@@ -45,6 +48,7 @@ import ssl
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +59,7 @@ from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import ConfigError, GpuportError, InvalidRequest, ServerError
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
+from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.sessions import Direct, SessionService
 from gpuport.server.worker import wire
@@ -74,8 +79,11 @@ _OK, _ERROR = 0, 1
 
 
 class DataPort:
-    def __init__(self, sessions: SessionService, host: str, port: int, cert: Path | None, key: Path | None) -> None:
+    def __init__(
+        self, sessions: SessionService, transfers: Transfers, host: str, port: int, cert: Path | None, key: Path | None
+    ) -> None:
         self.sessions = sessions
+        self.transfers = transfers
         self.staging = sessions.staging
         self._context: ssl.SSLContext | None = None
         if cert is not None and key is not None:
@@ -282,6 +290,7 @@ class DataPort:
                         _receive(conn, view)
                     finally:
                         view.release()
+                    self.transfers.add("data_port", "in", size)
                 staged.complete = True
                 conn.sendall(b"K")
             else:
@@ -290,6 +299,7 @@ class DataPort:
                     for _, view in views:
                         for at in range(0, len(view), _SLICE):
                             conn.sendall(view[at : at + _SLICE])
+                        self.transfers.add("data_port", "out", len(view))
                 finally:
                     for mapped, view in views:
                         view.release()
@@ -320,9 +330,9 @@ class DataPort:
             except OSError as e:
                 conn.sendall(f"Ethe session's worker has no tunnel {tunnel!r} open: {e.strerror or e}\n".encode())
                 return
-            with worker:
+            with worker, _handed_over(worker, tunnel) as stream:
                 conn.sendall(b"T")
-                relay(conn, worker)
+                relay(conn, stream)
         except (OSError, ValueError) as e:
             log.info("a tunnel from %s ended: %s", peer, e)
         finally:
@@ -441,3 +451,26 @@ def _receive(conn: socket.socket, view: memoryview, eof_ok: bool = False) -> boo
             raise EOFError(f"the client closed the connection after {got} of {len(view)} bytes")
         got += n
     return True
+
+
+@contextlib.contextmanager
+def _handed_over(worker: socket.socket, tunnel: str) -> Iterator[socket.socket]:
+    """The stream socket the worker passes on its tunnel socket: a connection to its server."""
+    worker.settimeout(30)
+    said, fds, _, _ = socket.recv_fds(worker, 1, 1)
+    if said != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the worker's tunnel {tunnel!r} passed no connection")
+    try:
+        stream = socket.socket(fileno=fds[0])
+    except OSError:
+        os.close(fds[0])
+        raise  # not a socket
+    try:
+        if stream.type != socket.SOCK_STREAM:
+            raise OSError(f"the worker's tunnel {tunnel!r} passed a socket that is not a stream")
+        stream.settimeout(None)
+        yield stream
+    finally:
+        stream.close()

@@ -121,7 +121,11 @@ def gpu_list_message(listing: GpuListing) -> pb.GpuList:
 
 def token_message(record: TokenRecord) -> pb.TokenInfo:
     return pb.TokenInfo(
-        name=record.name, admin=record.admin, created_at=record.created_at, revoked_at=record.revoked_at or 0.0
+        name=record.name,
+        admin=record.admin,
+        created_at=record.created_at,
+        revoked_at=record.revoked_at or 0.0,
+        scrape=record.scope == "metrics",
     )
 
 
@@ -166,7 +170,9 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
 class TokensServicer(_Servicer, pb_grpc.TokensServicer):
     @rpc
     async def Create(self, request: pb.CreateTokenRequest, caller: Identity) -> pb.CreateTokenReply:
-        record, token, cert = await self.app.create_token(caller, request.name, request.admin, request.client_cert)
+        record, token, cert = await self.app.create_token(
+            caller, request.name, request.admin, request.client_cert, request.scrape
+        )
         reply = pb.CreateTokenReply(info=token_message(record), token=token)
         if cert is not None:
             reply.cert_pem, reply.key_pem = cert.cert_pem.decode(), cert.key_pem.decode()
@@ -250,6 +256,7 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             writer.abort()
             raise
         finally:  # the blobs whose bytes arrived whole are the caller's, even from a stream cut short
+            self.app.transfers.add("snapshots", "in", writer.bytes)
             await asyncio.to_thread(self.app.snapshots.hold, caller.name, writer.placed)
         return pb.UploadReply(blobs=len(writer.placed), bytes=writer.bytes)
 
@@ -266,6 +273,7 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             batch = await asyncio.to_thread(_read_batch, parts)
             if not batch.parts:
                 return
+            self.app.transfers.add("snapshots", "out", sum(len(p.data) for p in batch.parts))
             yield batch
 
 
@@ -525,6 +533,7 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
     async def Upload(self, request: Any, caller: Identity) -> pb.Staged:
         async def chunks() -> AsyncIterator[tuple[str, int, bytes]]:
             async for chunk in request:
+                self.app.transfers.add("grpc", "in", len(chunk.data))
                 yield chunk.session_id, chunk.size, chunk.data
 
         return pb.Staged(staged=await self.app.sessions.upload(caller, chunks()))
@@ -532,6 +541,7 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
     @stream_rpc
     async def Download(self, request: pb.DownloadChunkRequest, caller: Identity) -> AsyncIterator[pb.DataChunk]:
         async for data in self.app.sessions.download(caller, request.session_id, request.staged):
+            self.app.transfers.add("grpc", "out", len(data))
             yield pb.DataChunk(data=data)
 
     @rpc

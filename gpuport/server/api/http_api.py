@@ -11,6 +11,7 @@ import codecs
 import dataclasses
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -35,9 +36,12 @@ from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import parse_duration, parse_size
 from gpuport.server.api import rest_files
 from gpuport.server.api.callers import asgi_caller
+from gpuport.server.api.dashboard import LOGIN_BODY_BYTES, LOGIN_PATH, add_dashboard_routes
 from gpuport.server.api.openapi import build_openapi
 from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
+from gpuport.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
 
@@ -50,6 +54,7 @@ class TokenCreate(BaseModel):
     client_cert: bool = Field(
         False, description="Also a client certificate that stands for the token (its key is in the reply, once)"
     )
+    scrape: bool = Field(False, description="A scrape token: it reads GET /metrics (Prometheus) and nothing else")
 
 
 class JobCreate(BaseModel):
@@ -206,6 +211,21 @@ def _caller(
 Caller = Annotated[Identity, Depends(_caller)]
 
 
+def _scraper(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Identity:
+    """The caller of ``GET /metrics``: an admin, or a scrape token (which nothing else takes)."""
+    header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+    server: ServerApp = request.app.state.gpuport
+    identity = server.auth.authenticate(header, scope="metrics")
+    if identity.scope != "metrics":
+        identity.require_admin("reading the server's metrics (or a scrape token: gpuport token create NAME --scrape)")
+    return identity
+
+
+Scraper = Annotated[Identity, Depends(_scraper)]
+
+
 def _error_response(error: GpuportError) -> JSONResponse:
     _, http_status = status_for(error)
     if isinstance(error, rest_files.TooLarge):
@@ -232,26 +252,30 @@ class _Guard:
         if not (b"transfer-encoding" in headers or (length and length != b"0")):
             return await self.app(scope, receive, send)  # no body
         streamed = scope["method"] == "POST" and scope["path"] == _ARCHIVE_PATH  # read by its route, bounded
+        # The dashboard's login carries its token in a small body: bounded tighter, with no token before it.
+        logging_in = scope["method"] == "POST" and scope["path"] == LOGIN_PATH
+        limit = LOGIN_BODY_BYTES if logging_in else MAX_REST_BODY_BYTES
         error: GpuportError | None = None
         try:
             server: ServerApp = scope["app"].state.gpuport
-            asgi_caller(server.auth, scope, headers.get(b"authorization", b"").decode("latin-1") or None)
+            if not logging_in:
+                asgi_caller(server.auth, scope, headers.get(b"authorization", b"").decode("latin-1") or None)
         except AuthenticationError as e:
             client = scope.get("client") or ("?",)
             log.warning("rejected %s %s from %s: %s", scope["method"], scope["path"], client[0], e)
             error = e
         if error is None and streamed:
             return await self.app(scope, receive, send)
-        if error is None and length.isdigit() and int(length) > MAX_REST_BODY_BYTES:
-            error = _TooLarge(int(length))
+        if error is None and length.isdigit() and int(length) > limit:
+            error = _TooLarge(int(length), limit=limit)
         body = bytearray()
         while error is None:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return  # the client is gone
             body += message.get("body", b"")
-            if len(body) > MAX_REST_BODY_BYTES:
-                error = _TooLarge(len(body), exact=False)
+            if len(body) > limit:
+                error = _TooLarge(len(body), exact=False, limit=limit)
             elif not message.get("more_body", False):
                 break
         if error is not None:
@@ -274,12 +298,19 @@ class _Guard:
 
 
 class _TooLarge(InvalidRequest):
-    def __init__(self, size: int, exact: bool = True) -> None:
-        said = f"{size} bytes" if exact else f"more than {MAX_REST_BODY_BYTES} bytes"
+    def __init__(self, size: int, exact: bool = True, limit: int = MAX_REST_BODY_BYTES) -> None:
+        said = f"{size} bytes" if exact else f"more than {limit} bytes"
         super().__init__(
-            f"request body of {said} is over the limit of {MAX_REST_BODY_BYTES} — upload files with "
+            f"request body of {said} is over the limit of {limit} — upload files with "
             "`gpuport push`, and refer to them by name"
         )
+
+
+async def _counted(chunks: AsyncIterator[bytes], transfers: Transfers) -> AsyncIterator[bytes]:
+    """``chunks``, counted as REST bytes out as they go."""
+    async for chunk in chunks:
+        transfers.add("rest", "out", len(chunk))
+        yield chunk
 
 
 def build_http_app(app: ServerApp) -> Predictions:
@@ -331,10 +362,21 @@ def build_http_app(app: ServerApp) -> Predictions:
         return _error_response(ServerError("internal server error — the server's log has the details"))
 
     add_serving_routes(api)
+    add_dashboard_routes(api, app)
 
     @api.get("/v1/health", summary="Liveness; needs no token")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "version": __version__}
+
+    @api.get(
+        "/metrics",
+        summary="Prometheus metrics (an admin token, or a scrape token)",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    async def metrics(identity: Scraper) -> Response:
+        body = await asyncio.to_thread(app.metrics.render)  # reads the store and NVML: off the event loop
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     @api.get("/v1/whoami", summary="The identity behind the token")
     async def whoami(identity: Caller) -> dict[str, Any]:
@@ -354,7 +396,7 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.post("/v1/tokens", status_code=201, summary="Create a token (admin); the token is shown once")
     async def create_token(body: TokenCreate, identity: Caller) -> dict[str, Any]:
-        record, token, cert = await app.create_token(identity, body.name, body.admin, body.client_cert)
+        record, token, cert = await app.create_token(identity, body.name, body.admin, body.client_cert, body.scrape)
         made = {**dataclasses.asdict(record), "token": token}
         if cert is not None:
             made |= {
@@ -440,6 +482,7 @@ def build_http_app(app: ServerApp) -> Predictions:
     async def upload_snapshot(request: Request, identity: Caller, name: str = "") -> dict[str, Any]:
         kind = rest_files.archive_kind(request)
         archive = await rest_files.receive_archive(request, app.blobs.root / "incoming")
+        app.transfers.add("rest", "in", archive.stat().st_size)
         try:
             kind = rest_files.sniffed(kind, archive)
             record = await asyncio.to_thread(app.snapshots.ingest_archive, identity, archive, kind, name)
@@ -461,7 +504,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         entries = _outputs(app, identity, job_id)
         disposition = f'attachment; filename="{job_id}-outputs.tar.gz"'
         return StreamingResponse(
-            rest_files.tar_chunks(entries, app.blobs),
+            _counted(rest_files.tar_chunks(entries, app.blobs), app.transfers),
             media_type="application/gzip",
             headers={"content-disposition": disposition},
         )
@@ -477,7 +520,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         if found.link:
             raise InvalidRequest(f"output {path!r} is a symlink to {found.link!r}: download that path")
         return StreamingResponse(
-            rest_files.file_chunks(app.blobs, found.blob),
+            _counted(rest_files.file_chunks(app.blobs, found.blob), app.transfers),
             media_type="application/octet-stream",
             headers={
                 "content-length": str(found.size),

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 _NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._@-]{{0,{MAX_NAME_LENGTH - 1}}}")
 # The name of the admin token made on first start.
 FIRST_ADMIN = "admin"
+# What a token may be limited to: "" (none: all its user may do), "metrics" (a scrape token).
+SCOPES = ("", "metrics")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Identity:
 
     name: str
     admin: bool
+    scope: str = ""  # "metrics": a scrape token, for GET /metrics only
 
     def require_admin(self, action: str) -> None:
         if not self.admin:
@@ -55,6 +58,7 @@ class TokenRecord:
     admin: bool
     created_at: float
     revoked_at: float | None
+    scope: str = ""
 
 
 def _hash(token: str) -> str:
@@ -62,7 +66,7 @@ def _hash(token: str) -> str:
 
 
 def _record(row) -> TokenRecord:  # type: ignore[no-untyped-def]
-    return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], row["revoked_at"])
+    return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], row["revoked_at"], row["scope"])
 
 
 class AuthService:
@@ -93,22 +97,32 @@ class AuthService:
             number += 1
         return self._insert(f"{FIRST_ADMIN}-{number}", admin=True)[1]
 
-    def authenticate(self, authorization: str | None, client_cert: str | None = None) -> Identity:
+    def authenticate(self, authorization: str | None, client_cert: str | None = None, scope: str = "") -> Identity:
         """Return the identity behind an ``Authorization`` value (``Bearer gp_...``), or without one,
         behind ``client_cert``: the ``sha256:...`` fingerprint of the client certificate the TLS layer
-        verified against the client CA.
+        verified against the client CA. A scoped token (a scrape token) is taken only where ``scope``
+        names its scope.
 
-        Raises ``AuthenticationError`` saying whether the token was missing, malformed, unknown or revoked.
+        Raises ``AuthenticationError`` saying whether the token was missing, malformed, unknown or
+        revoked, ``PermissionDenied`` for a scoped token used elsewhere.
         """
         if not authorization:
             if client_cert:
-                return self._by_certificate(client_cert)
+                return self._scoped(self._by_certificate(client_cert), scope)
             raise AuthenticationError("no token was sent")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token.startswith(TOKEN_PREFIX):
             raise AuthenticationError("the token is malformed: expected 'Bearer gp_...'")
-        return self._identity("hash", _hash(token), "the token", "the token '{name}'")
+        return self._scoped(self._identity("hash", _hash(token), "the token", "the token '{name}'"), scope)
+
+    @staticmethod
+    def _scoped(identity: Identity, scope: str) -> Identity:
+        if identity.scope and identity.scope != scope:
+            raise PermissionDenied(
+                f"'{identity.name}' is a scrape token: it reads GET /metrics and nothing else — use a user's token"
+            )
+        return identity
 
     def _by_certificate(self, fingerprint: str) -> Identity:
         return self._identity(
@@ -122,28 +136,33 @@ class AuthService:
         identity = self._cache.get(key)
         if identity is not None:
             return identity
-        row = self._store.query_one(f"SELECT name, admin, revoked_at FROM tokens WHERE {column} = ?", (value,))
+        row = self._store.query_one(f"SELECT name, admin, revoked_at, scope FROM tokens WHERE {column} = ?", (value,))
         if row is None:
             raise AuthenticationError(f"{unknown} is not known to this server")
         if row["revoked_at"] is not None:
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["revoked_at"]))
             raise AuthenticationError(f"{revoked.format(name=row['name'])} was revoked on {when}")
-        identity = Identity(row["name"], bool(row["admin"]))
+        identity = Identity(row["name"], bool(row["admin"]), row["scope"])
         self._cache[key] = identity
         return identity
 
     def create(
-        self, caller: Identity, name: str, admin: bool, cert_fingerprint: str | None = None
+        self, caller: Identity, name: str, admin: bool, cert_fingerprint: str | None = None, scope: str = ""
     ) -> tuple[TokenRecord, str]:
         """Make a token for user ``name``; returns its record and the token, which is never shown again.
-        ``cert_fingerprint``: a client certificate that stands for the token (see ``check_create``)."""
-        self.check_create(caller, name, admin)
-        return self._insert(name, admin, cert_fingerprint)
+        ``cert_fingerprint``: a client certificate that stands for the token (see ``check_create``).
+        ``scope`` "metrics": a scrape token, which reads ``GET /metrics`` and nothing else."""
+        self.check_create(caller, name, admin, scope)
+        return self._insert(name, admin, cert_fingerprint, scope)
 
-    def check_create(self, caller: Identity, name: str, admin: bool) -> None:
+    def check_create(self, caller: Identity, name: str, admin: bool, scope: str = "") -> None:
         """Raise what ``create`` would for these arguments (before a client certificate is made for it)."""
         caller.require_admin("creating tokens")
-        if not admin and self._no_users_because:
+        if scope not in SCOPES:
+            raise InvalidRequest(f"unknown token scope {scope!r}: {', '.join(repr(s) for s in SCOPES)}")
+        if scope and admin:
+            raise InvalidRequest("a scrape token reads metrics only: it cannot be an admin token too")
+        if not admin and not scope and self._no_users_because:
             raise InvalidRequest(
                 f"this server cannot isolate jobs ({self._no_users_because}), so a job could act as the "
                 "server itself: every token is an admin token here. Install what is missing and restart "
@@ -157,15 +176,17 @@ class AuthService:
         if self._store.query_one("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL", (name,)):
             raise Conflict(f"a token named '{name}' already exists — pick another name, or revoke it first")
 
-    def _insert(self, name: str, admin: bool, cert_fingerprint: str | None = None) -> tuple[TokenRecord, str]:
+    def _insert(
+        self, name: str, admin: bool, cert_fingerprint: str | None = None, scope: str = ""
+    ) -> tuple[TokenRecord, str]:
         token = TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
         now = time.time()
         with self._store.transaction() as db:
             db.execute(
-                "INSERT INTO tokens (name, hash, admin, created_at, cert_fingerprint) VALUES (?, ?, ?, ?, ?)",
-                (name, _hash(token), int(admin), now, cert_fingerprint),
+                "INSERT INTO tokens (name, hash, admin, created_at, cert_fingerprint, scope) VALUES (?, ?, ?, ?, ?, ?)",
+                (name, _hash(token), int(admin), now, cert_fingerprint, scope),
             )
-        return TokenRecord(name, admin, now, None), token
+        return TokenRecord(name, admin, now, None, scope), token
 
     def list(self, caller: Identity, include_revoked: bool = False) -> list[TokenRecord]:
         caller.require_admin("listing tokens")
@@ -195,4 +216,4 @@ class AuthService:
                 hook(name)
             except Exception:  # one hook's failure must not keep the others from closing what they hold
                 log.exception("closing what '%s' held open failed", name)
-        return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], now)
+        return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], now, row["scope"])

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import time
@@ -85,6 +86,11 @@ class Duration:
         self.ns += ns
 
 
+# Upper bounds (seconds) of the request-latency histogram that ``Timings.latency`` counts: Prometheus's
+# default buckets, from 5 ms to 10 s, with 1 and 2.5 ms below them for batched CPU models.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
 @dataclass
 class Timings:
     """Where a batcher's requests spent their time, as Triton's statistics extension reports it:
@@ -92,7 +98,9 @@ class Timings:
     taken, and the batch's ``compute_input`` (joining the requests' inputs), ``compute_infer`` (the
     replica's run: sending to the model's worker, the model, receiving) and ``compute_output``
     (splitting the outputs) counted once per request in it; per batch size (rows), the same three
-    once per batch. ``last_inference``: milliseconds since the epoch of the last success."""
+    once per batch. ``last_inference``: milliseconds since the epoch of the last success.
+    ``latency``: successes per bucket of ``LATENCY_BUCKETS`` (the first bound at or above each one's
+    time; longer ones are in no bucket), for Prometheus's histogram."""
 
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
@@ -102,6 +110,13 @@ class Timings:
     compute_output: Duration = field(default_factory=Duration)
     batches: dict[int, tuple[Duration, Duration, Duration]] = field(default_factory=dict)
     last_inference: int = 0
+    latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+
+    def succeeded(self, ns: int) -> None:
+        self.success.add(ns)
+        at = bisect.bisect_left(LATENCY_BUCKETS, ns / 1e9)
+        if at < len(self.latency):
+            self.latency[at] += 1
 
 
 @dataclass(eq=False)
@@ -176,7 +191,7 @@ class Batcher:
         except Exception:
             self.timings.fail.add(time.perf_counter_ns() - start)
             raise
-        self.timings.success.add(time.perf_counter_ns() - start)
+        self.timings.succeeded(time.perf_counter_ns() - start)
         self.timings.last_inference = time.time_ns() // 1_000_000
         return outputs
 

@@ -1,0 +1,318 @@
+"""The web dashboard on the HTTP port: ``GET /`` and its routes under ``/ui/``.
+
+A person logs in with a token once (``POST /ui/login``); the server answers with a login of its own,
+an opaque id in a ``Secure; HttpOnly; SameSite=Strict`` cookie, and a CSRF token that the page sends
+back in ``X-CSRF-Token`` with every request that changes something. Each request takes the token the
+login was made with through the same check as the API's (a revoked token ends its logins), so a
+person sees and touches exactly what the API lets that token see and touch.
+
+The page is three static files (no build step, nothing fetched from elsewhere), served with a strict
+Content-Security-Policy; it writes every value as text, never as markup. It follows the server with
+two Server-Sent Event streams: ``/ui/events`` (GPUs with their last hour, the queue, jobs, sessions,
+models, every two seconds) and ``/ui/jobs/{id}/log`` (a job's log as it is written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import dataclasses
+import hmac
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from importlib import resources
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from gpuport.protocol.errors import AuthenticationError, GpuportError, PermissionDenied
+from gpuport.server.app import ServerApp
+from gpuport.server.services.auth import Identity
+from gpuport.server.services.serving import message_for
+
+COOKIE = "gpuport_login"
+LOGIN_PATH = "/ui/login"
+LOGIN_BODY_BYTES = 4096  # a token in JSON: the body of the one request that needs no credentials
+CSRF_HEADER = "x-csrf-token"
+LOGIN_SECONDS = 12 * 3600  # a login lasts a working day; the token itself may be revoked any time
+EVENT_SECONDS = 2.0
+_MAX_LOGINS = 10_000  # the oldest go first past this: a flood of logins cannot grow memory for ever
+# Scripts, styles and connections from this server only; no inline script or style; not in a frame.
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+_HEADERS = {
+    "content-security-policy": CSP,
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+}
+_STATIC = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+
+
+@dataclass
+class Login:
+    token: str = dataclasses.field(repr=False)  # kept in memory only, to check it at each request
+    csrf: str = dataclasses.field(repr=False)
+    expires: float
+
+
+class Logins:
+    """The dashboard's logins, in memory (a server restart logs everyone out)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Login] = {}
+
+    def create(self, token: str) -> tuple[str, Login]:
+        if len(self._by_id) >= _MAX_LOGINS:
+            self._by_id.pop(next(iter(self._by_id)))
+        login_id = secrets.token_urlsafe(32)
+        login = Login(token, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
+        self._by_id[login_id] = login
+        return login_id, login
+
+    def get(self, login_id: str | None) -> Login | None:
+        login = self._by_id.get(login_id or "")
+        if login is not None and login.expires < time.time():
+            self._by_id.pop(login_id or "", None)
+            return None
+        return login
+
+    def drop(self, login_id: str | None) -> None:
+        self._by_id.pop(login_id or "", None)
+
+
+class LoginBody(BaseModel):
+    token: str
+
+
+@dataclass(frozen=True)
+class Viewer:
+    identity: Identity
+    login: Login
+    login_id: str
+
+
+def _viewer(request: Request) -> Viewer:
+    """The person behind the request's login cookie; for a request that changes something, also its
+    CSRF token in ``X-CSRF-Token`` (a page of another site can send the cookie's request, not read it)."""
+    app: ServerApp = request.app.state.gpuport
+    logins: Logins = request.app.state.logins
+    login_id = request.cookies.get(COOKIE)
+    login = logins.get(login_id)
+    if login is None:
+        raise AuthenticationError("not logged in to the dashboard (or the login expired): log in with a token")
+    if request.method not in ("GET", "HEAD"):
+        sent = request.headers.get(CSRF_HEADER, "")
+        if not hmac.compare_digest(sent.encode(), login.csrf.encode()):
+            raise PermissionDenied("this request lacks the dashboard's CSRF token: reload the page")
+    try:
+        identity = app.auth.authenticate(f"Bearer {login.token}")
+    except AuthenticationError:
+        logins.drop(login_id)
+        raise
+    return Viewer(identity, login, login_id or "")
+
+
+Seen = Annotated[Viewer, Depends(_viewer)]
+
+
+def _static(name: str) -> Response:
+    body = resources.files("gpuport.server").joinpath("dashboard", name).read_bytes()
+    return Response(body, media_type=_STATIC[name], headers=_HEADERS)
+
+
+def _gpus(app: ServerApp, who: Identity) -> list[dict[str, Any]]:
+    listing = app.gpus(who)
+    history = app.gpu_history.get()
+    found = []
+    for place, gpu in enumerate(listing.gpus):
+        readings = history.get(app.gpu_history.key(gpu), [])
+        found.append(
+            {
+                "key": app.gpu_history.key(gpu),
+                "index": gpu.index,
+                "node": gpu.node,
+                "name": gpu.name,
+                "memory_total": gpu.memory_total,
+                "memory_used": gpu.memory_used,
+                "utilization": gpu.utilization,
+                "holders": [
+                    {"job": a.job_id, "user": a.owner, "memory": a.memory, "memory_used": a.memory_used}
+                    for a in listing.allocations.get(place, [])
+                ],
+                "history": [[r.at, r.utilization, r.memory_used] for r in readings],
+            }
+        )
+    return found
+
+
+def _job(job: Any) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "owner": job.owner,
+        "name": job.name,
+        "state": job.state.value,
+        "command": job.command,
+        "gpus": job.gpus,
+        "gpu_memory": job.gpu_memory,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "ended_at": job.ended_at,
+        "exit_code": job.exit_code,
+        "message": job.message,
+        "position": job.position,
+    }
+
+
+def state_for(app: ServerApp, who: Identity) -> dict[str, Any]:
+    """What the dashboard shows ``who``: what the API would answer them."""
+    models = []
+    stats = {(r.name, r.version): t for r, t in app.serving.statistics()}
+    for record in app.serving.list():
+        timings = stats.get((record.name, record.version))
+        batches = sum(infer.count for _, infer, _ in timings.batches.values()) if timings else 0
+        rows = sum(size * infer.count for size, (_, infer, _) in timings.batches.items()) if timings else 0
+        models.append(
+            {
+                "name": record.name,
+                "version": record.version,
+                "owner": record.owner,
+                "state": record.state,
+                "message": message_for(record, who),
+                "format": record.format,
+                "mine": record.owner == who.name or who.admin,
+                "requests": timings.success.count if timings else 0,
+                "failed": timings.fail.count if timings else 0,
+                "latency_ns": timings.success.ns if timings else 0,
+                "batches": batches,
+                "rows": rows,
+            }
+        )
+    return {
+        "at": time.time(),
+        "user": who.name,
+        "admin": who.admin,
+        "gpus": _gpus(app, who),
+        "queue": [_job(j) for j in app.jobs.queue(who)],
+        "jobs": [_job(j) for j in app.jobs.list_for(who, all=who.admin)],
+        "sessions": [
+            {
+                "id": s.id,
+                "name": s.name,
+                "owner": s.owner,
+                "state": s.state,
+                "created_at": s.created_at,
+                "last_call_at": s.last_call_at,
+                "refs": s.refs,
+                "gpus": s.job.gpus,
+                "gpu_memory": s.job.gpu_memory,
+            }
+            for s in app.sessions.list_for(who)
+        ],
+        "models": models,
+    }
+
+
+def _sse(data: Any, event: str = "") -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
+    api.state.logins = Logins()
+    hidden = {"include_in_schema": False}
+
+    @api.get("/", **hidden)
+    async def index() -> Response:
+        return _static("index.html")
+
+    @api.get("/ui/static/{name}", **hidden)
+    async def static(name: str) -> Response:
+        if name not in _STATIC or name == "index.html":
+            return Response(status_code=404, headers=_HEADERS)
+        return _static(name)
+
+    @api.post(LOGIN_PATH, **hidden)
+    async def login(body: LoginBody, request: Request) -> Response:
+        identity = app.auth.authenticate(f"Bearer {body.token.strip()}")
+        login_id, made = request.app.state.logins.create(body.token.strip())
+        response = Response(
+            json.dumps({"user": identity.name, "admin": identity.admin, "csrf": made.csrf}),
+            media_type="application/json",
+            headers=_HEADERS,
+        )
+        secure = request.url.scheme == "https"
+        response.set_cookie(
+            COOKIE, login_id, max_age=LOGIN_SECONDS, path="/", secure=secure, httponly=True, samesite="strict"
+        )
+        return response
+
+    @api.get("/ui/me", **hidden)
+    async def me(viewer: Seen) -> dict[str, Any]:
+        return {"user": viewer.identity.name, "admin": viewer.identity.admin, "csrf": viewer.login.csrf}
+
+    @api.post("/ui/logout", **hidden)
+    async def logout(viewer: Seen, request: Request) -> Response:
+        request.app.state.logins.drop(viewer.login_id)
+        response = Response(status_code=204, headers=_HEADERS)
+        response.delete_cookie(COOKIE, path="/", secure=request.url.scheme == "https", httponly=True, samesite="strict")
+        return response
+
+    @api.get("/ui/state", **hidden)
+    async def state(viewer: Seen) -> dict[str, Any]:
+        return await asyncio.to_thread(state_for, app, viewer.identity)
+
+    @api.get("/ui/events", **hidden)
+    async def events(viewer: Seen, request: Request) -> StreamingResponse:
+        async def stream() -> AsyncIterator[bytes]:
+            while not await request.is_disconnected():
+                try:
+                    identity = app.auth.authenticate(f"Bearer {viewer.login.token}")
+                except GpuportError as e:
+                    yield _sse({"error": str(e)}, "ended")
+                    return
+                yield _sse(await asyncio.to_thread(state_for, app, identity))
+                await asyncio.sleep(EVENT_SECONDS)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)
+
+    @api.get("/ui/jobs/{job_id}/log", **hidden)
+    async def job_log(job_id: str, viewer: Seen, offset: int = 0) -> StreamingResponse:
+        app.jobs.get(viewer.identity, job_id)  # NotFound before the stream starts: another's job is not there
+
+        async def stream() -> AsyncIterator[bytes]:
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character cut short waits for its end
+            try:
+                chunks = app.jobs.logs(viewer.identity, job_id, offset, True)
+                async for at, data in app.until_revoked(viewer.identity.name, chunks):
+                    text = decoder.decode(data)
+                    if text:
+                        yield _sse({"offset": at + len(data), "text": text})
+            except GpuportError as e:
+                yield _sse({"error": str(e)}, "ended")
+                return
+            if tail := decoder.decode(b"", final=True):
+                yield _sse({"text": tail})
+            yield _sse(_job(app.jobs.get(viewer.identity, job_id)), "ended")
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)
+
+    @api.post("/ui/jobs/{job_id}/cancel", **hidden)
+    async def cancel(job_id: str, viewer: Seen) -> dict[str, Any]:
+        return _job(app.jobs.cancel(viewer.identity, job_id))
+
+    @api.post("/ui/sessions/{session_id}/close", **hidden)
+    async def close_session(session_id: str, viewer: Seen) -> dict[str, Any]:
+        record = app.sessions.close(viewer.identity, session_id=session_id)
+        return {"id": record.id, "state": record.state}
+
+    @api.post("/ui/models/{name}/{version}/undeploy", **hidden)
+    async def undeploy(name: str, version: int, viewer: Seen) -> list[dict[str, Any]]:
+        return [{"name": r.name, "version": r.version} for r in app.serving.undeploy(viewer.identity, name, version)]

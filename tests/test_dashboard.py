@@ -1,0 +1,170 @@
+"""The web dashboard in a real browser: Debian's Chromium, headless, driven by Playwright (no browser
+download), against a real server over TLS. A user logs in, sees the GPUs, follows a running job's
+log as its lines arrive, cancels it and sees it end; a model's counters move under load; a wrong
+token is refused; another user's job is not there; a job printing markup shows text; a request
+without the CSRF token changes nothing; the page fits a phone. Screenshots go to
+``test-artifacts/dashboard/`` (or ``$GPUPORT_TEST_ARTIFACTS``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import RunningServer, start_server
+from tests.test_serving_errors import _doubler_file
+
+sync_api = pytest.importorskip("playwright.sync_api")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="chromium is not installed: apt-get install chromium (make test does, as root)"
+)
+# The machine refuses outbound connections; as root Chromium needs --no-sandbox.
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+ARTIFACTS = (
+    Path(os.environ.get("GPUPORT_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts")) / "dashboard"
+)
+PRINTER = "import time\nfor i in range(600):\n    print('line', i, flush=True)\n    time.sleep(0.1)\n"
+MARKUP = "print('<script>window.pwned = 1</script><img src=x onerror=\"window.pwned = 2\">')"
+
+
+@pytest.fixture
+def dash_server(tmp_path: Path) -> Iterator[RunningServer]:
+    running = start_server(tmp_path / "state")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+def _shot(page: Any, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _log_in(page: Any, server: RunningServer, token: str) -> None:
+    page.goto(server.http_url + "/")
+    page.fill("#token", token)
+    page.click("#login button[type=submit]")
+
+
+def test_follow_a_job_cancel_it_and_watch_a_model(dash_server: RunningServer, browser: Any, tmp_path: Path) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        alice = admin.create_token("alice").token
+        bob = admin.create_token("bob").token
+        admin.deploy("doubler", _doubler_file(tmp_path), max_queue_delay=0.001)
+    with server.connect(bob) as gpu:
+        bobs = gpu.submit(["python", "-c", "print('bob')"], workdir=None)
+    with server.connect(alice) as gpu:
+        job = gpu.submit(["python", "-c", PRINTER], workdir=None)
+        markup = gpu.submit(["python", "-c", MARKUP], workdir=None)
+        markup.wait(timeout=60)
+
+    context = browser.new_context(ignore_https_errors=True)  # the server's own certificate, not a CA's
+    page = context.new_page()
+    _log_in(page, server, "gp_not-a-token")
+    sync_api.expect(page.locator("#login-error")).to_contain_text("not known to this server")
+    _log_in(page, server, alice)
+    sync_api.expect(page.locator("#board")).to_be_visible()
+    sync_api.expect(page.locator("#who")).to_have_text("alice")
+    sync_api.expect(page.locator("#gpus .card")).to_have_count(2)
+    sync_api.expect(page.locator("#jobs")).to_contain_text(job.id)
+    assert bobs.id not in page.locator("#jobs").inner_text()  # another user's job is not there
+    cookie = [c for c in context.cookies() if c["name"] == "gpuport_login"][0]
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+    assert page.evaluate("document.cookie") == ""  # the page's script cannot read it
+    _shot(page, "1-board")
+
+    # The log follows the running job: lines arrive while we watch.
+    page.locator("#jobs tr", has_text=job.id).click()
+    sync_api.expect(page.locator("#log-state")).to_have_text("running", timeout=30_000)
+    sync_api.expect(page.locator("#log")).to_contain_text("line 3", timeout=30_000)
+    seen = page.locator("#log").inner_text().count("line")
+    sync_api.expect(page.locator("#log")).to_contain_text(f"line {seen + 5}", timeout=30_000)
+    _shot(page, "2-log")
+    page.click("#log-cancel")
+    sync_api.expect(page.locator("#log-state")).to_have_text("cancelled", timeout=30_000)
+    sync_api.expect(page.locator("#jobs tr", has_text=job.id)).to_contain_text("cancelled", timeout=10_000)
+    _shot(page, "3-cancelled")
+
+    # A job printing markup shows it as text.
+    page.locator("#jobs tr", has_text=markup.id).click()
+    sync_api.expect(page.locator("#log")).to_contain_text("<script>window.pwned = 1</script>", timeout=30_000)
+    assert page.evaluate("window.pwned") is None
+
+    # A model's counters move under load.
+    x = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 8}]}
+    for _ in range(20):
+        assert server.rest("POST", "/v2/models/doubler/infer", alice, json=x).status_code == 200
+    sync_api.expect(page.locator("#models tr", has_text="doubler")).to_contain_text("20", timeout=15_000)
+    _shot(page, "4-model")
+
+    # Without the CSRF header, the login cookie alone changes nothing.
+    with server.connect(alice) as gpu:
+        other = gpu.submit(["python", "-c", "import time; time.sleep(60)"], workdir=None)
+        refused = context.request.post(f"{server.http_url}/ui/jobs/{other.id}/cancel")
+        assert refused.status == 403 and "CSRF" in refused.text()
+        assert gpu.job(other.id).status in ("queued", "running")
+        other.cancel()
+
+    # A phone-sized screen: nothing wider than it.
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    _shot(page, "5-phone")
+
+    page.click("#logout")
+    sync_api.expect(page.locator("#login")).to_be_visible()
+    assert context.request.get(f"{server.http_url}/ui/me").status == 401
+    context.close()
+    with server.connect() as admin:
+        admin.undeploy("doubler")  # its replica would outlive the server, as a job does
+
+
+def test_a_revoked_token_ends_its_dashboard(dash_server: RunningServer, browser: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        carol = admin.create_token("carol").token
+        context = browser.new_context(ignore_https_errors=True)
+        page = context.new_page()
+        _log_in(page, server, carol)
+        sync_api.expect(page.locator("#board")).to_be_visible()
+        admin.revoke_token("carol")
+        sync_api.expect(page.locator("#login-error")).to_contain_text("revoked", timeout=15_000)
+        assert context.request.get(f"{server.http_url}/ui/state").status == 401
+        context.close()
+
+
+def test_the_page_is_strict(dash_server: RunningServer) -> None:
+    page = dash_server.rest("GET", "/")
+    assert page.status_code == 200
+    policy = page.headers["content-security-policy"]
+    assert "script-src 'self'" in policy and "unsafe-inline" not in policy and "frame-ancestors 'none'" in policy
+    for asset in ("app.js", "style.css"):
+        text = dash_server.rest("GET", f"/ui/static/{asset}").text
+        assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text
+    assert dash_server.rest("GET", "/ui/static/../app.py").status_code == 404
+    assert dash_server.rest("GET", "/ui/state").status_code == 401
+    big = dash_server.rest("POST", "/ui/login", json={"token": "gp_" + "x" * 10_000})
+    assert big.status_code == 413

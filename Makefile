@@ -61,6 +61,7 @@ $(VENV)/.bench: pyproject.toml | $(PY)
 
 bench: $(VENV)/.dev $(VENV)/.bench
 	@command -v rsync >/dev/null || echo "rsync not found: the sync figures are skipped (apt-get install rsync)"
+	$(PY) bench/bench_cli.py
 	$(PY) bench/bench_connect.py
 	$(PY) bench/bench_jobs.py
 	$(PY) bench/bench_queue.py

@@ -12,27 +12,32 @@ import os as _os
 # that say what to do, so the raw lines are only noise. Set GRPC_VERBOSITY to see them.
 _os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from gpuport._version import __version__
-from gpuport.client import (
-    GPU,
-    Client,
-    GpuAllocation,
-    GpuProcess,
-    Job,
-    JobInfo,
-    ModelInfo,
-    NewToken,
-    QuotaInfo,
-    Ref,
-    RemoteFunction,
-    ServerStatus,
-    Session,
-    SessionInfo,
-    Snapshot,
-    TokenInfo,
-    connect,
-    login,
-)
+
+if _TYPE_CHECKING:
+    from gpuport.client import (
+        GPU,
+        Client,
+        GpuAllocation,
+        GpuProcess,
+        Job,
+        JobInfo,
+        ModelInfo,
+        NewToken,
+        QuotaInfo,
+        Ref,
+        RemoteFunction,
+        ServerStatus,
+        Session,
+        SessionInfo,
+        Snapshot,
+        TokenInfo,
+        connect,
+        login,
+    )
 from gpuport.protocol import errors as _errors
 from gpuport.protocol.errors import *
 from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size
@@ -64,6 +69,46 @@ __all__ = [
     "load_ipython_extension",
     *_errors.__all__,
 ]
+
+
+# The client's names are imported when first used (PEP 562): `gpuport --version` and the errors do
+# not pay for gRPC, protobuf and cloudpickle.
+_CLIENT_NAMES = frozenset(
+    {
+        "GPU",
+        "Client",
+        "GpuAllocation",
+        "GpuProcess",
+        "Job",
+        "JobInfo",
+        "ModelInfo",
+        "NewToken",
+        "QuotaInfo",
+        "Ref",
+        "RemoteFunction",
+        "ServerStatus",
+        "Session",
+        "SessionInfo",
+        "Snapshot",
+        "TokenInfo",
+        "connect",
+        "login",
+    }
+)
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _CLIENT_NAMES:
+        raise AttributeError(f"module 'gpuport' has no attribute {name!r}")
+    import gpuport.client
+
+    value = getattr(gpuport.client, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _CLIENT_NAMES)
 
 
 def load_ipython_extension(ipython: object) -> None:

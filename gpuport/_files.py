@@ -3,10 +3,8 @@ hashes, and reading what a job wrote without following its symlinks."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -17,6 +15,8 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = 
 
     ``durable`` also flushes it to disk before the rename (a crash then leaves the old or the new file).
     """
+    import tempfile  # here: most commands write no file
+
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, mode)
@@ -33,6 +33,8 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = 
 
 def sha256_file(path: Path | str) -> tuple[str, int]:
     """SHA-256 hex and size of the file at ``path`` (a file's blob id, on either side)."""
+    import hashlib  # here: reading a profile hashes nothing, and hashlib loads OpenSSL
+
     digest = hashlib.sha256()
     size = 0
     with open(path, "rb", buffering=0) as f:

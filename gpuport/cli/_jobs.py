@@ -9,18 +9,20 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.markup import escape
-from rich.table import Table
 
 from gpuport.cli._common import client, json_option
-from gpuport.cli._output import ago, err, out, print_json
-from gpuport.client import Job, JobInfo
+from gpuport.cli._output import ago, err, escape, new_table, out, print_json
 from gpuport.defaults import DEFAULT_DETACH_WINDOW, DEFAULT_OUTPUT_DIR
 from gpuport.protocol.errors import InvalidRequest, WaitTimeout
 from gpuport.protocol.units import format_duration, format_size
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from gpuport.client import Job, JobInfo
 
 # Transfers smaller than this finish before a progress bar would be worth drawing.
 _PROGRESS_FROM_BYTES = 4 * 1024 * 1024
@@ -321,7 +323,7 @@ def resources(j: JobInfo) -> str:
 
 
 def _jobs_table(jobs: list[JobInfo]) -> Table:
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     nodes = len({j.node for j in jobs if j.node}) > 1  # a cluster's: each job's node is said
     for column in ("JOB", "NAME", "OWNER", "STATE", "NODE", "RESOURCES", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
         if column == "JOB":
@@ -378,7 +380,7 @@ def queue_command(ctx: click.Context, as_json: bool) -> None:
     if not infos:
         err.print("the queue is empty")
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     for column in ("#", "JOB", "OWNER", "PRIORITY", "ASKS FOR", "WAITING", "WHY"):
         table.add_column(column, overflow="fold" if column == "WHY" else "ellipsis")
     for j in infos:
@@ -482,7 +484,7 @@ def snapshots_command(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         print_json(snapshots)
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     for column in ("NAME", "FILES", "SIZE", "ID"):
         table.add_column(column)
     for s in snapshots:

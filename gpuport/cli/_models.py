@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import click
-from rich.markup import escape
-from rich.table import Table
 
 from gpuport.cli._common import client, json_option
-from gpuport.cli._output import err, out, print_json
+from gpuport.cli._output import err, escape, new_table, out, print_json
 from gpuport.defaults import DEFAULT_MAX_BATCH_SIZE
 from gpuport.protocol.units import format_duration, format_size
 
@@ -99,7 +97,7 @@ def models_command(ctx: click.Context, as_json: bool) -> None:
     if not models:
         err.print("no models deployed — `gpuport deploy NAME SOURCE`")
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     columns = ("NAME", "VERSION", "STATE", "FORMAT", "OWNER", "REPLICAS", "GPU", "BATCH", "REQUESTS", "ROWS/BATCH")
     for column in columns:
         table.add_column(column, no_wrap=column == "NAME")

@@ -5,17 +5,48 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
-from gpuport.client import GPU
 from gpuport.protocol.units import format_duration, format_size
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from gpuport.client import GPU
+
+
+class _Console:
+    """A rich ``Console`` made on first use: importing rich costs 15 ms, which a command that prints
+    nothing through it (``--version``, ``--help``) does not pay."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._console: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return getattr(self._console, name)
+
+
+out: Any = _Console(highlight=False, soft_wrap=True)
+err: Any = _Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def escape(text: str) -> str:
+    """``text`` with rich's markup characters escaped: printed as it is."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
+def new_table() -> Table:
+    """The CLI's tables: no box, bold headers."""
+    from rich.table import Table
+
+    return Table(box=None, pad_edge=False, header_style="bold")
 
 
 def print_json(value: Any) -> None:
@@ -35,7 +66,7 @@ def print_error(message: str) -> None:
 
 
 def gpu_table(gpus: list[GPU] | tuple[GPU, ...]) -> Table:
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     nodes = len({g.node for g in gpus}) > 1  # a cluster's: each GPU's node is said
     for column in ("NODE", "GPU", "NAME", "MEMORY USED / TOTAL", "UTIL", "JOBS (OWNER, SLICE, MEMORY USED)"):
         if column != "NODE" or nodes:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import click
-from rich.markup import escape
-from rich.table import Table
 
 from gpuport.cli._common import client, json_option
-from gpuport.cli._output import err, out, print_json, when
+from gpuport.cli._output import err, escape, new_table, out, print_json, when
 
 
 @click.group("quota")
@@ -43,7 +41,7 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
     if not quotas:
         err.print("no quotas: every user may use everything")
         return
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     for column in ("USER", "GPUS", "JOBS", "SET"):
         table.add_column(column)
     for q in quotas:

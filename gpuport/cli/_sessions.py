@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 
 import click
-from rich.markup import escape
-from rich.table import Table
 
 from gpuport.cli._common import client, json_option
-from gpuport.cli._output import err, out, print_json
+from gpuport.cli._output import err, escape, new_table, out, print_json
 from gpuport.protocol.units import format_duration, format_size
 
 
@@ -32,7 +30,7 @@ def sessions_group(ctx: click.Context, as_json: bool) -> None:
         err.print("no live sessions")
         return
     now = time.time()
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    table = new_table()
     for column in ("ID", "NAME", "OWNER", "STATE", "GPUS", "VALUES", "IDLE", "ENDS IN", "CLIENTS"):
         table.add_column(column)
     for s in sessions:

@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import click
-from rich.markup import escape
 
 import gpuport
-from gpuport._packages import missing_package
 from gpuport.cli._common import client as _client
 from gpuport.cli._common import json_option
 from gpuport.cli._jobs import JOB_COMMANDS
 from gpuport.cli._models import deploy_command, label_command, models_command, undeploy_command
-from gpuport.cli._output import ago, err, gpu_table, out, print_error, print_json, when
+from gpuport.cli._output import ago, err, escape, gpu_table, out, print_error, print_json, when
 from gpuport.cli._quotas import quota_group
 from gpuport.cli._sessions import sessions_group
-from gpuport.client import config_path, load_profiles, login, remove_profile
 from gpuport.client._channel import Target, parse_url
+from gpuport.client._config import config_path, load_profiles, remove_profile
 from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_PROFILE, ENV_PROFILE
 from gpuport.protocol.errors import GpuportError, InvalidRequest
 from gpuport.protocol.units import format_size, parse_size
@@ -166,11 +162,15 @@ def server(
         from gpuport.server.isolation import parse_uid_range
         from gpuport.server.state import default_state_dir
     except ImportError as e:
+        from gpuport._packages import missing_package
+
         raise click.ClickException(missing_package(e, "`gpuport server`")) from None
     try:
         floor = None if memory_floor is None else parse_size(memory_floor)
     except InvalidRequest as e:
         raise click.BadParameter(str(e), param_hint="--memory-floor") from None
+    import logging
+
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -200,6 +200,8 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
     except ImportError:
+        import asyncio
+
         asyncio.run(main)
     else:
         uvloop.run(main)
@@ -258,6 +260,8 @@ def login_command(
     profile_name = profile_name or ctx.obj.get("profile") or DEFAULT_PROFILE
     if not token and start_command is None:
         token = click.prompt("Token", hide_input=True, err=True)
+    from gpuport.client import login
+
     confirm = (lambda *_: True) if yes else _confirm_certificate
     with login(
         url, token, fingerprint=fingerprint, profile=profile_name, confirm=confirm, start=start_command

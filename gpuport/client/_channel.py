@@ -10,12 +10,9 @@ port" it was.
 from __future__ import annotations
 
 import ipaddress
-import socket
-import ssl
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
-
-import grpc
 
 from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, MAX_MESSAGE_BYTES, STREAM_WINDOW_BYTES
 from gpuport.protocol.errors import (
@@ -28,7 +25,9 @@ from gpuport.protocol.errors import (
     TLSError,
     error_from_status,
 )
-from gpuport.protocol.tls import fingerprint
+
+if TYPE_CHECKING:
+    import grpc  # imported where a channel is made: URLs and profiles need none of it
 
 # Every certificate a gpuport server makes names localhost, so a pinned one always passes gRPC's
 # name check under this name; the pin, not the name, is what is trusted.
@@ -129,6 +128,9 @@ def probe(target: Target, timeout: float) -> Probe:
 
     Raises ``ServerUnreachable`` when nothing answers and ``TLSError`` when it does not speak TLS.
     """
+    import socket  # here and not above, as ssl: reading a profile needs neither
+    import ssl
+
     try:
         sock = socket.create_connection((target.host, target.port), timeout=timeout)
     except socket.gaierror as e:
@@ -172,6 +174,8 @@ def read_certificate(target: Target, timeout: float) -> tuple[str, str]:
     seen = probe(target, timeout)
     if not seen.certificate:
         raise TLSError(f"{target.url} completed a TLS handshake but presented no certificate")
+    from gpuport.protocol.tls import fingerprint
+
     return seen.certificate, fingerprint(seen.certificate)
 
 
@@ -188,6 +192,8 @@ def mismatch_error(target: Target, pinned: str, presented: str) -> FingerprintMi
 
 def open_channel(target: Target, certificate: str | None) -> grpc.Channel:
     """A channel to ``target`` that trusts exactly ``certificate`` (None: plaintext, loopback only)."""
+    import grpc
+
     options: list[tuple[str, int | str]] = [
         ("grpc.use_local_subchannel_pool", 1),  # each client its own connection
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -207,6 +213,8 @@ def diagnose(target: Target, pinned: str | None, details: str, timeout: float) -
     """Explain a connection that failed: which of unreachable, not TLS, another certificate, wrong port."""
     seen = probe(target, timeout)  # raises ServerUnreachable / TLSError itself
     if target.tls and seen.certificate:
+        from gpuport.protocol.tls import fingerprint
+
         presented = fingerprint(seen.certificate)
         if pinned and presented != pinned:
             return mismatch_error(target, pinned, presented)
@@ -227,6 +235,8 @@ def diagnose(target: Target, pinned: str | None, details: str, timeout: float) -
 
 def map_rpc_error(error: grpc.RpcError, target: Target) -> GpuportError:
     """The one place where a gRPC error becomes a ``GpuportError``."""
+    import grpc
+
     code = error.code()  # type: ignore[attr-defined]
     details = error.details() or ""  # type: ignore[attr-defined]
     name = None

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import Job, JobInfo
 from gpuport.client._models import ModelInfo
-from gpuport.client._sessions import RemoteFunction, Session, SessionInfo, open_session
 from gpuport.client._transport import Progress, Transport
 from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
 from gpuport.defaults import (
@@ -27,6 +24,7 @@ from gpuport.protocol.errors import InvalidRequest, ServerError
 from gpuport.protocol.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
+    from gpuport.client._sessions import RemoteFunction, Session, SessionInfo
     from gpuport.client._tensorflow import RemoteTensorFlow
 
 _EMPTY = pb.Empty()  # requests are only read, never changed: one instance serves every call
@@ -279,6 +277,8 @@ class Client:
 
         Raises ``IncompatibleVersions`` when this Python cannot exchange pickles with the server's.
         """
+        from gpuport.client._sessions import open_session  # here: cloudpickle loads for sessions only
+
         return open_session(
             self.transport,
             name=name,
@@ -295,10 +295,14 @@ class Client:
 
     def sessions(self) -> list[SessionInfo]:
         """Your live sessions (every user's, for an admin)."""
+        from gpuport.client._sessions import SessionInfo
+
         return [SessionInfo.from_message(m) for m in self.transport.call(self.transport.sessions.List, _EMPTY).sessions]
 
     def close_session(self, name_or_id: str) -> SessionInfo:
         """End a session by its name or id (``gpuport sessions close``)."""
+        from gpuport.client._sessions import SessionInfo
+
         ref = pb.SessionRef(session_id=name_or_id) if name_or_id.startswith("s-") else pb.SessionRef(name=name_or_id)
         return SessionInfo.from_message(self.transport.call(self.transport.sessions.Close, ref))
 
@@ -372,6 +376,9 @@ class Client:
         """Upload a local model as an unnamed snapshot; its source for a deployment."""
         if path.is_dir():
             return f"snapshot:{self.transport.sync(path, '', None).id}"
+        import shutil
+        import tempfile
+
         with tempfile.TemporaryDirectory(prefix="gpuport-model-") as tmp:
             os.link(path, Path(tmp) / path.name) if _same_device(path, tmp) else shutil.copy2(path, tmp)
             spec = path.parent / "gpuport-model.json"
@@ -445,6 +452,8 @@ class Client:
         travel by value; what they import must be installed on the server.
         """
         options = {"gpus": gpus, "gpu_memory": gpu_memory, "cpus": cpus, "memory": memory, "env": env}
+
+        from gpuport.client._sessions import RemoteFunction
 
         def wrap(f: Callable[..., Any]) -> RemoteFunction:
             return RemoteFunction(self.transport, f, options, timeout, max_workers)

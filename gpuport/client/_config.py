@@ -8,8 +8,6 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import platformdirs
-
 from gpuport._files import atomic_write
 from gpuport.client._channel import parse_url
 from gpuport.defaults import DEFAULT_PROFILE, ENV_CONFIG_DIR, ENV_FINGERPRINT, ENV_PROFILE, ENV_TOKEN, ENV_URL
@@ -40,6 +38,8 @@ class Settings:
 
 def config_path() -> Path:
     """``$GPUPORT_CONFIG_DIR/config.json``, else ``config.json`` in the platform's user config dir."""
+    import platformdirs
+
     folder = os.environ.get(ENV_CONFIG_DIR) or platformdirs.user_config_dir("gpuport", appauthor=False)
     return Path(folder) / "config.json"
 

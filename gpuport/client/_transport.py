@@ -9,21 +9,18 @@ data port's sockets.
 
 from __future__ import annotations
 
+import functools
 import platform
-import socket
-import ssl
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import cloudpickle
 import grpc
 
 from gpuport._version import __version__
-from gpuport.client import _sync
 from gpuport.client._channel import (
     Target,
     diagnose,
@@ -42,7 +39,11 @@ from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
 from gpuport.protocol.errors import ConnectionFailed, ServerError, ServerUnreachable, TLSError
 from gpuport.protocol.paths import check_entries
-from gpuport.protocol.values import check_compatible
+
+if TYPE_CHECKING:
+    import socket
+
+    from gpuport.client import _sync  # imported by the methods that sync: other commands need none of it
 
 Reply = TypeVar("Reply")
 # progress(done_bytes, total_bytes), called as an upload or download goes.
@@ -102,22 +103,24 @@ class Transport:
         self._upload = self.channel.stream_unary(
             "/gpuport.v1.Snapshots/Upload", request_serializer=None, response_deserializer=pb.UploadReply.FromString
         )
-        request = pb.HelloRequest(
-            client_version=__version__,
-            python_version=platform.python_version(),
-            cloudpickle_version=cloudpickle.__version__,
-        )
+        # No cloudpickle version: importing it costs a command 12 ms, and only sessions need it.
+        request = pb.HelloRequest(client_version=__version__, python_version=platform.python_version())
         try:
             self.hello: pb.HelloReply = self.call(self.control.Hello, request, timeout=timeout, connecting=True)
         except BaseException:
             self.channel.close()
             raise
         self.data_port: int = self.hello.data_port  # 0: none; after a failed connection, too (gRPC instead)
-        # Sessions and functions exchange pickles, which need the same Python minor version (and
-        # cloudpickle major version) on both sides: found out now, said when a session is opened.
-        self.pickle_problem = check_compatible(
-            self.hello.python_version, self.hello.cloudpickle_version or cloudpickle.__version__
-        )
+
+    @functools.cached_property
+    def pickle_problem(self) -> str | None:
+        """Why pickles cannot cross to this server (another Python minor version, or cloudpickle major
+        version), or None: sessions and functions exchange pickles. Said when a session is opened."""
+        import cloudpickle
+
+        from gpuport.protocol.values import check_compatible
+
+        return check_compatible(self.hello.python_version, self.hello.cloudpickle_version or cloudpickle.__version__)
 
     @property
     def url(self) -> str:
@@ -163,6 +166,9 @@ class Transport:
         """A ticket for ``request`` and a connection to the server's data port to present it on: TLS
         with the pinned certificate. The connection is None (and gRPC is used from then on) when the
         port cannot be reached, as behind a firewall that lets only the gRPC port through."""
+        import socket  # here: a command without sessions needs no socket of its own, nor Python's TLS
+        import ssl
+
         ticket: pb.TransferTicket = self.call(self.sessions.Transfer, request)
         target = self.target
         try:
@@ -194,6 +200,8 @@ class Transport:
 
     def sync(self, folder: Path, name: str, progress: Progress | None) -> Snapshot:
         """Sync ``folder``: only blobs the server lacks travel, and they start while the rest is hashed."""
+        from gpuport.client import _sync
+
         files = _sync.scan(folder)
         cache = _sync.HashCache(folder)
         known, unknown = cache.split(files)
@@ -219,6 +227,8 @@ class Transport:
 
     def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
         """Upload the queue's files in one stream, until the queue is closed."""
+        from gpuport.client import _sync
+
         self.call(self._upload, _sync.prefetched(_sync.upload_batches(uploads, progress)), timeout=None)
 
     def _hash_and_upload(
@@ -231,6 +241,8 @@ class Transport:
     ) -> list[_sync.LocalFile]:
         """Hash ``unknown`` in rounds; upload what the server lacks in a background stream meanwhile."""
         from concurrent.futures import ThreadPoolExecutor
+
+        from gpuport.client import _sync
 
         failure: list[BaseException] = []
 
@@ -278,6 +290,8 @@ class Transport:
     def download(self, snapshot_id: str, dest: Path, path: str | None, progress: Progress | None) -> list[Path]:
         """Bring snapshot ``snapshot_id`` (the files at ``path`` in it) into ``dest``: only files not
         there already travel. Returns every file chosen."""
+        from gpuport.client import _sync
+
         snapshot = self.call(self.snapshots.Get, pb.SnapshotRef(snapshot_id=snapshot_id))
         entries = list(snapshot.entries)
         check_entries(entries)  # a manifest from the server gets the checks one sent to it gets

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import ssl
 
 _FINGERPRINT_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 
@@ -14,6 +13,8 @@ def fingerprint(certificate: bytes | str) -> str:
     if isinstance(certificate, str):
         certificate = certificate.encode()
     if certificate.lstrip().startswith(b"-----BEGIN"):
+        import ssl  # here: reading a saved profile's fingerprint needs no TLS
+
         certificate = ssl.PEM_cert_to_DER_cert(certificate.decode())
     return "sha256:" + hashlib.sha256(certificate).hexdigest()
 

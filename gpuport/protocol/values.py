@@ -57,7 +57,6 @@ from typing import Any
 
 import cloudpickle
 
-from gpuport._packages import missing_package
 from gpuport.protocol import refs
 from gpuport.protocol.errors import InvalidRequest
 
@@ -368,6 +367,8 @@ def _import(library: str) -> ModuleType:
     try:
         return importlib.import_module(library)
     except ImportError as exc:
+        from gpuport._packages import missing_package
+
         raise InvalidRequest(missing_package(exc, f"receiving a {library} array")) from exc
 
 

@@ -246,13 +246,19 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             await queue.put(None)
 
         receiver = asyncio.create_task(receive())
+        writing: asyncio.Future[None] | None = None
         try:
             while (batch := await queue.get()) is not None:
-                await asyncio.to_thread(writer.write, batch.parts)
+                writing = asyncio.ensure_future(asyncio.to_thread(writer.write, batch.parts))
+                await asyncio.shield(writing)  # a cancel stops the wait, not the write (see below)
             await receiver
             writer.finish()
         except BaseException:
             receiver.cancel()
+            if writing is not None and not writing.done():
+                # A cancelled call (the client went away) stops waiting here, but the thread goes on
+                # writing: the part it may be creating is removed only once it is done.
+                await asyncio.wait([writing])
             writer.abort()
             raise
         finally:  # the blobs whose bytes arrived whole are the caller's, even from a stream cut short

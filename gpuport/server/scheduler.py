@@ -37,6 +37,7 @@ work spreads. Shares and quotas count the whole cluster.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -342,29 +343,42 @@ def could_start(
 def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine | Cluster) -> list[Pending]:
     """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
     machine = Cluster.of(machine)
+    shares: dict[Request, float] = {}  # a request's dominant share, worked out once per kind of request
+
+    def share_of(request: Request) -> float:
+        found = shares.get(request)
+        if found is None:
+            found = shares[request] = machine.dominant_share(request)
+        return found
+
     usage: dict[str, float] = {}
     for holding in running:
-        usage[holding.owner] = usage.get(holding.owner, 0.0) + machine.dominant_share(holding.request)
+        usage[holding.owner] = usage.get(holding.owner, 0.0) + share_of(holding.request)
+    levels: dict[int, list[Pending]] = {}
+    for p in queued:
+        levels.setdefault(p.priority, []).append(p)
     ordered: list[Pending] = []
-    for priority in sorted({p.priority for p in queued}, reverse=True):
-        level = [p for p in queued if p.priority == priority]
+    for priority in sorted(levels, reverse=True):
+        level = levels[priority]
         reserved = sorted((p for p in level if p.reserved_at is not None), key=lambda p: (p.reserved_at, p.seq))
         ordered += reserved
         for p in reserved:
-            usage[p.owner] = usage.get(p.owner, 0.0) + machine.dominant_share(p.request)
-        # Each user's jobs oldest first; the user using least goes next, and their use grows by the
-        # job's share as it is placed.
+            usage[p.owner] = usage.get(p.owner, 0.0) + share_of(p.request)
+        # Each user's jobs oldest first; the user using least goes next (then the one whose next job
+        # is oldest), and their use grows by the job's share as it is placed. A heap of the users
+        # keyed so: one push and one pop per job placed, however many users wait.
         per_user: dict[str, list[Pending]] = {}
         for p in sorted((p for p in level if p.reserved_at is None), key=lambda p: p.seq, reverse=True):
             per_user.setdefault(p.owner, []).append(p)
-        share = {user: usage.get(user, 0.0) for user in per_user}
-        while per_user:
-            user = min(per_user, key=lambda u: (share[u], per_user[u][-1].seq))
-            job = per_user[user].pop()
+        turns = [(usage.get(user, 0.0), jobs[-1].seq, user) for user, jobs in per_user.items()]
+        heapq.heapify(turns)
+        while turns:
+            share, _, user = heapq.heappop(turns)
+            jobs = per_user[user]
+            job = jobs.pop()
             ordered.append(job)
-            share[user] += machine.dominant_share(job.request)
-            if not per_user[user]:
-                del per_user[user]
+            if jobs:
+                heapq.heappush(turns, (share + share_of(job.request), jobs[-1].seq, user))
     return ordered
 
 
@@ -401,29 +415,40 @@ def plan(
     decisions = []
     waiting = 0  # jobs ahead that wait
     reservation: Pending | None = None
+    # What is free changes only when a job starts or the reservation is made: until then a request
+    # that did not fit does not fit, and waits for the same reason. A long queue of a few kinds of
+    # request is decided in one lookup a job.
+    why: dict[Request, str] = {}  # request → why it waits, while nothing changes
     for position, job in enumerate(queue_order(queued, running, machine), start=1):
         quota = quotas.get(job.owner, quotas.get("*"))
         reason = _over_quota(job, free, quota, machine)
         if not reason and low_memory and not job.request.memory:
             reason = low_memory
-        fits = None if reason else free.fit_all(job.request)
-        if fits is not None:
-            for pool in (free, unreserved):
-                for node, gpus in fits:
-                    pool.take(job.request, node, gpus)
-            free.held_gpus[job.owner] = free.held_gpus.get(job.owner, 0.0) + machine.gpu_share(job.request)
-            free.held_jobs[job.owner] = free.held_jobs.get(job.owner, 0) + 1
-            placement = tuple(fits) if job.request.nodes > 1 else ()
-            decisions.append(Decision(job.job_id, position, fits[0][1], node=fits[0][0], placement=placement))
-            continue
         if not reason:
-            if reservation is not None and unreserved.fit_all(job.request) is not None:
-                reason = f"what it needs is reserved for {reservation.job_id} (needs {reservation.request.describe()})"
-            else:
-                reason = "; ".join(unreserved.shortfall(job.request))
+            reason = why.get(job.request, "")
+            fits = None if reason else free.fit_all(job.request)
+            if fits is not None:
+                for pool in (free, unreserved):
+                    for node, gpus in fits:
+                        pool.take(job.request, node, gpus)
+                free.held_gpus[job.owner] = free.held_gpus.get(job.owner, 0.0) + machine.gpu_share(job.request)
+                free.held_jobs[job.owner] = free.held_jobs.get(job.owner, 0) + 1
+                placement = tuple(fits) if job.request.nodes > 1 else ()
+                decisions.append(Decision(job.job_id, position, fits[0][1], node=fits[0][0], placement=placement))
+                why.clear()
+                continue
+            if not reason:
+                if reservation is not None and unreserved.fit_all(job.request) is not None:
+                    reason = (
+                        f"what it needs is reserved for {reservation.job_id} (needs {reservation.request.describe()})"
+                    )
+                else:
+                    reason = "; ".join(unreserved.shortfall(job.request))
+                why[job.request] = reason
             if reservation is None:
                 reservation = job
                 free.reserve(job.request)
+                why.clear()
         if waiting:
             reason += f", {waiting} job{'s' if waiting > 1 else ''} ahead"
         decisions.append(Decision(job.job_id, position, None, reason, reserves=job is reservation))

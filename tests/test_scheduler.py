@@ -195,3 +195,55 @@ def test_a_job_over_several_nodes_starts_only_when_each_node_has_its_share() -> 
     assert small.gpu_indices is None
     # Its share counts both nodes: 4 of the cluster's 4 GPUs.
     assert cluster.gpu_share(Request(gpus=2, nodes=2)) == 4
+
+
+def _fair_share_by_definition(queued: list[Pending], running: list[Holding], machine: Machine) -> list[Pending]:
+    """The queue order as the rules say it, step by step: each priority level from the highest, its
+    reserved jobs first (oldest reservation first), then turn by turn the user using least of the
+    machine (then the one whose next job is oldest) places their oldest job, their use growing by it
+    within the level (what runs and what holds a reservation counts in every level)."""
+    cluster = Cluster.of(machine)
+    usage: dict[str, float] = {}
+    for h in running:
+        usage[h.owner] = usage.get(h.owner, 0.0) + cluster.dominant_share(h.request)
+    order: list[Pending] = []
+    for priority in sorted({p.priority for p in queued}, reverse=True):
+        level = [p for p in queued if p.priority == priority]
+        reserved = sorted((p for p in level if p.reserved_at is not None), key=lambda p: (p.reserved_at, p.seq))
+        order += reserved
+        for p in reserved:
+            usage[p.owner] = usage.get(p.owner, 0.0) + cluster.dominant_share(p.request)
+        rest = sorted((p for p in level if p.reserved_at is None), key=lambda p: p.seq)
+        share = dict(usage)
+        while rest:
+            users = {p.owner for p in rest}
+            nxt = {u: next(p for p in rest if p.owner == u) for u in users}
+            user = min(users, key=lambda u: (share.get(u, 0.0), nxt[u].seq))
+            order.append(nxt[user])
+            rest.remove(nxt[user])
+            share[user] = share.get(user, 0.0) + cluster.dominant_share(nxt[user].request)
+    return order
+
+
+def test_the_queue_order_is_the_rules_order_on_random_queues() -> None:
+    import random
+
+    rng = random.Random(3)
+    requests = [Request(gpus=1), Request(gpus=2), Request(gpu_memory=4 * GiB), Request(cpus=1.0), Request()]
+    for _ in range(200):
+        users = [f"u{i}" for i in range(rng.randint(1, 6))]
+        running = [
+            Holding(f"r{i}", rng.choice(users), rng.choice(requests[:3]), (i % 2,)) for i in range(rng.randint(0, 3))
+        ]
+        queued = [
+            Pending(
+                f"j{s}",
+                rng.choice(users),
+                rng.choice(requests),
+                rng.choice([0, 0, 0, 5]),
+                s,
+                reserved_at=float(rng.randint(1, 3)) if rng.random() < 0.05 else None,
+            )
+            for s in range(rng.randint(0, 40))
+        ]
+        assert queue_order(queued, running, MACHINE) == _fair_share_by_definition(queued, running, MACHINE)

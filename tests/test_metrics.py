@@ -119,6 +119,11 @@ def test_who_may_scrape(server: RunningServer, admin: gpuport.Client, user_token
     # A scrape token reads nothing else, over either protocol.
     other = server.rest("GET", "/v1/status", scrape)
     assert other.status_code == 403 and "scrape token" in other.json()["error"]["message"]
+    with_body = server.rest("POST", "/v1/jobs", scrape, json={"command": ["true"]})  # refused before its body
+    assert with_body.status_code == 403 and "scrape token" in with_body.json()["error"]["message"]
+    x = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+    prediction = server.rest("POST", "/v2/models/nothing/infer", scrape, json=x)
+    assert prediction.status_code == 403 and "scrape token" in prediction.json()["error"]
     with pytest.raises(gpuport.PermissionDenied, match="scrape token"):
         server.connect(scrape)
 

@@ -29,6 +29,7 @@ from gpuport.protocol.errors import (
     GpuportError,
     InvalidRequest,
     NotFound,
+    PermissionDenied,
     ServerError,
     status_for,
 )
@@ -260,7 +261,7 @@ class _Guard:
             server: ServerApp = scope["app"].state.gpuport
             if not logging_in:
                 asgi_caller(server.auth, scope, headers.get(b"authorization", b"").decode("latin-1") or None)
-        except AuthenticationError as e:
+        except (AuthenticationError, PermissionDenied) as e:  # no token, a bad one, or a scrape token
             client = scope.get("client") or ("?",)
             log.warning("rejected %s %s from %s: %s", scope["method"], scope["path"], client[0], e)
             error = e

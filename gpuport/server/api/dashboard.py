@@ -171,8 +171,10 @@ def _job(job: Any) -> dict[str, Any]:
     }
 
 
-def state_for(app: ServerApp, who: Identity) -> dict[str, Any]:
-    """What the dashboard shows ``who``: what the API would answer them."""
+def state_for(app: ServerApp, who: Identity, gpus: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the dashboard shows ``who``: what the API would answer them. On the event loop, as the
+    API's routes: the queue's pass and the services' in-memory state are the loop's; ``gpus``, read
+    in a thread (``_gpus``: NVML and the store, as the watchdog reads them), come with it."""
     models = []
     stats = {(r.name, r.version): t for r, t in app.serving.statistics()}
     for record in app.serving.list():
@@ -199,7 +201,7 @@ def state_for(app: ServerApp, who: Identity) -> dict[str, Any]:
         "at": time.time(),
         "user": who.name,
         "admin": who.admin,
-        "gpus": _gpus(app, who),
+        "gpus": gpus,
         "queue": [_job(j) for j in app.jobs.queue(who)],
         "jobs": [_job(j) for j in app.jobs.list_for(who, all=who.admin)],
         "sessions": [
@@ -267,7 +269,7 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
 
     @api.get("/ui/state", **hidden)
     async def state(viewer: Seen) -> dict[str, Any]:
-        return await asyncio.to_thread(state_for, app, viewer.identity)
+        return state_for(app, viewer.identity, await asyncio.to_thread(_gpus, app, viewer.identity))
 
     @api.get("/ui/events", **hidden)
     async def events(viewer: Seen, request: Request) -> StreamingResponse:
@@ -278,7 +280,7 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
                 except GpuportError as e:
                     yield _sse({"error": str(e)}, "ended")
                     return
-                yield _sse(await asyncio.to_thread(state_for, app, identity))
+                yield _sse(state_for(app, identity, await asyncio.to_thread(_gpus, app, identity)))
                 await asyncio.sleep(EVENT_SECONDS)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)

@@ -376,8 +376,8 @@ def build_http_app(app: ServerApp) -> Predictions:
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
     async def metrics(identity: Scraper) -> Response:
-        body = await asyncio.to_thread(app.metrics.render)  # reads the store and NVML: off the event loop
-        return Response(body, media_type=METRICS_CONTENT_TYPE)
+        # On the loop, as /v1/gpus and /v1/queue: the batchers' counters and the queue are the loop's.
+        return Response(app.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @api.get("/v1/whoami", summary="The identity behind the token")
     async def whoami(identity: Caller) -> dict[str, Any]:

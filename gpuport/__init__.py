@@ -72,29 +72,8 @@ __all__ = [
 
 
 # The client's names are imported when first used (PEP 562): `gpuport --version` and the errors do
-# not pay for gRPC, protobuf and cloudpickle.
-_CLIENT_NAMES = frozenset(
-    {
-        "GPU",
-        "Client",
-        "GpuAllocation",
-        "GpuProcess",
-        "Job",
-        "JobInfo",
-        "ModelInfo",
-        "NewToken",
-        "QuotaInfo",
-        "Ref",
-        "RemoteFunction",
-        "ServerStatus",
-        "Session",
-        "SessionInfo",
-        "Snapshot",
-        "TokenInfo",
-        "connect",
-        "login",
-    }
-)
+# not pay for gRPC, protobuf and cloudpickle. They are the names of ``__all__`` not defined here
+# (``_CLIENT_NAMES``, at the end of the module).
 
 
 def __getattr__(name: str) -> _Any:
@@ -117,3 +96,6 @@ def load_ipython_extension(ipython: object) -> None:
     from gpuport._notebook import load_ipython_extension as load
 
     load(ipython)
+
+
+_CLIENT_NAMES = frozenset(__all__) - set(globals())

@@ -266,18 +266,28 @@ def test_a_cluster_without_token_authentication_is_refused_unless_insecure_on_lo
         open_cluster.close()
 
 
-def test_a_restarted_server_finds_its_jobs_running_on_the_nodes(cluster: RayCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("killed", ["running", "placing"])
+def test_a_restarted_server_finds_its_jobs_running_on_the_nodes(
+    cluster: RayCluster, tmp_path: Path, killed: str
+) -> None:
+    """The first server is killed once its job runs, or as soon as it has placed the job on a node
+    (its node may still be launching it then): either way the job runs once and is watched again."""
     state = tmp_path / "state"
     first = _start(cluster, state)
     flags = Flags(cluster)
     try:
         job = _submit(first, HOLD + "print('released', flush=True)\nraise SystemExit(5)\n", gpus=1)
-        wait_for(lambda: _job(first, job["job_id"])["state"] == "running")
+        if killed == "placing":
+            wait_for(lambda: (state / "jobs" / job["job_id"] / "placement.json").exists(), 60, "the job's placement")
+        else:
+            wait_for(lambda: _job(first, job["job_id"])["state"] == "running")
         first.stop(signal.SIGKILL)
         second = _start(cluster, state)
         second.admin_token = first.admin_token  # shown on the first start only
-        assert _job(second, job["job_id"])["state"] == "running"
-        second.stop()  # SIGTERM: a stop that lets go of the cluster records nothing of the job
+        try:
+            assert _job(second, job["job_id"])["state"] == "running"
+        finally:
+            second.stop()  # SIGTERM: a stop that lets go of the cluster records nothing of the job
         third = _start(cluster, state)
         third.admin_token = first.admin_token
         try:

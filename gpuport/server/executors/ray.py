@@ -170,6 +170,10 @@ class NodeAgent:
         # Supervisors are started from this one thread, which lives as long as the agent: their
         # parent-death signal is tied to the thread that forked them.
         self._spawns: queue.Queue[tuple[JobLaunch, queue.Queue[BaseException | None]]] = queue.Queue()
+        # Jobs asked to start and not yet launched: a server that died while asking must find them
+        # running (not lost, not launched twice) when it comes back.
+        self._launching: dict[str, threading.Event] = {}
+        self._launching_lock = threading.Lock()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         # Jobs of an agent that ended (its raylet died) were killed when it did; any left are ended now.
         for job_id in self.folders.kill_all(f"node lost: {name} (its gpuport agent ended)"):
@@ -233,21 +237,39 @@ class NodeAgent:
                 done.put(None)
             except BaseException as e:  # said to the server
                 done.put(e)
+            finally:
+                with self._launching_lock:
+                    launching = self._launching.pop(job.job_id, None)
+                if launching is not None:
+                    launching.set()
 
     def start(self, job: JobLaunch) -> None:
         if job.uid is None and self.sandbox.mode == "uids":
             raise RuntimeError(f"node {self.name} runs jobs as a uid per user, and the server gave none")
         done: queue.Queue[BaseException | None] = queue.Queue()
+        with self._launching_lock:
+            self._launching[job.job_id] = threading.Event()
         self._spawns.put((job, done))
         error = done.get()
         if error is not None:
             raise error
 
+    def _launched(self, job_id: str) -> None:
+        """Block while the job is being launched here."""
+        with self._launching_lock:
+            launching = self._launching.get(job_id)
+        if launching is not None:
+            launching.wait()
+
     def wait(self, job_id: str) -> dict[str, Any] | None:
+        self._launched(job_id)
         self.folders.wait(job_id)
         return self.folders.exit_status(job_id)
 
     def is_running(self, job_id: str) -> bool:
+        with self._launching_lock:
+            if job_id in self._launching:
+                return True
         return self.folders.is_running(job_id)
 
     def cancel(self, job_id: str) -> None:
@@ -266,6 +288,7 @@ class NodeAgent:
         return self.folders.exit_status(job_id)
 
     def was_started(self, job_id: str) -> bool:
+        self._launched(job_id)
         return self.folders.was_started(job_id)
 
     def usage(self, job_ids: list[str]) -> dict[str, Usage]:
@@ -798,16 +821,38 @@ class RayExecutor(Executor):
         os.replace(temp, self.root / job_id / "log")
 
     def is_running(self, job_id: str) -> bool:
+        """Whether the job runs (or is being launched) on its nodes. A node that does not answer in
+        time counts as running it: watching the job then tells whether it ends or its node is lost,
+        where a False would fail a job that still runs."""
         placed = self._placement(job_id) or {}
         if len(placed.get("parts") or ()) > 1:
-            refs = [handle.is_running.remote(job_id) for handle in self._handles(job_id)]
-            with contextlib.suppress(Exception):
-                return any(self._ray.get(refs, timeout=_CALL_TIMEOUT))
+            handles = self._handles(job_id)
+        else:
+            handles = [h for h in [self._handle(job_id)[1]] if h is not None]
+        if not handles:
             return False
-        return bool(self._call(job_id, "is_running", job_id, default=False))
+        try:
+            return any(self._ray.get([h.is_running.remote(job_id) for h in handles], timeout=_QUICK_TIMEOUT))
+        except Exception as e:
+            log.warning("job %s: its node did not say whether it runs (%s): watching it", job_id, e)
+            return True
 
     def was_started(self, job_id: str) -> bool:
-        return self._placement(job_id) is not None
+        """Whether the job was launched on its node: a server stopped after placing it but before
+        its node had it launches it again. A node gone or not answering counts as started (the job
+        then ends as its node lost)."""
+        placed = self._placement(job_id)
+        if placed is None:
+            return False
+        if len(placed.get("parts") or ()) > 1:
+            return True  # a part may have started: its end is the watcher's to record
+        _, handle = self._handle(job_id)
+        if handle is None:
+            return True
+        try:
+            return bool(self._ray.get(handle.was_started.remote(job_id), timeout=_CALL_TIMEOUT))
+        except Exception:
+            return True
 
     def cancel(self, job_id: str) -> None:
         for handle in self._handles(job_id):  # not waited for: a node that stopped answering must not hold anyone
@@ -838,7 +883,11 @@ class RayExecutor(Executor):
         name, handle = self._handle(job_id)
         if handle is None:
             return {"lost": f"node lost: {name or 'unknown'}", "ended_at": time.time()}
-        return self._call(job_id, "exit_status", job_id)
+        try:
+            return self._ray.get(handle.exit_status.remote(job_id), timeout=_CALL_TIMEOUT)
+        except Exception as e:
+            log.warning("job %s: its node did not give its exit status: %s", job_id, e)
+            return None
 
     def collect_outputs(self, job_id: str, declared: list[str], ingest: Ingest) -> tuple[str, list[str]]:
         ray = self._ray

@@ -1,15 +1,19 @@
-"""The scheduler at scale: one `scheduler.plan` pass (a pure function: no server), with every GPU busy
-and the queue full, as after a submit on a loaded machine. Median of --runs passes per case.
+"""The scheduler at scale: one scheduling pass (a pure function: no server), with every GPU busy and
+the queue full, as after a submit on a loaded machine. Median of --runs passes per case.
 
 Cases (queued jobs, users, GPUs): the issue's, from a small lab to a cluster's queue. Each job asks
 for 1 GPU (a tenth for 2, a 4 GiB slice for a tenth), priorities 0 and a few 10s; a tenth of the
-running jobs belong to the queued users. Goal: one pass at most 50 ms at 100,000 jobs, 1,000 users
-and 1,000 GPUs.
+running jobs belong to the queued users. The figure is the server's pass: the queue kept between
+passes (a `Queue`, as the job service holds it) and looked at `LOOK_AHEAD` jobs deep while nothing
+further back can start. Its anchor is a pass over the same queue that decides every job (as every
+pass did before; what `gpuport queue` costs). Goal: the server's pass at most 50 ms at 100,000
+jobs, 1,000 users and 1,000 GPUs. Keeping the queue costs an add per submit: printed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -21,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from _report import ROWS, Row, print_table, say  # noqa: E402
 
-from gpuport.server.scheduler import Cluster, Holding, Machine, Pending, Request, plan  # noqa: E402
+from gpuport.server.scheduler import LOOK_AHEAD, Cluster, Holding, Machine, Pending, Queue, Request, plan  # noqa: E402
 
 GiB = 2**30
 CASES = [(1_000, 10, 8), (10_000, 100, 64), (10_000, 1_000, 64), (50_000, 1_000, 512), (100_000, 1_000, 1_000)]
@@ -53,21 +57,35 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--largest", type=int, default=len(CASES), help="how many of the cases to run, smallest first")
     args = parser.parse_args()
-    say(f"Python {sys.version.split()[0]}; one plan() pass, median of {args.runs}")
+    say(f"Python {sys.version.split()[0]}; one pass, median of {args.runs}; the server looks {LOOK_AHEAD} jobs deep")
     for jobs, users, gpus in CASES[: args.largest]:
         queued, running, cluster = case(jobs, users, gpus)
-        times = []
+        started = time.perf_counter()
+        queue = Queue(queued)
+        add = (time.perf_counter() - started) / jobs
+        times: dict[str, list[float]] = {"server": [], "whole": []}
         for _ in range(args.runs):
-            started = time.perf_counter()
-            decisions = plan(queued, running, cluster)
-            times.append(time.perf_counter() - started)
-        assert len(decisions) == jobs and not any(d.gpu_indices is not None for d in decisions)
-        took = statistics.median(times)
+            for name, run in (
+                ("server", lambda: plan(queue, running, cluster, depth=LOOK_AHEAD)),
+                ("whole", lambda: plan(queue, running, cluster)),
+            ):
+                gc.collect()  # the last pass's garbage is not this one's to collect
+                started = time.perf_counter()
+                decisions = run()
+                times[name].append(time.perf_counter() - started)
+                assert not any(d.gpu_indices is not None for d in decisions)
+                assert len(decisions) == (jobs if name == "whole" else min(jobs, LOOK_AHEAD))
+                del decisions  # gone before the next pass: its collection is not that pass's cost
+        ours, whole = statistics.median(times["server"]), statistics.median(times["whole"])
         goal = "<= 50 ms" if jobs == 100_000 else "-"
-        met = took <= 0.050 if jobs == 100_000 else None
-        ROWS.append(Row(f"plan: {jobs:,} jobs, {users:,} users, {gpus:,} GPUs", took, None, "-", goal, met))
-        say(f"  {jobs:>7,} jobs {users:>5,} users {gpus:>5,} GPUs: {took * 1000:.1f} ms")
-    print_table(["plan"], 44, "one pass of the scheduler's pure function (no server), median")
+        met = ours <= 0.050 if jobs == 100_000 else None
+        figure = f"plan: {jobs:,} jobs, {users:,} users, {gpus:,} GPUs"
+        ROWS.append(Row(figure, ours, whole, "a pass deciding every job", goal, met))
+        say(
+            f"  {jobs:>7,} jobs {users:>5,} users {gpus:>5,} GPUs: {ours * 1000:.1f} ms "
+            f"(every job decided: {whole * 1000:.1f} ms; keeping the queue: {add * 1e6:.1f} us a job)"
+        )
+    print_table(["plan"], 44, "one scheduling pass (the pure function, no server), median")
 
 
 if __name__ == "__main__":

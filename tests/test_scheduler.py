@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpuport.server.scheduler import (
     Cluster,
     Decision,
     Holding,
     Machine,
     Pending,
+    Queue,
     Quota,
     Request,
     could_start,
@@ -247,3 +250,51 @@ def test_the_queue_order_is_the_rules_order_on_random_queues() -> None:
             for s in range(rng.randint(0, 40))
         ]
         assert queue_order(queued, running, MACHINE) == _fair_share_by_definition(queued, running, MACHINE)
+
+
+def test_a_pass_that_looks_only_so_deep_starts_what_a_whole_pass_starts() -> None:
+    import random
+
+    rng = random.Random(5)
+    requests = [Request(gpus=1), Request(gpus=2), Request(gpu_memory=4 * GiB), Request(cpus=1.0), Request()]
+    for _ in range(300):
+        users = [f"u{i}" for i in range(rng.randint(1, 5))]
+        running = [Holding(f"r{i}", rng.choice(users), Request(gpus=1), (i,)) for i in range(rng.randint(0, 2))]
+        queued = [
+            Pending(f"j{s}", rng.choice(users), rng.choice(requests), rng.choice([0, 0, 5]), s)
+            for s in range(rng.randint(0, 30))
+        ]
+        quotas = {"u0": Quota(jobs=1)} if rng.random() < 0.3 else None
+        low = "low" if rng.random() < 0.2 else ""
+        whole = plan(queued, running, MACHINE, quotas, low)
+        depth = rng.randint(0, 5)
+        bounded = plan(Queue(queued), running, MACHINE, quotas, low, depth=depth)
+        assert bounded == whole[: len(bounded)] and len(bounded) >= min(depth, len(whole))
+        started = [d for d in whole if d.gpu_indices is not None]
+        assert [d for d in bounded if d.gpu_indices is not None] == started
+        # Nothing the bounded pass left undecided could have started (the whole pass says so).
+        assert all(d.gpu_indices is None for d in whole[len(bounded) :])
+
+
+def test_the_queue_kept_across_passes_orders_as_a_fresh_one() -> None:
+    import random
+
+    rng = random.Random(7)
+    queue, alive = Queue(), {}
+    for step in range(2000):
+        if alive and rng.random() < 0.4:
+            gone = rng.choice(sorted(alive))
+            assert queue.pop(gone) == alive.pop(gone)
+        else:
+            seq = rng.randint(0, 10_000)  # a job queued again keeps its (older) place
+            reserved = float(step) if rng.random() < 0.05 else None
+            owner, request = f"u{rng.randint(0, 6)}", Request(gpus=rng.randint(0, 2))
+            job = Pending(f"j{step}", owner, request, rng.choice([0, 3]), seq, reserved)
+            queue.add(job)
+            alive[job.job_id] = job
+        if step % 100 == 0:
+            assert queue_order(queue, [], MACHINE) == queue_order(list(alive.values()), [], MACHINE)
+            assert len(queue) == len(alive) and sum(queue.kinds().values()) == len(alive)
+    replaced = dataclasses.replace(next(iter(alive.values())), reserved_at=1e9)
+    queue.add(replaced)  # the same id again: replaced, not added
+    assert len(queue) == len(alive) and queue[replaced.job_id] == replaced

@@ -274,6 +274,35 @@ def test_the_queue_order_survives_a_restart(tmp_path: Path) -> None:
         again.stop()
 
 
+def test_a_deep_queue_is_looked_at_only_so_deep_yet_what_fits_behind_it_starts(tmp_path: Path) -> None:
+    from gpuport.server.scheduler import LOOK_AHEAD
+
+    state = tmp_path / "state"
+    flag = JobFlag(state)
+    server = start_server(state)
+    try:
+        with server.connect() as admin:
+            holders = [_hold(admin, flag, gpus=1) for _ in range(2)]
+            wait_for(lambda: all(h.status == "running" for h in holders), what="both GPUs held")
+            deep = [_hold(admin, flag, gpus=1) for _ in range(LOOK_AHEAD + 10)]
+            assert deep[0].info.position == 1 and "needs 1 GPU, 0 free" in deep[0].info.message
+            last = admin.job(deep[-1].id).info
+            assert last.state == "queued" and last.position == 0
+            said = f"waiting behind the first {LOOK_AHEAD} jobs in the queue, none of which can start now"
+            assert last.message == said
+            cpu = admin.submit(["python", "-c", HOLD, str(flag)], workdir=None)  # asks for no GPU: it fits now
+            assert cpu.info.state in ("queued", "running")
+            wait_for(lambda: cpu.status == "running", what="the CPU job behind the deep queue to start")
+            queue = admin.queue()
+            assert [j.id for j in queue] == [j.id for j in deep]
+            assert [j.position for j in queue] == list(range(1, len(deep) + 1))
+            flag.touch()
+            assert admin.job(deep[-1].id).wait(120).info.state == "succeeded"
+    finally:
+        flag.close()
+        server.stop()
+
+
 def test_cpus_reserve_and_set_thread_pools(admin_of: gpuport.Client) -> None:
     names = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS")
     show = f"import os; print(*(os.environ.get(n) for n in {names!r}))"

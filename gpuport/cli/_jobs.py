@@ -274,7 +274,8 @@ def run_command(
         err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
         return
     if job.info.state == "queued" and job.info.message:
-        err.print(f"[dim]job {job.id} queued (#{job.info.position}): {escape(job.info.message)}[/]")
+        place = f" (#{job.info.position})" if job.info.position else ""
+        err.print(f"[dim]job {job.id} queued{place}: {escape(job.info.message)}[/]")
     follower = _LogFollower(job)
     follower.start()
     try:

@@ -27,6 +27,12 @@ counted when asked for (0: the job reserves none and shares what is left). A who
 when nothing holds any of it; a slice goes to the GPU with the least free memory that fits it (so
 that whole GPUs stay free for whole requests).
 
+Scale: the server keeps its queue in a ``Queue`` (each user's jobs in order, per priority), so a pass
+reads the order lazily instead of sorting every job, and it looks at most ``LOOK_AHEAD`` jobs deep
+(as Slurm's ``default_queue_depth``) unless something further back could still start: a pass stops
+once every kind of request left behind has been found not to fit. The decisions are those of a
+pass over the whole queue; only the jobs it did not reach have no position or reason of their own.
+
 Nodes: the machines of a ``Cluster`` (one, without a cluster engine). A job runs on one node and
 all it asks for comes from that node: a 2-GPU job is never split over two. A job with GPUs goes to
 the node that fits it most tightly (fewest whole GPUs, or least slice memory, left over), so that
@@ -36,9 +42,11 @@ work spreads. Shares and quotas count the whole cluster.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -47,6 +55,8 @@ from gpuport.protocol.units import format_size
 # A job that asks for nothing still counts a little in its owner's fair share, so that the owner
 # of many such jobs takes turns with others.
 _MIN_SHARE = 1e-6
+# How deep a server's pass looks into the queue while nothing further back can start.
+LOOK_AHEAD = 100
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,13 @@ class Request:
     cpus: float = 0.0  # 0: none reserved
     memory: int = 0  # bytes of RAM; 0: none reserved
     nodes: int = 1  # a gang over this many nodes, each with all of the above
+
+    def __hash__(self) -> int:  # worked out once: a pass looks requests up in dicts for every job
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = hash((self.gpus, self.gpu_memory, self.cpus, self.memory, self.nodes))
+            object.__setattr__(self, "_hash", found)
+        return found
 
     def describe(self) -> str:
         parts = []
@@ -90,9 +107,13 @@ class Machine:
             return f"{len(sizes)} x {format_size(sizes[0])}"
         return ", ".join(format_size(s) for s in sizes)
 
+    @cached_property
+    def largest_gpu(self) -> int:
+        return max(self.gpu_memory, default=0)
+
     def gpu_share(self, request: Request) -> float:
         """The request in GPUs: whole ones, plus a slice as its part of the largest GPU."""
-        largest = max(self.gpu_memory, default=0)
+        largest = self.largest_gpu
         return request.gpus + (request.gpu_memory / largest if largest and request.gpu_memory else 0.0)
 
     def dominant_share(self, request: Request) -> float:
@@ -189,6 +210,110 @@ class Decision:
     reserves: bool = False  # it holds the reservation
     node: str = ""  # where it starts
     placement: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a gang's: (node, GPUs) per node rank
+
+
+class Queue:
+    """The queued jobs by id, kept as the order reads them: per priority, each user's jobs in
+    submission order, and the jobs that hold a reservation apart. Adding and removing a job costs a
+    lookup in its user's list, so the server keeps one across passes instead of sorting the whole
+    queue for each."""
+
+    def __init__(self, pending: Iterable[Pending] = ()) -> None:
+        self._jobs: dict[str, Pending] = {}
+        self._users: dict[int, dict[str, list[tuple[int, str]]]] = {}  # priority → user → [(seq, id)]
+        self._reserved: dict[int, dict[str, Pending]] = {}  # priority → id → job
+        self._kinds: Counter[Request] = Counter()
+        self._requests: dict[Request, Request] = {}  # one object per kind of request: lookups by identity
+        for p in pending:
+            self.add(p)
+
+    def add(self, job: Pending) -> None:
+        """Queue ``job``, or replace the job of its id (a reservation recorded, say)."""
+        self.pop(job.job_id, None)
+        request = self._requests.setdefault(job.request, job.request)
+        if request is not job.request:
+            job = Pending(job.job_id, job.owner, request, job.priority, job.seq, job.reserved_at)
+        self._jobs[job.job_id] = job
+        self._kinds[job.request] += 1
+        if job.reserved_at is not None:
+            self._reserved.setdefault(job.priority, {})[job.job_id] = job
+            return
+        jobs = self._users.setdefault(job.priority, {}).setdefault(job.owner, [])
+        if not jobs or jobs[-1][0] < job.seq:
+            jobs.append((job.seq, job.job_id))  # the usual case: the newest job
+        else:
+            bisect.insort(jobs, (job.seq, job.job_id))  # a job queued again keeps its place
+
+    def pop(self, job_id: str, default: Pending | None = None) -> Pending | None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            return default
+        self._kinds[job.request] -= 1
+        if not self._kinds[job.request]:
+            del self._kinds[job.request], self._requests[job.request]
+        if job.reserved_at is not None:
+            level = self._reserved[job.priority]
+            del level[job_id]
+            if not level:
+                del self._reserved[job.priority]
+            return job
+        users = self._users[job.priority]
+        jobs = users[job.owner]
+        del jobs[bisect.bisect_left(jobs, (job.seq, job_id))]
+        if not jobs:
+            del users[job.owner]
+            if not users:
+                del self._users[job.priority]
+        return job
+
+    def __getitem__(self, job_id: str) -> Pending:
+        return self._jobs[job_id]
+
+    def __setitem__(self, job_id: str, job: Pending) -> None:
+        assert job.job_id == job_id
+        self.add(job)
+
+    def __delitem__(self, job_id: str) -> None:
+        if self.pop(job_id) is None:
+            raise KeyError(job_id)
+
+    def __contains__(self, job_id: object) -> bool:
+        return job_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def values(self) -> Iterable[Pending]:
+        return self._jobs.values()
+
+    def kinds(self) -> Counter[Request]:
+        """How many queued jobs ask for each request."""
+        return self._kinds
+
+    def order(self, usage: Mapping[str, float], share_of: Callable[[Request], float]) -> Iterator[Pending]:
+        """The jobs in the order they get their turn, read lazily: each priority level from the
+        highest, its reserved jobs first (oldest reservation first), then the user using least (then
+        the one whose next job is oldest), their use growing by each job as it is placed. A heap of
+        the users: one pop and one push per job read, however many users wait."""
+        usage = dict(usage)
+        jobs = self._jobs
+        for priority in sorted(self._users.keys() | self._reserved.keys(), reverse=True):
+            reserved = sorted(self._reserved.get(priority, {}).values(), key=lambda p: (p.reserved_at, p.seq))
+            for p in reserved:
+                usage[p.owner] = usage.get(p.owner, 0.0) + share_of(p.request)
+            yield from reserved
+            lists = self._users.get(priority, {})
+            turns = [(usage.get(user, 0.0), queued[0][0], user, 0) for user, queued in lists.items()]
+            heapq.heapify(turns)
+            while turns:
+                share, _, user, i = turns[0]
+                queued = lists[user]
+                job = jobs[queued[i][1]]
+                if i + 1 < len(queued):
+                    heapq.heapreplace(turns, (share + share_of(job.request), queued[i + 1][0], user, i + 1))
+                else:
+                    heapq.heappop(turns)
+                yield job
 
 
 @dataclass
@@ -340,10 +465,10 @@ def could_start(
     )
 
 
-def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: Machine | Cluster) -> list[Pending]:
-    """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
-    machine = Cluster.of(machine)
-    shares: dict[Request, float] = {}  # a request's dominant share, worked out once per kind of request
+def _usage(running: Iterable[Holding], machine: Cluster) -> tuple[dict[str, float], Callable[[Request], float]]:
+    """Each user's dominant share of what runs, and a function giving a request's share (worked out
+    once per kind of request)."""
+    shares: dict[Request, float] = {}
 
     def share_of(request: Request) -> float:
         found = shares.get(request)
@@ -354,32 +479,15 @@ def queue_order(queued: Sequence[Pending], running: Iterable[Holding], machine: 
     usage: dict[str, float] = {}
     for holding in running:
         usage[holding.owner] = usage.get(holding.owner, 0.0) + share_of(holding.request)
-    levels: dict[int, list[Pending]] = {}
-    for p in queued:
-        levels.setdefault(p.priority, []).append(p)
-    ordered: list[Pending] = []
-    for priority in sorted(levels, reverse=True):
-        level = levels[priority]
-        reserved = sorted((p for p in level if p.reserved_at is not None), key=lambda p: (p.reserved_at, p.seq))
-        ordered += reserved
-        for p in reserved:
-            usage[p.owner] = usage.get(p.owner, 0.0) + share_of(p.request)
-        # Each user's jobs oldest first; the user using least goes next (then the one whose next job
-        # is oldest), and their use grows by the job's share as it is placed. A heap of the users
-        # keyed so: one push and one pop per job placed, however many users wait.
-        per_user: dict[str, list[Pending]] = {}
-        for p in sorted((p for p in level if p.reserved_at is None), key=lambda p: p.seq, reverse=True):
-            per_user.setdefault(p.owner, []).append(p)
-        turns = [(usage.get(user, 0.0), jobs[-1].seq, user) for user, jobs in per_user.items()]
-        heapq.heapify(turns)
-        while turns:
-            share, _, user = heapq.heappop(turns)
-            jobs = per_user[user]
-            job = jobs.pop()
-            ordered.append(job)
-            if jobs:
-                heapq.heappush(turns, (share + share_of(job.request), jobs[-1].seq, user))
-    return ordered
+    return usage, share_of
+
+
+def queue_order(
+    queued: Queue | Iterable[Pending], running: Iterable[Holding], machine: Machine | Cluster
+) -> list[Pending]:
+    """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
+    queue = queued if isinstance(queued, Queue) else Queue(queued)
+    return list(queue.order(*_usage(running, Cluster.of(machine))))
 
 
 def _over_quota(job: Pending, free: _Free, quota: Quota | None, machine: Cluster) -> str:
@@ -396,20 +504,28 @@ def _over_quota(job: Pending, free: _Free, quota: Quota | None, machine: Cluster
 
 
 def plan(
-    queued: Sequence[Pending],
+    queued: Queue | Iterable[Pending],
     running: Sequence[Holding],
     machine: Machine | Cluster,
     quotas: Mapping[str, Quota] | None = None,
     low_memory: str = "",
+    depth: int | None = None,
 ) -> list[Decision]:
-    """Decide for every queued job, in queue order: start it now on these GPUs, or say why it waits.
+    """Decide for the queued jobs, in queue order: start it now on these GPUs, or say why it waits.
 
     ``quotas`` maps a user to its quota; the entry ``"*"`` applies to users without one of their own.
     ``low_memory``, when set, says why jobs that reserve no memory wait (the machine's free memory is
-    below the floor).
+    below the floor). ``depth``: decide for at least this many jobs, then go on only while a job
+    further back could still start (None: decide for every job). What starts is the same either way.
     """
     quotas = quotas or {}
     machine = Cluster.of(machine)
+    queue = queued if isinstance(queued, Queue) else Queue(queued)
+    usage, share_of = _usage(running, machine)
+    # While a pass is past ``depth``: the kinds of request still behind, and whether all of them are
+    # known not to fit (``why`` says so, or the memory floor holds them): then nothing behind starts.
+    behind: Counter[Request] | None = None
+    changed, checked = 0, -1  # a count of changes to ``why`` (and to the kinds behind), and the one last checked
     free = _initial_free(machine, running)  # less the reservation, once there is one
     unreserved = _initial_free(machine, running)
     decisions = []
@@ -419,7 +535,19 @@ def plan(
     # that did not fit does not fit, and waits for the same reason. A long queue of a few kinds of
     # request is decided in one lookup a job.
     why: dict[Request, str] = {}  # request → why it waits, while nothing changes
-    for position, job in enumerate(queue_order(queued, running, machine), start=1):
+    for position, job in enumerate(queue.order(usage, share_of), start=1):
+        if depth is not None and position > depth:
+            if behind is None:
+                behind = Counter(queue.kinds())
+                for decided in decisions:
+                    behind[queue[decided.job_id].request] -= 1
+            if checked != changed:
+                checked = changed
+                if all(n <= 0 or k in why or (low_memory and not k.memory) for k, n in behind.items()):
+                    break
+            behind[job.request] -= 1
+            if not behind[job.request]:
+                changed += 1
         quota = quotas.get(job.owner, quotas.get("*"))
         reason = _over_quota(job, free, quota, machine)
         if not reason and low_memory and not job.request.memory:
@@ -436,6 +564,7 @@ def plan(
                 placement = tuple(fits) if job.request.nodes > 1 else ()
                 decisions.append(Decision(job.job_id, position, fits[0][1], node=fits[0][0], placement=placement))
                 why.clear()
+                changed += 1
                 continue
             if not reason:
                 if reservation is not None and unreserved.fit_all(job.request) is not None:
@@ -445,10 +574,12 @@ def plan(
                 else:
                     reason = "; ".join(unreserved.shortfall(job.request))
                 why[job.request] = reason
+                changed += 1
             if reservation is None:
                 reservation = job
                 free.reserve(job.request)
                 why.clear()
+                changed += 1
         if waiting:
             reason += f", {waiting} job{'s' if waiting > 1 else ''} ahead"
         decisions.append(Decision(job.job_id, position, None, reason, reserves=job is reservation))

@@ -55,7 +55,18 @@ from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, Placement
 from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
-from gpuport.server.scheduler import Cluster, Decision, Holding, Pending, Request, could_start, plan
+from gpuport.server.scheduler import (
+    LOOK_AHEAD,
+    Cluster,
+    Decision,
+    Holding,
+    Pending,
+    Queue,
+    Request,
+    could_start,
+    plan,
+    queue_order,
+)
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.snapshots import SnapshotRecord, SnapshotService, check_snapshot_name
@@ -197,6 +208,7 @@ def tf_roles(counts: dict[str, int]) -> list[tuple[str, int]] | None:
 
 
 _FLOOR_RECHECK = 2.0  # seconds between looks at free memory while work waits for it
+_MEMORY_READ_FOR = 0.2  # seconds a look at free memory stands for the passes that follow it
 
 
 def memory_floor(setting: int | None = None) -> int:
@@ -245,7 +257,7 @@ class JobService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._nodes: list[Node] = []
         self._cluster = Cluster(())
-        self._queued: dict[str, Pending] = {}  # the queue as the scheduler sees it; the store holds the same
+        self._queued = Queue()  # the queue as the scheduler sees it; the store holds the same
         # The last pass's decision for each queued job; None when a pass was skipped because nothing
         # could start: why each job waits is then worked out when someone asks.
         self._plan: dict[str, Decision] | None = {}
@@ -254,6 +266,7 @@ class JobService:
         self.executor.on_change = self._nodes_changed  # a node that joins may let jobs start
         self.memory_floor = memory_floor  # bytes free below which work that reserves no memory waits
         self._floor_check: asyncio.TimerHandle | None = None
+        self._memory_read = (-1e9, 0)  # (when, bytes available) of the last look at free memory
 
     @property
     def cluster(self) -> Cluster:
@@ -439,7 +452,7 @@ class JobService:
         resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
         self._queued[job_id] = Pending(job_id, caller.name, resources, request.priority, seq or 0)
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
-        self._schedule()  # at once, so that the reply says whether it started or why it waits
+        self._schedule(explain=True)  # at once, so that the reply says whether it started or why it waits
         return self._load(job_id)
 
     def _load(self, job_id: str) -> JobRecord:
@@ -456,6 +469,8 @@ class JobService:
                 self._schedule(explain=True)
             if self._plan is not None and (decision := self._plan.get(row["id"])) is not None:
                 message, position = decision.reason, decision.position
+            elif self._plan is not None:  # past the jobs a pass looks at: none of them can start now
+                message = f"waiting behind the first {len(self._plan)} jobs in the queue, none of which can start now"
         return JobRecord(
             id=row["id"],
             owner=row["owner"],
@@ -534,7 +549,11 @@ class JobService:
         """
         self._schedule(explain=True)
         rows = self.store.query("SELECT * FROM jobs WHERE state = 'queued'")
-        records = sorted((self._record(r) for r in rows), key=lambda j: j.position or 1 << 30)
+        records = [self._record(r) for r in rows]
+        if any(not j.position for j in records):  # a deep queue: the jobs a pass did not reach get theirs now
+            order = {p.job_id: n for n, p in enumerate(queue_order(self._queued, self.running(), self.cluster), 1)}
+            records = [j if j.position else dataclasses.replace(j, position=order.get(j.id, 0)) for j in records]
+        records.sort(key=lambda j: j.position or 1 << 30)
         return [
             j if j.owner == caller.name or caller.admin else dataclasses.replace(j, command=[], name="")
             for j in records
@@ -644,8 +663,8 @@ class JobService:
             "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at, nodes FROM jobs "
             "WHERE state = 'queued'"
         )
-        self._queued = {
-            r["id"]: Pending(
+        self._queued = Queue(
+            Pending(
                 r["id"],
                 r["owner"],
                 Request(r["gpus"], r["gpu_memory"], r["cpus"], r["memory"], r["nodes"]),
@@ -654,7 +673,7 @@ class JobService:
                 r["reserved_at"],
             )
             for r in rows
-        }
+        )
         self._schedule()
 
     def reschedule(self) -> None:
@@ -685,16 +704,17 @@ class JobService:
         if self._loop is None:
             return  # not started yet: start() schedules
         running = self.running()
-        queued = list(self._queued.values())
+        queued = self._queued
         low_memory = self._low_memory() if queued else ""
-        if low_memory and self._floor_check is None and any(not p.request.memory for p in queued):
+        if low_memory and self._floor_check is None and any(not r.memory for r in queued.kinds()):
             # Memory comes back without an event to say so: look again in a while.
             self._floor_check = self._loop.call_later(_FLOOR_RECHECK, self._recheck_floor)
         cluster = self.cluster
-        if not explain and not could_start((p.request for p in queued), running, cluster, low_memory):
+        if not explain and not could_start(queued.kinds(), running, cluster, low_memory):
             self._plan = None if queued else {}
             return
-        decisions = plan(queued, running, cluster, self.quotas.all(), low_memory) if queued else []
+        quotas = self.quotas.all()
+        decisions = plan(queued, running, cluster, quotas, low_memory, depth=LOOK_AHEAD) if queued else []
         self._plan = {d.job_id: d for d in decisions}
         for decision in decisions:
             pending = self._queued[decision.job_id]
@@ -722,7 +742,10 @@ class JobService:
         """Why work that reserves no memory waits now ('' : it need not)."""
         if not self.memory_floor:
             return ""
-        available = psutil.virtual_memory().available
+        now = time.monotonic()
+        if now - self._memory_read[0] > _MEMORY_READ_FOR:  # a burst of submits reads it once
+            self._memory_read = (now, psutil.virtual_memory().available)
+        available = self._memory_read[1]
         if available >= self.memory_floor:
             return ""
         return (

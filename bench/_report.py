@@ -68,6 +68,49 @@ def isolated_workdir() -> Iterator[Path]:
         yield work
 
 
+def cli_login_env(server: _servers.Gpuport, config: Path, cache: Path) -> dict[str, str]:
+    """The environment of a CLI user logged in to ``server`` (`gpuport login`, its profile in
+    ``config``: the certificate pinned there, as after a login), with its hash cache in ``cache``."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+    env.update(GPUPORT_CONFIG_DIR=str(config), GPUPORT_CACHE_DIR=str(cache), GPUPORT_AGENT="0")
+    login = [sys.executable, "-m", "gpuport", "login", server.url, "--token", server.token]
+    subprocess.run([*login, "--fingerprint", server.fingerprint], env=env, check=True, capture_output=True)
+    del env["GPUPORT_AGENT"]
+    return env
+
+
+def cli_helper_env(work: Path) -> dict[str, str]:
+    """Settings that give the CLI processes of a run a helper of their own (gpuport/cli/_agent.py),
+    under ``work/runtime``: stop it with ``stop_cli_helpers(work)``."""
+    runtime = work / "runtime"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    return {"XDG_RUNTIME_DIR": str(runtime), "GPUPORT_AGENT": "1"}
+
+
+def cli_helpers(work: Path) -> list[int]:
+    """The pids of the CLI helpers running under ``work/runtime`` (from their lock files)."""
+    pids = []
+    for lock in (work / "runtime").glob("gpuport-*/agent-*.sock.lock"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(lock.read_text())
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"gpuport.cli._agent" in f.read():
+                    pids.append(pid)
+    return pids
+
+
+def stop_cli_helpers(work: Path) -> None:
+    """End the CLI helpers of this run, by their pids."""
+    import signal
+
+    for pid in cli_helpers(work):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

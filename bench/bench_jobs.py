@@ -53,6 +53,8 @@ from _report import (  # noqa: E402
     ROWS,
     Row,
     banner,
+    cli_helper_env,
+    cli_login_env,
     connect,
     gpuport_server,
     isolated_workdir,
@@ -61,6 +63,7 @@ from _report import (  # noqa: E402
     print_table,
     rotate,
     say,
+    stop_cli_helpers,
 )
 
 import gpuport  # noqa: E402
@@ -92,15 +95,8 @@ def run_quiet(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[
 
 
 def cli_env(server: _servers.Gpuport, work: Path, cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
-    env.update(
-        GPUPORT_URL=server.url,
-        GPUPORT_TOKEN=server.token,
-        GPUPORT_FINGERPRINT=server.fingerprint,
-        GPUPORT_CONFIG_DIR=str(work / "cli-config"),
-        GPUPORT_CACHE_DIR=str(cache),
-    )
-    return env
+    """A CLI user logged in to ``server``, with server commands through the CLI's helper, as users get it."""
+    return {**cli_login_env(server, work / "cli-config", cache), **cli_helper_env(work)}
 
 
 def cli_has(command: str) -> bool:
@@ -532,16 +528,19 @@ def main() -> None:
     with isolated_workdir() as work:
         say(fs_note(work))
         cli_s = None
-        if "sync" not in args.skip:  # first, on a filesystem no part of this run has churned yet
-            bench_sync(args, work)
-        if not {"launch", "logs"} <= set(args.skip):
-            with gpuport_server(work, "jobs-server") as server:
-                if "launch" not in args.skip:
-                    cli_s = bench_launch(args, work, server)
-                if "logs" not in args.skip:
-                    bench_logs(args, work, server)
-        if "ray" not in args.skip:
-            bench_ray(args, work, cli_s)
+        try:
+            if "sync" not in args.skip:  # first, on a filesystem no part of this run has churned yet
+                bench_sync(args, work)
+            if not {"launch", "logs"} <= set(args.skip):
+                with gpuport_server(work, "jobs-server") as server:
+                    if "launch" not in args.skip:
+                        cli_s = bench_launch(args, work, server)
+                    if "logs" not in args.skip:
+                        bench_logs(args, work, server)
+            if "ray" not in args.skip:
+                bench_ray(args, work, cli_s)
+        finally:
+            stop_cli_helpers(work)
     print_table(
         ("launch", "sync", "logs"),  # the figures in the order of the brief, whatever order they ran in
         width=36,

@@ -1,3 +1,3 @@
-from gpuport.cli.main import main
+from gpuport.cli._agent import main
 
 main()

@@ -27,6 +27,10 @@ import gpuport
 from gpuport.server.daemon import parse_banner
 from gpuport.server.isolation import Sandbox, detect
 
+# Each CLI process of the tests runs its command itself; the helper that makes the CLI's commands
+# start fast (gpuport/cli/_agent.py) has tests of its own (test_cli_start.py), each with a private one.
+os.environ["GPUPORT_AGENT"] = "0"
+
 READY_TIMEOUT = 60.0
 # A server on loopback, on ports the kernel picks.
 SERVER_ARGS = ("server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0")

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.conftest import RunningServer, client_env
+from tests.conftest import RunningServer, client_env, wait_for
 
 HEAVY = ("grpc", "google.protobuf", "cloudpickle", "asyncio", "numpy", "rich", "gpuport.client._client")
 PROBE = """
@@ -63,7 +68,142 @@ def test_importing_gpuport_loads_the_client_on_first_use() -> None:
 
 
 def test_a_server_command_loads_grpc_but_not_sessions(server: RunningServer) -> None:
-    code, modules, out = _modules(["status"], env={**os.environ, **client_env(server)})
+    code, modules, out = _modules(["status"], env={**os.environ, **client_env(server), "GPUPORT_AGENT": "0"})
     assert code == 0 and "gpuport" in out
     assert _loaded(modules, "grpc") and _loaded(modules, "google.protobuf")
     assert [m for m in ("cloudpickle", "numpy", "gpuport.client._sessions") if _loaded(modules, m)] == []
+
+
+# ---- the helper that runs the server commands (gpuport/cli/_agent.py) ----------------------------
+
+
+def _timeless(text: str) -> str:
+    """``text`` without what differs from one command to the next: durations (an uptime, a job's
+    age) and the machine's free memory."""
+    text = re.sub(r"[\d.]+[KMGT]?i?B of [\d.]+[KMGT]?i?B RAM free", "RAM", text)
+    return re.sub(r"\d+(\.\d+)?(ms|s|m|h|d)\b", "N", text)
+
+
+class Helper:
+    """The CLI with its helper on, in a runtime folder of this test's own: its helper is stopped
+    (by the pid in its lock file) at the end."""
+
+    def __init__(self, server: RunningServer, runtime: Path) -> None:
+        runtime.mkdir(mode=0o700)
+        self.runtime = runtime
+        self.env = {
+            **os.environ,
+            **client_env(server),
+            "GPUPORT_AGENT": "1",
+            "GPUPORT_AGENT_IDLE": "60",
+            "XDG_RUNTIME_DIR": str(runtime),
+            "COLUMNS": "200",
+        }
+
+    def run(self, *args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gpuport", *args],
+            env={**self.env, **env},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def pid(self) -> int | None:
+        locks = list(self.runtime.glob("gpuport-*/agent-*.sock.lock"))
+        return int(locks[0].read_text()) if locks and locks[0].read_text() else None
+
+    def ready(self) -> psutil.Process:
+        def up() -> psutil.Process | None:
+            pid = self.pid()
+            socks = list(self.runtime.glob("gpuport-*/agent-*.sock"))
+            return psutil.Process(pid) if pid and socks and psutil.pid_exists(pid) else None
+
+        return wait_for(up, 30, "the CLI's helper to listen")
+
+    def stop(self) -> None:
+        pid = self.pid()
+        if pid and psutil.pid_exists(pid):
+            helper = psutil.Process(pid)
+            if "gpuport.cli._agent" in " ".join(helper.cmdline()):
+                helper.terminate()
+                helper.wait(10)
+
+
+@pytest.fixture
+def helper(server: RunningServer, tmp_path: Path) -> Iterator[Helper]:
+    running = Helper(server, tmp_path / "runtime")
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_server_commands_run_in_the_helper_with_the_same_output(helper: Helper, server: RunningServer) -> None:
+    alone = helper.run("status", GPUPORT_AGENT="0")
+    first = helper.run("status")  # no helper yet: runs here, and starts one
+    assert first.returncode == 0 and _timeless(first.stdout) == _timeless(alone.stdout), first.stderr
+    process = helper.ready()
+    assert oct(os.stat(helper.runtime / f"gpuport-{os.getuid()}").st_mode & 0o777) == "0o700"
+    for args in (["status"], ["jobs", "--all"], ["gpus"], ["queue"]):
+        here, there = helper.run(*args, GPUPORT_AGENT="0"), helper.run(*args)
+        assert (there.returncode, _timeless(there.stdout), there.stderr) == (
+            here.returncode,
+            _timeless(here.stdout),
+            here.stderr,
+        ), args
+    # The command's process loaded none of gRPC: its child in the helper did the work.
+    thin = (
+        "import json, sys\nfrom gpuport.cli import _agent\ncode = _agent._through_helper(['status'])\n"
+        "print(json.dumps({'code': code, 'modules': sorted(sys.modules)}), file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", thin], env=helper.env, capture_output=True, text=True, timeout=60)
+    report = json.loads(done.stderr.strip().splitlines()[-1])
+    assert report["code"] == 0 and "gpuport" in done.stdout, done.stderr
+    assert not _loaded(set(report["modules"]), "grpc") and not _loaded(set(report["modules"]), "click")
+    assert process.is_running()
+    wait_for(lambda: not process.children(), 15, "the helper to reap its children")
+
+
+def test_the_helper_takes_each_commands_folder_environment_and_exit_status(
+    helper: Helper, server: RunningServer, tmp_path: Path
+) -> None:
+    helper.run("status")
+    helper.ready()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('hi')\n")
+    pushed = helper.run("push", ".", "--name", "helper-test", cwd=project)
+    assert pushed.returncode == 0 and "pushed . as helper-test: 1 files, 12B" in pushed.stderr, pushed  # its folder
+    wrong = helper.run("jobs", GPUPORT_TOKEN="gp_wrong")  # this command's token, not the first one's
+    alone = helper.run("jobs", GPUPORT_TOKEN="gp_wrong", GPUPORT_AGENT="0")
+    assert wrong.returncode == alone.returncode == 1 and wrong.stderr == alone.stderr and "token" in wrong.stderr
+    missing = helper.run("logs", "j-00000000")
+    assert missing.returncode == 1 and "no job" in missing.stderr
+
+
+def test_ctrl_c_stops_a_command_running_in_the_helper(helper: Helper, server: RunningServer, admin: object) -> None:
+    helper.run("status")
+    process = helper.ready()
+    ticking = "import time\nwhile True: print('tick', flush=True); time.sleep(0.1)"
+    job = admin.submit(["python", "-c", ticking], workdir=None)  # type: ignore[attr-defined]
+    try:
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "gpuport", "logs", "-f", job.id],
+            env=helper.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert follower.stdout is not None
+        assert follower.stdout.readline().strip() == "tick"  # streamed as it comes, from the helper's child
+        assert len(process.children()) == 1
+        follower.send_signal(signal.SIGINT)
+        assert follower.wait(15) != 0
+        wait_for(lambda: not process.children(), 15, "the command's child in the helper to end")
+        follower.stdout.close()
+        assert follower.stderr is not None
+        follower.stderr.close()
+    finally:
+        job.cancel()

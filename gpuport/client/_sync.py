@@ -71,9 +71,12 @@ class _Ignore:
     def __init__(self, specs: tuple[tuple[str, pathspec.PathSpec], ...] = ()) -> None:
         self.specs = specs
 
-    def below(self, folder: str, full: str) -> _Ignore:
+    def below(self, folder: str, full: str, names: set[str]) -> _Ignore:
+        """The rules below ``folder`` (at ``full``, holding the files ``names``)."""
         lines: list[str] = []
         for name in _IGNORE_FILES:
+            if name not in names:
+                continue
             try:
                 with open(os.path.join(full, name), encoding="utf-8", errors="replace") as f:
                     lines += f.read().splitlines()
@@ -103,46 +106,47 @@ def scan(root: Path) -> list[LocalFile]:
     found: list[LocalFile] = []
 
     def walk(folder: str, full: str, ignore: _Ignore) -> None:
-        ignore = ignore.below(folder, full)
-        with os.scandir(full) as entries:
-            for entry in sorted(entries, key=lambda e: e.name):
-                path = f"{folder}/{entry.name}" if folder else entry.name
-                if entry.name in _ALWAYS_SKIPPED or (not folder and entry.name == DEFAULT_OUTPUT_DIR):
-                    continue
-                try:
-                    path.encode()
-                except UnicodeEncodeError:
-                    raise InvalidRequest(
-                        f"{os.path.join(root, path)!r}: the name is not valid UTF-8 — rename it, "
-                        "or add it to .gpuportignore"
-                    ) from None
-                is_link = entry.is_symlink()
-                is_dir = not is_link and entry.is_dir()
-                if ignore.ignored(path, is_dir):
-                    continue
-                if is_link:
-                    found.append(_link(real_root, root, path, entry.path))
-                elif is_dir:
-                    if os.path.exists(os.path.join(entry.path, "pyvenv.cfg")):
-                        continue  # a virtualenv: rebuilt on the server, never copied
-                    walk(path, entry.path, ignore)
-                elif entry.is_file():
-                    info = entry.stat()
-                    found.append(
-                        LocalFile(
-                            path,
-                            entry.path,
-                            info.st_size,
-                            stat.S_IMODE(info.st_mode),
-                            mtime_ns=info.st_mtime_ns,
-                            ino=info.st_ino,
-                        )
+        with os.scandir(full) as listing:
+            entries = sorted(listing, key=lambda e: e.name)
+        ignore = ignore.below(folder, full, {e.name for e in entries})
+        for entry in entries:
+            path = f"{folder}/{entry.name}" if folder else entry.name
+            if entry.name in _ALWAYS_SKIPPED or (not folder and entry.name == DEFAULT_OUTPUT_DIR):
+                continue
+            try:
+                path.encode()
+            except UnicodeEncodeError:
+                raise InvalidRequest(
+                    f"{os.path.join(root, path)!r}: the name is not valid UTF-8 — rename it, "
+                    "or add it to .gpuportignore"
+                ) from None
+            is_link = entry.is_symlink()
+            is_dir = not is_link and entry.is_dir()
+            if ignore.ignored(path, is_dir):
+                continue
+            if is_link:
+                found.append(_link(real_root, root, path, entry.path))
+            elif is_dir:
+                if os.path.exists(os.path.join(entry.path, "pyvenv.cfg")):
+                    continue  # a virtualenv: rebuilt on the server, never copied
+                walk(path, entry.path, ignore)
+            elif entry.is_file():
+                info = entry.stat()
+                found.append(
+                    LocalFile(
+                        path,
+                        entry.path,
+                        info.st_size,
+                        stat.S_IMODE(info.st_mode),
+                        mtime_ns=info.st_mtime_ns,
+                        ino=info.st_ino,
                     )
-                if len(found) > MAX_SNAPSHOT_FILES:
-                    raise InvalidRequest(
-                        f"{root} holds more than {MAX_SNAPSHOT_FILES} files — add what the job does not need "
-                        "to .gpuportignore, or push large data once as a dataset"
-                    )
+                )
+            if len(found) > MAX_SNAPSHOT_FILES:
+                raise InvalidRequest(
+                    f"{root} holds more than {MAX_SNAPSHOT_FILES} files — add what the job does not need "
+                    "to .gpuportignore, or push large data once as a dataset"
+                )
 
     walk("", str(root), _Ignore())
     return found

@@ -115,6 +115,7 @@ class Venv:
             GPUPORT_CONFIG_DIR=str(self.home / "config"),
             GPUPORT_CACHE_DIR=str(self.home / "cache"),
             COLUMNS="200",
+            GPUPORT_AGENT_IDLE="5",  # the CLI's helpers that its commands start end soon after the test
             **extra,
         )
         if strict:

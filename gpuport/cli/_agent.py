@@ -150,22 +150,15 @@ def _umask() -> int:
 
 def _start_helper(path: str) -> None:
     """Start the helper in the background, in a session of its own (no terminal: its commands get
-    theirs), from / (no folder of the user's on its import path)."""
-    import subprocess
-
+    theirs), its stdio on /dev/null; not waited for (it outlives this command)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(_PACKAGE), env.get("PYTHONPATH")) if p)
+    quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     try:
-        subprocess.Popen(
-            [sys.executable, "-m", "gpuport.cli._agent", path],
-            cwd="/",
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
+        os.posix_spawn(
+            sys.executable, [sys.executable, "-m", "gpuport.cli._agent", path], env, file_actions=quiet, setsid=True
         )
-    except OSError:
+    except (OSError, NotImplementedError):
         pass  # no helper: every command runs on its own, as with GPUPORT_AGENT=0
 
 
@@ -360,5 +353,6 @@ def _run_child(conn: object, fds: list[int], request: dict) -> None:
 
 if __name__ == "__main__":
     if sys.path and sys.path[0] in ("", os.getcwd()):
-        del sys.path[0]  # the helper's folder (/): nothing of it is imported
+        del sys.path[0]  # the folder of the command that started it: nothing of it is imported
+    os.chdir("/")
     serve(sys.argv[1])

@@ -510,7 +510,7 @@ def bench_ray(args: argparse.Namespace, gpu: gpuport.Client, server: _servers.Gp
 def data_port_cipher(gpu: gpuport.Client, cert: Path) -> str:
     """The cipher a TLS client with Python's defaults negotiates with the server's data port (as the
     gpuport client does), or why it is not known. A bad ticket: the port answers E and closes."""
-    port = getattr(gpu, "_data_port", 0)  # from the server's Hello; private, so looked up with care
+    port = gpu.transport.data_port  # from the server's Hello
     if not port:
         return "not announced (values go through gRPC)"
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import selectors
+import select
 import socket
 import ssl
 import threading
@@ -22,26 +22,40 @@ def relay(a: socket.socket, b: socket.socket) -> None:
                 end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not isinstance(a, ssl.SSLSocket) and not isinstance(b, ssl.SSLSocket):
         return _both_ways(a, b)
-    tls = [end for end in (a, b) if isinstance(end, ssl.SSLSocket)]
-    other = {a: b, b: a}
-    with selectors.DefaultSelector() as selector:  # epoll: registered once, not rebuilt per message
-        selector.register(a, selectors.EVENT_READ)
-        selector.register(b, selectors.EVENT_READ)
-        try:
-            while True:
-                # Bytes OpenSSL has already decrypted wake no poll: served first.
-                ready = [end for end in tls if end.pending()] or [key.fileobj for key, _ in selector.select()]
-                for source in ready:
-                    data = source.recv(_CHUNK)  # type: ignore[union-attr]
-                    if not data:
+    tls = tuple(end for end in (a, b) if isinstance(end, ssl.SSLSocket))
+    ends = {a.fileno(): (a, b), b.fileno(): (b, a)}
+    buffer = memoryview(bytearray(_CHUNK))  # one buffer, reused: no bytes object per message
+    poller = select.epoll()  # registered once, not rebuilt per message
+    try:
+        for fd in ends:
+            poller.register(fd, select.EPOLLIN)
+        poll = poller.poll
+        while True:
+            # Bytes OpenSSL has already decrypted wake no poll: served first.
+            for source in tls:
+                while source.pending():
+                    if not _move(source, ends[source.fileno()][1], buffer):
                         return
-                    other[source].sendall(data)  # type: ignore[index]
-        except (OSError, ValueError):
-            return  # either side went away: the tunnel is over
-        finally:
-            for end in (a, b):
-                with contextlib.suppress(OSError):
-                    end.shutdown(socket.SHUT_RDWR)
+            for fd, _ in poll():
+                source, sink = ends[fd]
+                if not _move(source, sink, buffer):
+                    return
+    except (OSError, ValueError):
+        return  # either side went away: the tunnel is over
+    finally:
+        poller.close()
+        for end in (a, b):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+
+def _move(source: socket.socket, sink: socket.socket, buffer: memoryview) -> bool:
+    """Copy what ``source`` has to ``sink``; False once ``source`` has closed."""
+    n = source.recv_into(buffer)
+    if not n:
+        return False
+    sink.sendall(buffer[:n])
+    return True
 
 
 def _both_ways(a: socket.socket, b: socket.socket) -> None:

@@ -151,7 +151,9 @@ def main() -> None:
         server = _servers.start_gpuport(work, box_launcher, ["--host", link.box.address])
         try:
             with sshd(work / "ssh", host=link.box) as config:
-                env = {**os.environ, "GPUPORT_SSH": f"ssh -F {config}"}
+                # The CLI as users get it: its server commands (push) through its helper, one of
+                # this run's own (in the laptop's namespace), stopped at the end.
+                env = {**os.environ, "GPUPORT_SSH": f"ssh -F {config}", **_report.cli_helper_env(work)}
                 ssh = ["ssh", "-F", str(config), "gpubox"]
                 login = [sys.executable, "-m", "gpuport", "login", server.url, "--token", server.token]
                 timed(laptop([*login, "--fingerprint", server.fingerprint, "--profile", "link"]), env)
@@ -161,6 +163,7 @@ def main() -> None:
                 bench_bulk(args, link, server, env)
                 bench_jobs(args, work, laptop, gpuport_cli, ssh, env)
         finally:
+            _report.stop_cli_helpers(work)
             server.stop()
     _report.print_table(
         ["sync, first", "sync, unchanged", "put", "get", "launch", "log streaming"],

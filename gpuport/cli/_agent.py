@@ -12,7 +12,7 @@ On Linux only (elsewhere every command runs in its own process, as with ``GPUPOR
 The helper is started by the first such command (which runs as usual meanwhile) and exits after
 ``GPUPORT_AGENT_IDLE`` seconds (600) without a command, or when the code it loaded is no longer
 the installed code. Its socket lives in a folder only its user can open, and it is one per Python,
-gpuport install, network and mount namespace: a command never runs in another one's world.
+gpuport install, network namespace and root filesystem: a command never runs in another one's world.
 ``GPUPORT_AGENT=0`` runs every command in its own process.
 """
 
@@ -67,11 +67,12 @@ def socket_path() -> str | None:
         return None  # not ours alone: no helper
     python = os.path.realpath(sys.executable)  # python and python3 of one venv are one Python
     parts = [python, sys.prefix, _PACKAGE, os.environ.get("PYTHONPATH", ""), str(_code_mtime())]
-    for ns in ("net", "mnt"):
-        try:
-            parts.append(os.readlink(f"/proc/self/ns/{ns}"))
-        except OSError:
-            pass
+    try:
+        parts.append(os.readlink("/proc/self/ns/net"))
+    except OSError:
+        pass
+    root = os.stat("/")  # the filesystem it sees (not the mount namespace: `ip netns exec` makes a new one)
+    parts.append(f"{root.st_dev}:{root.st_ino}")
     key = format(zlib.crc32("\0".join(parts).encode()), "08x")
     return os.path.join(folder, f"agent-{key}.sock")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,3 +208,22 @@ def test_ctrl_c_stops_a_command_running_in_the_helper(helper: Helper, server: Ru
         follower.stderr.close()
     finally:
         job.cancel()
+
+
+def test_a_helper_serves_one_network_namespace_and_root_whatever_the_mount_namespace(tmp_path: Path) -> None:
+    """`ip netns exec` runs each command in a new mount namespace of the same files: one helper
+    serves them all; a command in another network namespace gets a helper of its own there."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (util-linux) to make namespaces")
+    show = [sys.executable, "-c", "from gpuport.cli._agent import socket_path; print(socket_path())"]
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+
+    def path(*prefix: str) -> str:
+        done = subprocess.run([*prefix, *show], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    here = path()
+    assert here.startswith(f"{tmp_path}/gpuport-{os.getuid()}/agent-") and here.endswith(".sock")
+    assert path("unshare", "--mount") == here
+    assert path("unshare", "--net") != here

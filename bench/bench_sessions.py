@@ -523,6 +523,14 @@ def data_port_cipher(gpu: gpuport.Client, cert: Path) -> str:
     return f"{name} ({version}, {bits}-bit)"
 
 
+def say_cpu(name: str, cpu: list[dict[str, float]], times: list[float], size: int) -> None:
+    """The CPU seconds per GB each process spent on transfer ``name`` (medians), and its wall time."""
+    spent = {k: median([c[k] for c in cpu]) for k in cpu[0]}
+    mine = ("client", "raw peer") if name.startswith("raw") else ("client", "server", "worker")
+    parts = ", ".join(f"{k} {spent[k] / (size / GB):.2f}" for k in mine)
+    say(f"    CPU seconds per GB, {name}: {parts} (wall {median(times) / (size / GB):.2f} s/GB)")
+
+
 def bench_transfer(args: argparse.Namespace, gpu: gpuport.Client, server: _servers.Gpuport) -> None:
     size = args.size_mib * MiB
     label = f"{size / GiB:g} GiB" if size >= GiB else f"{args.size_mib} MiB"
@@ -630,10 +638,7 @@ def bench_transfer(args: argparse.Namespace, gpu: gpuport.Client, server: _serve
         f"{anchor / 1e3:.2f} GB/s"
     )
     for name in ("put, kept", "raw send, fresh"):
-        spent = {k: median([c[k] for c in cpu[name]]) for k in cpu[name][0]}
-        mine = ("client", "raw peer") if name.startswith("raw") else ("client", "server", "worker")
-        parts = ", ".join(f"{k} {spent[k] / (size / GB):.2f}" for k in mine)
-        say(f"    CPU seconds per GB, {name}: {parts} (wall {median(t[name]) / (size / GB):.2f} s/GB)")
+        say_cpu(name, cpu[name], t[name], size)
     ROWS.append(
         Row(
             f"s.put {label} float32, values kept",
@@ -656,10 +661,7 @@ def bench_transfer(args: argparse.Namespace, gpu: gpuport.Client, server: _serve
             f"best {fresh:.2f} GB/s"
         )
         for name in (ours_name, raw_name, f"{raw_name}, fresh"):
-            spent = {k: median([c[k] for c in cpu[name]]) for k in cpu[name][0]}
-            mine = ("client", "raw peer") if name.startswith("raw") else ("client", "server", "worker")
-            parts = ", ".join(f"{k} {spent[k] / (size / GB):.2f}" for k in mine)
-            say(f"    CPU seconds per GB, {name}: {parts} (wall {median(t[name]) / (size / GB):.2f} s/GB)")
+            say_cpu(name, cpu[name], t[name], size)
         ROWS.append(
             Row(
                 f"{goal_name} {label} float32",

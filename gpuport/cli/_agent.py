@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import socket
 
 FAST = frozenset({"status", "jobs", "queue", "gpus", "push", "logs"})
 ENV_AGENT = "GPUPORT_AGENT"
@@ -130,12 +134,7 @@ def _through_helper(args: list[str]) -> int | None:
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(signum, pass_on)
-    while True:
-        try:
-            line = reader.readline()
-            break
-        except InterruptedError:
-            continue
+    line = reader.readline()  # a signal passed on meanwhile does not interrupt the wait (PEP 475)
     conn.close()
     if not line:
         print("gpuport: the command ended without an exit status (killed?)", file=sys.stderr)
@@ -249,12 +248,11 @@ def _preload() -> None:
     "localhost".encode("idna")  # a host name's first encoding loads its codec
 
 
-def _fork_command(conn: object, listener: object) -> int:
+def _fork_command(conn: socket.socket, listener: socket.socket) -> int:
     """Read one command from ``conn`` and fork its child; the child's pid (0: none started)."""
     import json
     import socket
 
-    assert isinstance(conn, socket.socket) and isinstance(listener, socket.socket)
     conn.settimeout(5)
     try:
         if hasattr(socket, "SO_PEERCRED"):
@@ -285,7 +283,7 @@ def _fork_command(conn: object, listener: object) -> int:
             os.close(fd)
 
 
-def _run_child(conn: object, fds: list[int], request: dict) -> None:
+def _run_child(conn: socket.socket, fds: list[int], request: dict) -> None:
     """In the forked child: become the command (its terminal, folder, environment), run it, report."""
     import io
     import json
@@ -323,8 +321,7 @@ def _run_child(conn: object, fds: list[int], request: dict) -> None:
         sys.stdin = sys.__stdin__ = stream(0, "r", "strict")
         sys.stdout = sys.__stdout__ = stream(1, "w", "strict")
         sys.stderr = sys.__stderr__ = stream(2, "w", "backslashreplace")
-        assert hasattr(conn, "sendall")
-        conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")  # type: ignore[attr-defined]
+        conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
         sys.argv = ["gpuport", *request["argv"]]
         from gpuport.cli.main import cli
 
@@ -346,7 +343,7 @@ def _run_child(conn: object, fds: list[int], request: dict) -> None:
             except Exception:
                 pass
         try:
-            conn.sendall(json.dumps({"exit": code}).encode() + b"\n")  # type: ignore[attr-defined]
+            conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
         except Exception:
             pass
         os._exit(code)

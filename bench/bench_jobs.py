@@ -20,8 +20,11 @@
       no change    the same folder again.
       after touch  after rewriting the content of 10 small files (same sizes).
     gpuport is timed both in-process (gpu.push(folder, name=...) on an open connection) and as a
-    whole `gpuport push DIR --name NAME` process. The three are alternated, order rotating.
-    Goals (in-process): first sync at most 1.0x rsync; no change and after touch at most 0.5x.
+    whole `gpuport push DIR --name NAME` process (logged in, through the CLI's helper, as users get
+    it). Beside them, not an anchor: `rsync -a -e ssh` through an sshd on 127.0.0.1 with throwaway
+    keys (the way people sync today; skipped, saying why, without openssh-server). All are
+    alternated, order rotating. Goals: first sync at most 1.0x rsync; no change and after touch at
+    most 0.5x.
 (c) logs: a job printing 100-byte lines in a loop (100 MB by default), streamed with
     job.log_chunks(follow=True) from submit to the last byte, against the same program run here with
     stdout redirected to a file. Goal: at least 0.5x the local speed.
@@ -273,15 +276,17 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
     cache_root = work / "sync-caches"
     saved_cache = os.environ.get("GPUPORT_CACHE_DIR")
     servers: list[contextlib.ExitStack] = []
+    over_ssh = contextlib.ExitStack()  # rsync over ssh, the way people sync today: beside, not the anchor
     try:
         say(f"  {version}; daemon at {rsync.url}")
+        ssh_push = _rsync_over_ssh(over_ssh, work, project)
         if not has_push:
             say("  CLI: no `gpuport push DIR --name NAME` command; only the in-process API is timed")
         name = "proj"
         last: dict[str, object] = {}
 
         # -- first sync: a fresh server, fresh hash caches and a fresh rsync destination every round
-        first: dict[str, list[float]] = {"rsync": [], "api": [], "cli": []}
+        first: dict[str, list[float]] = {"rsync": [], "api": [], "cli": [], "ssh": []}
         for i in range(args.first):
             stack = contextlib.ExitStack()
             servers.append(stack)
@@ -311,8 +316,13 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
                 return elapsed
 
             dest = f"first-{i}"
-            order = {"rsync": lambda dest=dest: rsync.push(project, dest), "api": api_push, "cli": cli_push}
-            names = list(order)[i % 3 :] + list(order)[: i % 3]
+            order = {
+                "rsync": lambda dest=dest: rsync.push(project, dest),
+                "api": api_push,
+                "cli": cli_push,
+                "ssh": lambda dest=dest: ssh_push(dest),
+            }
+            names = list(order)[i % 4 :] + list(order)[: i % 4]
             for key in names:
                 os.sync()  # no one pays for the writeback of another's files
                 if (elapsed := order[key]()) is not None:
@@ -333,7 +343,12 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
         report_sync("first", first, args.first, goal=1.0)
 
         # -- no change
-        resync = {"rsync": lambda: rsync.push(project, dest), "api": api_push, "cli": cli_push}
+        resync = {
+            "rsync": lambda: rsync.push(project, dest),
+            "api": api_push,
+            "cli": cli_push,
+            "ssh": lambda: ssh_push(dest),
+        }
         rotate(1, resync)  # warm-up
         t = rotate(args.resync, resync)
         snap = last["api"]
@@ -343,13 +358,13 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
 
         # -- after touching 10 small files: rewrite their content (same size), then each tool syncs it
         rng = random.Random(args.seed + 1)
-        touched: dict[str, list[float]] = {"rsync": [], "api": [], "cli": []}
+        touched: dict[str, list[float]] = {"rsync": [], "api": [], "cli": [], "ssh": []}
         uploaded = []
         picks = rng.sample(small_files, min(len(small_files), 10 * args.touch))
         for i in range(args.touch):
             for path in picks[i * 10 : (i + 1) * 10]:
                 path.write_bytes(rng.randbytes(path.stat().st_size))
-            names = list(resync)[i % 3 :] + list(resync)[: i % 3]
+            names = list(resync)[i % 4 :] + list(resync)[: i % 4]
             for key in names:
                 if (elapsed := resync[key]()) is not None:
                     touched[key].append(elapsed)
@@ -361,9 +376,34 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
     finally:
         for stack in servers:
             stack.close()
+        over_ssh.close()
         rsync.stop()
         if saved_cache is not None:
             os.environ["GPUPORT_CACHE_DIR"] = saved_cache
+
+
+def _rsync_over_ssh(stack: contextlib.ExitStack, work: Path, project: Path) -> Callable[[str], float | None]:
+    """`rsync -a -e ssh` of ``project`` to a folder on this machine through an sshd on 127.0.0.1 (its
+    own throwaway keys): a function timing one such sync to ``dest`` (None when there is no sshd)."""
+    try:
+        sys.path.insert(0, str(Path(__file__).parent.parent))
+        from tests._sshd import sshd
+
+        config = stack.enter_context(sshd(work / "ssh"))
+    except BaseException as e:  # openssh-server missing: its test helper skips, saying what to install
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        say(f"  rsync over ssh: skipped ({e})")
+        return lambda dest: None
+    say("  rsync over ssh: to an sshd on 127.0.0.1 (ed25519 keys, a new login each sync)")
+
+    def push(dest: str) -> float:
+        start = time.perf_counter()
+        argv = ["rsync", "-a", "-e", f"ssh -F {config}", f"{project}/", f"gpubox:{work}/ssh-{dest}/"]
+        subprocess.run(argv, check=True, capture_output=True)
+        return time.perf_counter() - start
+
+    return push
 
 
 def report_sync(case: str, t: dict[str, list[float]], n: int, goal: float) -> None:
@@ -371,6 +411,10 @@ def report_sync(case: str, t: dict[str, list[float]], n: int, goal: float) -> No
     c = median(t["cli"]) if t["cli"] else None
     cli = f", CLI push {ms(c)} ({c / r:.2f}x)" if c is not None else ""
     say(f"  {case:<10} rsync {ms(r)}, API push {ms(a)} ({a / r:.2f}x){cli}; median of {n}")
+    if t["ssh"] and c is not None:
+        s = median(t["ssh"])
+        say(f"  {'':<10} rsync over ssh {ms(s)}: the CLI push is {c / s:.2f}x that")
+        ROWS.append(Row(f"sync {case}: CLI vs rsync over ssh", c, s, "`rsync -a -e ssh` process", "-", None))
     ROWS.append(Row(f"sync {case}: API push", a, r, "`rsync -a` process", f"<= {goal:.1f}x", a / r <= goal))
     met = None if c is None else c / r <= goal
     ROWS.append(Row(f"sync {case}: CLI `gpuport push`", c, r, "`rsync -a` process", f"<= {goal:.1f}x", met))

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import gpuport
 from tests.conftest import RunningServer, client_env, wait_for
 
 HEAVY = ("grpc", "google.protobuf", "cloudpickle", "asyncio", "numpy", "rich", "gpuport.client._client")
@@ -227,3 +228,33 @@ def test_a_helper_serves_one_network_namespace_and_root_whatever_the_mount_names
     assert here.startswith(f"{tmp_path}/gpuport-{os.getuid()}/agent-") and here.endswith(".sock")
     assert path("unshare", "--mount") == here
     assert path("unshare", "--net") != here
+
+
+def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    # A copy of the package: touching its client code gives another socket (a new helper for it).
+    copy = tmp_path / "site"
+    package = Path(gpuport.__file__).parent
+    shutil.copytree(package, copy / "gpuport", ignore=shutil.ignore_patterns("__pycache__", "server"))
+    # -S: no site, so no editable install's finder ahead of PYTHONPATH (socket_path needs only the stdlib).
+    show = [sys.executable, "-S", "-c", "from gpuport.cli._agent import socket_path; print(socket_path())"]
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "PYTHONPATH": str(copy)}
+
+    def path() -> str:
+        done = subprocess.run(show, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    before = path()
+    assert path() == before
+    client = copy / "gpuport" / "client" / "_client.py"
+    os.utime(client)  # now: newer than any file copied
+    assert path() != before
+    # A helper told to idle for 1 s ends by itself, and removes its socket.
+    helper = Helper(server, tmp_path / "runtime")
+    helper.env["GPUPORT_AGENT_IDLE"] = "1"
+    assert helper.run("status").returncode == 0
+    process = helper.ready()
+    process.wait(15)  # ended by itself (raises if it has not within 15 s)
+    assert not list(helper.runtime.glob("gpuport-*/agent-*.sock"))

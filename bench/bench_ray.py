@@ -176,6 +176,7 @@ def bench_cli(n: int, work: Path, on_ray: object) -> float:
         GPUPORT_TOKEN=on_ray.token,  # type: ignore[attr-defined]
         GPUPORT_FINGERPRINT=on_ray.fingerprint,  # type: ignore[attr-defined]
         GPUPORT_CONFIG_DIR=str(work / "config"),
+        GPUPORT_AGENT="0",  # its own process (no CLI helper), as this figure was first measured
     )
 
     def once() -> None:

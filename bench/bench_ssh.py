@@ -57,10 +57,12 @@ def main() -> None:
         )
         try:
             port = int(server.url.rsplit(":", 1)[1])
+            # Each command in its own process (no CLI helper): what the route costs, start included.
+            alone = {**os.environ, "GPUPORT_AGENT": "0"}
             envs = {
-                "direct": dict(os.environ),
-                "ssh": {**os.environ, "GPUPORT_SSH": f"ssh -F {config}"},
-                "ssh-shared": {**os.environ, "GPUPORT_SSH": f"ssh -F {shared}"},
+                "direct": alone,
+                "ssh": {**alone, "GPUPORT_SSH": f"ssh -F {config}"},
+                "ssh-shared": {**alone, "GPUPORT_SSH": f"ssh -F {shared}"},
             }
             urls = {"direct": server.url, "ssh": f"ssh://gpubox?port={port}", "ssh-shared": f"ssh://gpubox?port={port}"}
             for profile, url in urls.items():

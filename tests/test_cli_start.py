@@ -258,3 +258,18 @@ def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(
     process = helper.ready()
     process.wait(15)  # ended by itself (raises if it has not within 15 s)
     assert not list(helper.runtime.glob("gpuport-*/agent-*.sock"))
+
+
+def test_gpuport_run_through_the_helper_streams_its_job_and_exits_with_its_status(
+    helper: Helper, tmp_path: Path
+) -> None:
+    helper.run("status")
+    helper.ready()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "job.py").write_text("print('hello from the job', flush=True)\nraise SystemExit(3)\n")
+    here = helper.run("run", "--", "python", "job.py", cwd=project, GPUPORT_AGENT="0")
+    there = helper.run("run", "--", "python", "job.py", cwd=project)
+    assert here.returncode == there.returncode == 3, there.stderr
+    assert here.stdout == there.stdout == "hello from the job\n"
+    assert "exited with code 3" in there.stderr

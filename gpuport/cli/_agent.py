@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import socket
 
-FAST = frozenset({"status", "jobs", "queue", "gpus", "push", "logs"})
+FAST = frozenset({"status", "jobs", "queue", "gpus", "push", "logs", "run"})
 ENV_AGENT = "GPUPORT_AGENT"
 ENV_IDLE = "GPUPORT_AGENT_IDLE"
 _IDLE_DEFAULT = 600.0

@@ -116,6 +116,11 @@ class Helper:
         locks = list(self.runtime.glob("gpuport-*/agent-*.sock.lock"))
         return int(locks[0].read_text()) if locks and locks[0].read_text() else None
 
+    def start(self) -> psutil.Process:
+        """Start the helper with a first command (which runs on its own), once it listens."""
+        assert self.run("status").returncode == 0
+        return self.ready()
+
     def ready(self) -> psutil.Process:
         def up() -> psutil.Process | None:
             pid = self.pid()
@@ -131,6 +136,14 @@ class Helper:
             if "gpuport.cli._agent" in " ".join(helper.cmdline()):
                 helper.terminate()
                 helper.wait(10)
+
+
+def _project(tmp_path: Path, name: str, text: str) -> Path:
+    """A project folder holding one file ``name``."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / name).write_text(text)
+    return project
 
 
 @pytest.fixture
@@ -171,11 +184,8 @@ def test_server_commands_run_in_the_helper_with_the_same_output(helper: Helper, 
 def test_the_helper_takes_each_commands_folder_environment_and_exit_status(
     helper: Helper, server: RunningServer, tmp_path: Path
 ) -> None:
-    helper.run("status")
-    helper.ready()
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "train.py").write_text("print('hi')\n")
+    helper.start()
+    project = _project(tmp_path, "train.py", "print('hi')\n")
     pushed = helper.run("push", ".", "--name", "helper-test", cwd=project)
     assert pushed.returncode == 0 and "pushed . as helper-test: 1 files, 12B" in pushed.stderr, pushed  # its folder
     wrong = helper.run("jobs", GPUPORT_TOKEN="gp_wrong")  # this command's token, not the first one's
@@ -186,8 +196,7 @@ def test_the_helper_takes_each_commands_folder_environment_and_exit_status(
 
 
 def test_ctrl_c_stops_a_command_running_in_the_helper(helper: Helper, server: RunningServer, admin: object) -> None:
-    helper.run("status")
-    process = helper.ready()
+    process = helper.start()
     ticking = "import time\nwhile True: print('tick', flush=True); time.sleep(0.1)"
     job = admin.submit(["python", "-c", ticking], workdir=None)  # type: ignore[attr-defined]
     try:
@@ -211,23 +220,26 @@ def test_ctrl_c_stops_a_command_running_in_the_helper(helper: Helper, server: Ru
         job.cancel()
 
 
+def _socket_path(env: dict[str, str], wrapper: tuple[str, ...] = (), options: tuple[str, ...] = ()) -> str:
+    """The helper socket a fresh Python (run with ``options``, under ``wrapper``, from a folder of
+    no package) computes in ``env``."""
+    code = "from gpuport.cli._agent import socket_path; print(socket_path())"
+    argv = [*wrapper, sys.executable, *options, "-c", code]
+    done = subprocess.run(argv, env=env, cwd=env["XDG_RUNTIME_DIR"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 def test_a_helper_serves_one_network_namespace_and_root_whatever_the_mount_namespace(tmp_path: Path) -> None:
     """`ip netns exec` runs each command in a new mount namespace of the same files: one helper
     serves them all; a command in another network namespace gets a helper of its own there."""
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("needs root and unshare (util-linux) to make namespaces")
-    show = [sys.executable, "-c", "from gpuport.cli._agent import socket_path; print(socket_path())"]
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-
-    def path(*prefix: str) -> str:
-        done = subprocess.run([*prefix, *show], env=env, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
-
-    here = path()
+    here = _socket_path(env)
     assert here.startswith(f"{tmp_path}/gpuport-{os.getuid()}/agent-") and here.endswith(".sock")
-    assert path("unshare", "--mount") == here
-    assert path("unshare", "--net") != here
+    assert _socket_path(env, ("unshare", "--mount")) == here
+    assert _socket_path(env, ("unshare", "--net")) != here
 
 
 def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(
@@ -237,25 +249,17 @@ def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(
     copy = tmp_path / "site"
     package = Path(gpuport.__file__).parent
     shutil.copytree(package, copy / "gpuport", ignore=shutil.ignore_patterns("__pycache__", "server"))
-    # -S: no site, so no editable install's finder ahead of PYTHONPATH (socket_path needs only the stdlib).
-    show = [sys.executable, "-S", "-c", "from gpuport.cli._agent import socket_path; print(socket_path())"]
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), "PYTHONPATH": str(copy)}
-
-    def path() -> str:
-        done = subprocess.run(show, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
-
-    before = path()
-    assert path() == before
+    # -S: no site, so no editable install's finder ahead of PYTHONPATH (socket_path needs only the stdlib).
+    before = _socket_path(env, options=("-S",))
+    assert _socket_path(env, options=("-S",)) == before
     client = copy / "gpuport" / "client" / "_client.py"
     os.utime(client)  # now: newer than any file copied
-    assert path() != before
+    assert _socket_path(env, options=("-S",)) != before
     # A helper told to idle for 1 s ends by itself, and removes its socket.
     helper = Helper(server, tmp_path / "runtime")
     helper.env["GPUPORT_AGENT_IDLE"] = "1"
-    assert helper.run("status").returncode == 0
-    process = helper.ready()
+    process = helper.start()
     process.wait(15)  # ended by itself (raises if it has not within 15 s)
     assert not list(helper.runtime.glob("gpuport-*/agent-*.sock"))
 
@@ -263,11 +267,8 @@ def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(
 def test_gpuport_run_through_the_helper_streams_its_job_and_exits_with_its_status(
     helper: Helper, tmp_path: Path
 ) -> None:
-    helper.run("status")
-    helper.ready()
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "job.py").write_text("print('hello from the job', flush=True)\nraise SystemExit(3)\n")
+    helper.start()
+    project = _project(tmp_path, "job.py", "print('hello from the job', flush=True)\nraise SystemExit(3)\n")
     here = helper.run("run", "--", "python", "job.py", cwd=project, GPUPORT_AGENT="0")
     there = helper.run("run", "--", "python", "job.py", cwd=project)
     assert here.returncode == there.returncode == 3, there.stderr

@@ -223,7 +223,8 @@ def test_cli_detach_jobs_logs_wait_download_cancel(
 
 def _start_cli_run(server: RunningServer, project: Path, client_config: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
-    env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config))
+    # In its own process, as the other tests' commands (conftest): the helper's own tests pass Ctrl-C through it.
+    env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config), GPUPORT_AGENT="0")
     script = "import time\nprint('started', flush=True)\ntime.sleep(60)"
     # Ctrl-C handling switched on explicitly: a test run started in the background inherits SIGINT
     # ignored (the shell's rule for background jobs), and Python would keep ignoring it.

@@ -15,6 +15,7 @@ import os
 import queue
 import shutil
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,10 +28,11 @@ import platformdirs
 from gpuport._files import atomic_write, sha256_file
 from gpuport.defaults import BLOB_BATCH_BYTES, DEFAULT_OUTPUT_DIR, ENV_CACHE_DIR, MAX_SNAPSHOT_FILES
 from gpuport.protocol import gpuport_pb2 as pb
-from gpuport.protocol.errors import InvalidRequest
+from gpuport.protocol.errors import ConnectionFailed, InvalidRequest
 from gpuport.protocol.paths import check_link, check_path
 
 if TYPE_CHECKING:
+    import socket
     from concurrent.futures import Executor
 
     import pathspec
@@ -245,6 +247,7 @@ class UploadQueue:
         self._queued: set[str] = set()
         self.files = 0
         self.bytes = 0
+        self._ended = False  # its end was taken
 
     def add(self, f: LocalFile) -> None:
         if f.blob not in self._queued:
@@ -257,8 +260,16 @@ class UploadQueue:
         self._queue.put(self._END)
 
     def __iter__(self) -> Iterator[LocalFile]:
+        if self._ended:
+            return
         while (f := self._queue.get()) is not self._END:
             yield f
+        self._ended = True
+
+    def drain(self) -> None:
+        """Take what is left, up to the end, so that whoever adds files never waits on a dead stream."""
+        for _ in self:
+            pass
 
 
 def upload_batches(files: UploadQueue, progress: Progress | None) -> Iterator[pb.BlobBatch]:
@@ -290,6 +301,84 @@ def upload_batches(files: UploadQueue, progress: Progress | None) -> Iterator[pb
         yield batch
     if progress:
         progress(done, files.bytes)
+
+
+_BLOB_HEAD = struct.Struct("<c64sQ")  # as the server's data port reads it: F or Z, blob id, size
+_BLOBS_DONE = struct.Struct("<QQ")
+_SEND_BYTES = 1024 * 1024  # small files are packed into sends of about this much
+_READ_BYTES = 4 * 1024 * 1024  # a large file is sent in pieces of this much
+
+
+def send_blobs(conn: socket.socket, files: UploadQueue, progress: Progress | None) -> tuple[int, int]:
+    """Upload the queue's files on a data-port connection (its ticket sent) until the queue is
+    closed: each a header and its bytes, small ones packed together. Returns what the server says
+    it placed (blobs, bytes); raises ``InvalidRequest`` with its reason where it refused one."""
+    said = _receive_exactly(conn, 1)
+    if said != b"B":
+        raise _refused(conn, said)
+    done = told = 0
+    packed = bytearray()
+    piece = bytearray(_READ_BYTES)
+    for f in files:
+        with open(f.full, "rb", buffering=0) as src:
+            if os.fstat(src.fileno()).st_size != f.size:
+                raise _changed(f)
+            packed += _BLOB_HEAD.pack(b"F", f.blob.encode(), f.size)
+            if f.size <= _SEND_BYTES:
+                data = src.read(f.size)
+                if len(data) != f.size:
+                    raise _changed(f)
+                packed += data
+            else:
+                conn.sendall(packed)
+                packed.clear()
+                left = f.size
+                with memoryview(piece) as view:
+                    while left:
+                        n = src.readinto(view[: min(left, _READ_BYTES)])
+                        if not n:
+                            raise _changed(f)
+                        conn.sendall(view[:n])
+                        left -= n
+        done += f.size
+        if len(packed) >= _SEND_BYTES:
+            conn.sendall(packed)
+            packed.clear()
+        if progress and done - told >= _SEND_BYTES:
+            progress(done, files.bytes)
+            told = done
+    conn.sendall(packed + _BLOB_HEAD.pack(b"Z", b"", 0))
+    said = _receive_exactly(conn, 1)
+    if said != b"K":
+        raise _refused(conn, said)
+    if progress:
+        progress(done, files.bytes)
+    placed, size = _BLOBS_DONE.unpack(_receive_exactly(conn, _BLOBS_DONE.size))
+    return placed, size
+
+
+def _changed(f: LocalFile) -> InvalidRequest:
+    return InvalidRequest(f"{f.path} changed while the folder was being synced — sync again")
+
+
+def _receive_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionFailed("the server's data port closed the connection during an upload — sync again")
+        data += chunk
+    return data
+
+
+def _refused(conn: socket.socket, said: bytes) -> Exception:
+    """The error the server answered with ``said`` (``E``, then why, one line)."""
+    if said != b"E":
+        return ConnectionFailed(f"the server's data port answered {said!r} to an upload — is it a gpuport server?")
+    why = bytearray()
+    while not why.endswith(b"\n") and len(why) < 4096 and (chunk := conn.recv(1)):
+        why += chunk
+    return InvalidRequest(why.decode("utf-8", "replace").strip() or "the server refused the upload")
 
 
 def prefetched(batches: Iterator[pb.BlobBatch], depth: int = 2) -> Iterator[bytes]:

@@ -37,7 +37,14 @@ from gpuport.client._types import Snapshot
 from gpuport.defaults import DEFAULT_CALL_TIMEOUT, DEFAULT_CONNECT_TIMEOUT
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import gpuport_pb2_grpc as pb_grpc
-from gpuport.protocol.errors import ConnectionFailed, ServerError, ServerUnreachable, TLSError
+from gpuport.protocol.errors import (
+    ConnectionFailed,
+    InvalidRequest,
+    NotFound,
+    ServerError,
+    ServerUnreachable,
+    TLSError,
+)
 from gpuport.protocol.paths import check_entries
 
 if TYPE_CHECKING:
@@ -226,9 +233,20 @@ class Transport:
         return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploads.files, uploads.bytes)
 
     def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
-        """Upload the queue's files in one stream, until the queue is closed."""
+        """Upload the queue's files in one stream, until the queue is closed: on the data port
+        (plain bytes over TLS, several times gRPC's rate), or through gRPC where it cannot be reached."""
         from gpuport.client import _sync
 
+        if self.data_port:
+            try:
+                ticket, conn = self.data_connection(pb.TransferRequest(blobs=True))
+            except (InvalidRequest, NotFound):  # a server without a data port, or one older than blobs there
+                conn = None
+            if conn is not None:
+                with conn:
+                    conn.sendall(ticket.ticket.encode() + b"\n")
+                    _sync.send_blobs(conn, uploads, progress)
+                return
         self.call(self._upload, _sync.prefetched(_sync.upload_batches(uploads, progress)), timeout=None)
 
     def _hash_and_upload(
@@ -251,8 +269,7 @@ class Transport:
                 self._send(uploads, progress)
             except BaseException as e:  # raised in the caller's thread below
                 failure.append(e)
-                for _ in uploads:  # drain, so that the producer never waits on a dead stream
-                    pass
+                uploads.drain()
 
         sender = threading.Thread(target=upload, name="gpuport upload", daemon=True)
         started = False

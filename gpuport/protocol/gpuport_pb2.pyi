@@ -681,18 +681,20 @@ class DataChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "size", "staged", "channel", "tunnel")
+    __slots__ = ("session_id", "size", "staged", "channel", "tunnel", "blobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     size: int
     staged: str
     channel: bool
     tunnel: str
-    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., staged: _Optional[str] = ..., channel: _Optional[bool] = ..., tunnel: _Optional[str] = ...) -> None: ...
+    blobs: bool
+    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., staged: _Optional[str] = ..., channel: _Optional[bool] = ..., tunnel: _Optional[str] = ..., blobs: _Optional[bool] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("staged", "ticket", "port")

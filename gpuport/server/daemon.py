@@ -132,7 +132,7 @@ def _banner(
         f"  state dir    {root}",
         f"  gRPC         {grpc_url}",
         f"  HTTP         {http_url}",
-        f"  data port    {data_port}          (sessions' large values: open it beside the gRPC port)",
+        f"  data port    {data_port}          (sessions' values, pushed files: open it beside the gRPC port)",
         *([f"  cert port    {cert_port}          (gRPC for clients with a client certificate)"] if cert_port else []),
         f"  fingerprint  {identity.fingerprint}" if identity else "  TLS          off (--insecure, loopback only)",
         "  GPUs         those of the cluster's nodes (below)"
@@ -244,6 +244,7 @@ async def serve(
             data_port = port + 2 if port else 0
         data = DataPort(
             app.sessions,
+            app.snapshots,
             app.transfers,
             host,
             data_port,

@@ -553,7 +553,13 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
     @rpc
     async def Transfer(self, request: pb.TransferRequest, caller: Identity) -> pb.TransferTicket:
         key, ticket = self.app.sessions.transfer(
-            caller, request.session_id, request.size, request.staged, channel=request.channel, tunnel=request.tunnel
+            caller,
+            request.session_id,
+            request.size,
+            request.staged,
+            channel=request.channel,
+            tunnel=request.tunnel,
+            blobs=request.blobs,
         )
         return pb.TransferTicket(staged=key, ticket=ticket, port=self.app.sessions.data_port)
 

@@ -201,7 +201,7 @@ class Redeemed:
     calls of session ``key`` by ``caller``."""
 
     key: str
-    kind: str  # upload, download, channel, tunnel:NAME
+    kind: str  # upload, download, channel, tunnel:NAME, blobs
     staged: Staged | None
     caller: Identity | None = None
 
@@ -212,7 +212,7 @@ class Staging:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Staged] = {}
-        # ticket → (key, "upload" | "download" | "channel", expiry, caller)
+        # ticket → (key, "upload" | "download" | "channel" | "tunnel:NAME" | "blobs", expiry, caller)
         self._tickets: dict[str, tuple[str, str, float, Identity | None]] = {}
 
     def add(self, staged: Staged, prefix: str) -> str:
@@ -247,7 +247,7 @@ class Staging:
             if found is None or found[2] < time.monotonic():
                 return None
             key, kind, _, caller = found
-            if kind == "channel" or kind.startswith("tunnel:"):
+            if kind in ("channel", "blobs") or kind.startswith("tunnel:"):
                 return Redeemed(key, kind, None, caller)
             staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
         return Redeemed(key, kind, staged) if staged is not None else None
@@ -269,8 +269,11 @@ class Staging:
                 and (older_than is None or now - staged.created > older_than)
             ]
             gone = [self._items.pop(key) for key in doomed]
+            # A ticket for a staged value goes with it; one for a channel, a tunnel or blobs stays.
             self._tickets = {
-                t: v for t, v in self._tickets.items() if v[2] >= now and (v[1] == "channel" or v[0] in self._items)
+                t: v
+                for t, v in self._tickets.items()
+                if v[2] >= now and (v[1] not in ("upload", "download") or v[0] in self._items)
             }
         for staged in gone:
             staged.close()
@@ -887,15 +890,25 @@ class SessionService:
         return key
 
     def transfer(
-        self, caller: Identity, session_id: str, size: int, key: str, channel: bool = False, tunnel: str = ""
+        self,
+        caller: Identity,
+        session_id: str,
+        size: int,
+        key: str,
+        channel: bool = False,
+        tunnel: str = "",
+        blobs: bool = False,
     ) -> tuple[str, str]:
         """A ticket for the data port: to upload ``size`` bytes (a new staged key), to download the
-        staged result ``key``, with ``channel`` for a channel carrying the session's calls, or with
+        staged result ``key``, with ``channel`` for a channel carrying the session's calls, with
         ``tunnel`` for a byte stream to the worker's socket ``tunnel-NAME.sock`` (a TensorFlow server
-        the worker runs). Returns (key, ticket)."""
-        live = self._find(caller, session_id)
+        the worker runs), or with ``blobs`` (and no session) for an upload of snapshot blobs. Returns
+        (key, ticket)."""
         if not self.data_port:
             raise InvalidRequest("this server has no data port: send values through gRPC (Upload, Download)")
+        if blobs:
+            return "", self.staging.ticket("", "blobs", caller)
+        live = self._find(caller, session_id)
         if channel:
             return "", self.staging.ticket(live.id, "channel", caller)
         if tunnel:

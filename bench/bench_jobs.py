@@ -24,7 +24,8 @@
     it). Beside them, not an anchor: `rsync -a -e ssh` through an sshd on 127.0.0.1 with throwaway
     keys (the way people sync today; skipped, saying why, without openssh-server). All are
     alternated, order rotating. Goals: first sync at most 1.0x rsync; no change and after touch at
-    most 0.5x.
+    most 0.5x. For the first sync it also prints the CPU each side spent (rsync's daemon and client;
+    gpuport's server and this process during the API push), the user's and the kernel's.
 (c) logs: a job printing 100-byte lines in a loop (100 MB by default), streamed with
     job.log_chunks(follow=True) from submit to the last byte, against the same program run here with
     stdout redirected to a file. Goal: at least 0.5x the local speed.
@@ -41,13 +42,16 @@ import argparse
 import contextlib
 import os
 import random
+import resource
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _peers  # noqa: E402
@@ -287,6 +291,7 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
 
         # -- first sync: a fresh server, fresh hash caches and a fresh rsync destination every round
         first: dict[str, list[float]] = {"rsync": [], "api": [], "cli": [], "ssh": []}
+        cpus: dict[str, list[_Cpu]] = {"rsync": [], "api": []}
         for i in range(args.first):
             stack = contextlib.ExitStack()
             servers.append(stack)
@@ -298,12 +303,17 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
                 cli_server = stack.enter_context(gpuport_server(work, f"sync-cli-{i}"))
                 env = cli_env(cli_server, work, cli_cache)
 
-            def api_push(gpu: gpuport.Client = gpu, cache: Path = api_cache) -> float:
+            def api_push(
+                gpu: gpuport.Client = gpu, cache: Path = api_cache, server: _servers.Gpuport = api_server
+            ) -> float:
                 os.environ["GPUPORT_CACHE_DIR"] = str(cache)
+                before = _cpu_of(server.process.pid), resource.getrusage(resource.RUSAGE_SELF)
                 start = time.perf_counter()
                 snap = gpu.push(project, name=name)
                 elapsed = time.perf_counter() - start
+                after = _cpu_of(server.process.pid), resource.getrusage(resource.RUSAGE_SELF)
                 last["api"] = snap
+                last["api cpu"] = _Cpu.between(before, after)
                 return elapsed
 
             def cli_push(env: dict[str, str] = env) -> float | None:
@@ -316,8 +326,16 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
                 return elapsed
 
             dest = f"first-{i}"
+
+            def rsync_push(dest: str = dest) -> float:
+                before = _cpu_of(rsync.process.pid, children=True), resource.getrusage(resource.RUSAGE_CHILDREN)
+                elapsed = rsync.push(project, dest)
+                after = _reaped_cpu(rsync.process.pid, before[0]), resource.getrusage(resource.RUSAGE_CHILDREN)
+                last["rsync cpu"] = _Cpu.between(before, after)
+                return elapsed
+
             order = {
-                "rsync": lambda dest=dest: rsync.push(project, dest),
+                "rsync": rsync_push,
                 "api": api_push,
                 "cli": cli_push,
                 "ssh": lambda dest=dest: ssh_push(dest),
@@ -327,6 +345,8 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
                 os.sync()  # no one pays for the writeback of another's files
                 if (elapsed := order[key]()) is not None:
                     first[key].append(elapsed)
+            cpus["rsync"].append(last["rsync cpu"])  # type: ignore[arg-type]
+            cpus["api"].append(last["api cpu"])  # type: ignore[arg-type]
             if i < args.first - 1:  # keep only the last round's servers running, for the re-syncs
                 stack.close()
                 servers.remove(stack)
@@ -341,6 +361,12 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
         if snap.uploaded_files != count or copied != count:
             say(f"  WARNING: expected {count} files on both sides")
         report_sync("first", first, args.first, goal=1.0)
+        r, a = _Cpu.median(cpus["rsync"]), _Cpu.median(cpus["api"])
+        say(
+            f"  {'':<10} CPU of a first sync (median): rsync {r.total:.2f} s (daemon {r.server:.2f} + client "
+            f"{r.client:.2f}; in the kernel {r.system:.2f}), API push {a.total:.2f} s (server {a.server:.2f} + "
+            f"client {a.client:.2f}; in the kernel {a.system:.2f}) on {os.cpu_count()} cores"
+        )
 
         # -- no change
         resync = {
@@ -380,6 +406,48 @@ def bench_sync(args: argparse.Namespace, work: Path) -> None:
         rsync.stop()
         if saved_cache is not None:
             os.environ["GPUPORT_CACHE_DIR"] = saved_cache
+
+
+_Sample = tuple[tuple[float, float], resource.struct_rusage]
+
+
+@dataclass(frozen=True)
+class _Cpu:
+    """CPU seconds a sync cost: the receiving end's (server or daemon), the sender's, and how much
+    of both was spent in the kernel."""
+
+    server: float
+    client: float
+    system: float
+
+    @property
+    def total(self) -> float:
+        return self.server + self.client
+
+    @staticmethod
+    def between(before: _Sample, after: _Sample) -> _Cpu:
+        """From (receiver's (user, system), sender's rusage) samples taken before and after a sync."""
+        server_user, server_system = (after[0][0] - before[0][0]), (after[0][1] - before[0][1])
+        user, system = after[1].ru_utime - before[1].ru_utime, after[1].ru_stime - before[1].ru_stime
+        return _Cpu(server_user + server_system, user + system, server_system + system)
+
+    @staticmethod
+    def median(samples: list[_Cpu]) -> _Cpu:
+        return min(samples, key=lambda c: abs(c.total - median([s.total for s in samples])))
+
+
+def _cpu_of(pid: int, children: bool = False) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, or of the children it has reaped."""
+    times = psutil.Process(pid).cpu_times()
+    return (times.children_user, times.children_system) if children else (times.user, times.system)
+
+
+def _reaped_cpu(pid: int, before: tuple[float, float]) -> tuple[float, float]:
+    """The rsync daemon's children's CPU once it has reaped the one that served the last sync."""
+    deadline = time.monotonic() + 2
+    while (now := _cpu_of(pid, children=True)) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return now
 
 
 def _rsync_over_ssh(stack: contextlib.ExitStack, work: Path, project: Path) -> Callable[[str], float | None]:

@@ -380,10 +380,8 @@ class DataPort:
                 conn.sendall(b"E" + str(e).encode() + b"\n")
                 while source.read(_SLICE):  # until the sender has sent all and reads the answer
                     pass
-        except (OSError, EOFError, ValueError):
-            sink.abort()
-            raise
         finally:
+            sink.abort()  # its threads stop, and what was not placed goes, however the upload ended
             source.close()
             # The blobs that arrived whole are the sender's, even from an upload cut short.
             self.transfers.add("snapshots", "in", sink.bytes)

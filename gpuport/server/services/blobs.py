@@ -298,7 +298,7 @@ class BlobSink:
             raise self._errors[0]
 
     def abort(self) -> None:
-        """Stop, and remove what was not placed."""
+        """Stop, and remove what was not placed (nothing, after ``finish()``); may be called again."""
         self._stop()
         for writer in self._writers:
             writer.abort()
@@ -307,6 +307,8 @@ class BlobSink:
         if self._filled is not None:
             self._free.put(self._filled.buffer)
             self._filled = None
+        if not self._threads:
+            return  # stopped already
         for q in self._queues:
             q.put(None)
         for thread in self._threads:

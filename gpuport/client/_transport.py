@@ -234,7 +234,8 @@ class Transport:
 
     def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
         """Upload the queue's files in one stream, until the queue is closed: on the data port
-        (plain bytes over TLS, several times gRPC's rate), or through gRPC where it cannot be reached."""
+        (plain bytes over TLS: no protobuf copies, no event loop per message), or through gRPC where
+        that port cannot be reached."""
         from gpuport.client import _sync
 
         if self.data_port:

@@ -456,7 +456,7 @@ class SnapshotsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Upload(self, request_iterator, context):
-        """Blobs go up here, or on the data port (Sessions.Transfer with `blobs`): several times faster.
+        """Blobs go up here, or faster on the data port (Sessions.Transfer with `blobs`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

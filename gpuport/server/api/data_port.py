@@ -14,9 +14,9 @@ Until its ticket line is in, a connection costs no thread: one thread accepts, s
 and reads every ticket line, without blocking, within ``_HANDSHAKE_DEADLINE`` from the connection's
 accept in all (not per read), and holds at most ``_MAX_UNREDEEMED`` such connections (a new one
 past that pushes out the oldest). A connection with its ticket gets a thread for its transfer or
-channel; a user holds at most ``_MAX_CHANNELS`` channels, tunnels and blob uploads open. A channel with no call for
-``_PARK_AFTER`` seconds gives its thread up: it waits in that same selector, and gets a thread again
-when its next call comes.
+channel; a user holds at most ``_MAX_CHANNELS`` channels, tunnels and blob uploads open. A channel
+with no call for ``_PARK_AFTER`` seconds gives its thread up: it waits in that same selector, and
+gets a thread again when its next call comes.
 
 A tunnel (``TransferRequest.tunnel``, NAME) is a byte stream to a server the session's worker runs
 (TensorFlow's, in the worker's own network namespace). The worker listens on ``tunnel-NAME.sock``
@@ -28,10 +28,11 @@ among its user's channels, and closes with their token.
 Blobs (``TransferRequest.blobs``: a folder's files for a snapshot, no session) are answered ``B``,
 then come as a header each (``_BLOB_HEAD``: ``F``, the blob's 64 hex digits, its size as 8 bytes
 little-endian) followed by its bytes, and ``Z`` and 72 bytes of anything to end. Each is written
-and hashed as it arrives and placed in the blob store once it hashes to its name, as gRPC's
-``Snapshots.Upload`` does: gRPC moved a first push's files at 0.38 GB/s here, about two thirds of
-that push. The end is answered ``K`` with the blobs placed and their bytes (``_BLOBS_DONE``), a
-bad blob with ``E`` and why; the blobs placed before it stay the sender's.
+and hashed as it arrives (two writer threads: ``BlobSink``) and placed in the blob store once it
+hashes to its name, as gRPC's ``Snapshots.Upload`` does; a first push of 283 MB took 0.59–0.69 s
+this way where gRPC's stream took 0.70–0.83 s (tmpfs, the 2-core VM, in turns). The end is
+answered ``K`` with the blobs placed and their bytes (``_BLOBS_DONE``), a bad blob with ``E`` and
+why; the blobs placed before it stay the sender's.
 
 A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
 keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and

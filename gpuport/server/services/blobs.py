@@ -217,8 +217,9 @@ class BlobWriter:
 
 class BlobSink:
     """Blobs received into reused buffers and written and hashed by ``writers`` threads, each blob
-    by one of them: writing to files is most of a first push on the server (the page cache's new
-    pages), and two threads did it in half the time of one here.
+    by one of them: writing files is most of a first push on the server (the page cache's new
+    pages). On the 2-core VM two threads wrote 280 MB of new files in 309 ms where one took 600,
+    and a first push took 588–692 ms against 588–829 with one writer (tmpfs, in turns).
 
     The receiving thread fills a buffer from ``buffer()`` with parts, records each with ``part()``,
     and hands it over with ``send()``; a part continuing a blob goes to the thread that has it.

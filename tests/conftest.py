@@ -243,6 +243,25 @@ def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str =
     raise AssertionError(f"{what} not met within {timeout}s")
 
 
+def data_port_unreachable(client: gpuport.Client) -> None:
+    """Make ``client``'s tickets name a port where nothing listens, as for a server reached through
+    a firewall that lets only the gRPC port through."""
+    import socket
+
+    from gpuport.protocol import gpuport_pb2 as pb
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens there once this socket is closed
+    original = client.transport.sessions.Transfer
+
+    def elsewhere(request: pb.TransferRequest, **kw: object) -> pb.TransferTicket:
+        ticket = original(request, **kw)
+        return pb.TransferTicket(staged=ticket.staged, ticket=ticket.ticket, port=closed)
+
+    client.transport.sessions.Transfer = elsewhere  # type: ignore[method-assign]
+
+
 def touch_in_job(state_dir: Path, job_id: str, name: str) -> None:
     """Make the file ``name`` in a running job's working folder: the one folder of the server's disk
     that its sandbox shows it (the test's own tmp_path is not there), so a test's way to signal a job.

@@ -18,7 +18,7 @@ from gpuport.client import _sync
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.sessions import Staging
-from tests.conftest import RunningServer, wait_for
+from tests.conftest import RunningServer, data_port_unreachable, wait_for
 
 HEAD = struct.Struct("<c64sQ")  # as api/data_port.py reads a blob's header
 END = HEAD.pack(b"Z", b"", 0)
@@ -67,16 +67,7 @@ def test_without_the_data_port_a_push_goes_through_grpc(
 ) -> None:
     project = _project(tmp_path / "project")
     grpc_uploads = _count_grpc_uploads(monkeypatch)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]  # nothing listens there once this socket is closed
-    original = admin.transport.sessions.Transfer
-
-    def elsewhere(request: pb.TransferRequest, **kw: object) -> pb.TransferTicket:
-        ticket = original(request, **kw)
-        return pb.TransferTicket(staged=ticket.staged, ticket=ticket.ticket, port=closed)
-
-    admin.transport.sessions.Transfer = elsewhere  # type: ignore[method-assign]
+    data_port_unreachable(admin)
     with pytest.warns(UserWarning, match="data port"):
         snapshot = admin.push(project, name="through-grpc")
     assert snapshot.uploaded_files >= 2 and grpc_uploads == [1]

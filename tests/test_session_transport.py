@@ -16,7 +16,7 @@ import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, data_port_unreachable, start_server
 
 # Past the 4 MiB that travel inside a call: these go through the data port (or gRPC streams).
 LARGE = 3 * 1024 * 1024  # float32 elements: 12 MiB
@@ -52,16 +52,7 @@ def test_without_the_data_port_values_go_through_grpc(admin: gpuport.Client, ses
 
 
 def test_an_unreachable_data_port_warns_and_falls_back_to_grpc(admin: gpuport.Client, session: gpuport.Session) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed = s.getsockname()[1]  # nothing listens there once this socket is closed
-    original = session._transport.sessions.Transfer
-
-    def elsewhere(request: pb.TransferRequest, **kw: object) -> pb.TransferTicket:
-        ticket = original(request, **kw)
-        return pb.TransferTicket(staged=ticket.staged, ticket=ticket.ticket, port=closed)
-
-    admin.transport.sessions.Transfer = elsewhere  # type: ignore[method-assign]
+    data_port_unreachable(admin)
     x = _large()
     with pytest.warns(UserWarning, match="data port"):
         ref = session.put(x)

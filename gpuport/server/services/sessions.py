@@ -70,6 +70,7 @@ _CONNECT_TIMEOUT = 60.0  # seconds from a worker's start to its socket accepting
 _END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it ended
 _STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
 _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
+_FOR_STAGED = ("upload", "download")  # tickets for a staged value; the others (channel, tunnel, blobs) name none
 _TUNNEL_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")  # a worker's tunnel-NAME.sock
 # Seconds the server waits for a worker's reply before it turns to other work: most calls answer
 # within it, and then cost no extra turns of the event loop (which is blocked that long at most).
@@ -247,7 +248,7 @@ class Staging:
             if found is None or found[2] < time.monotonic():
                 return None
             key, kind, _, caller = found
-            if kind in ("channel", "blobs") or kind.startswith("tunnel:"):
+            if kind not in _FOR_STAGED:
                 return Redeemed(key, kind, None, caller)
             staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
         return Redeemed(key, kind, staged) if staged is not None else None
@@ -273,7 +274,7 @@ class Staging:
             self._tickets = {
                 t: v
                 for t, v in self._tickets.items()
-                if v[2] >= now and (v[1] not in ("upload", "download") or v[0] in self._items)
+                if v[2] >= now and (v[1] not in _FOR_STAGED or v[0] in self._items)
             }
         for staged in gone:
             staged.close()

@@ -2,11 +2,11 @@
 `python -c pass` (the interpreter's own start) in the same run, taken in turns; gpuport's modules
 compiled first, as an install leaves them.
 
-  gpuport --version, gpuport --help     goal: at most 60 ms
+  gpuport --version, gpuport --help     goal: at most 60 ms (--version without click; help written by the helper)
   gpuport status, gpuport jobs          goal: at most 120 ms (a TLS connection, a Hello, one call)
   gpuport push DIR of an unchanged folder (20 small files)   goal: at most 120 ms
 
-The server commands run as users get them: logged in (`gpuport login`: the certificate pinned in
+The server commands and --help run as users get them: logged in (`gpuport login`: the certificate pinned in
 the profile), through the CLI's helper (gpuport/cli/_agent.py), which the first of them starts; the
 bench's helper is its own (a private runtime folder) and is stopped at the end. The same commands
 with GPUPORT_AGENT=0 (every import in the command's own process) are timed in the same turns and
@@ -65,7 +65,7 @@ def main() -> None:
             "gpuport push (unchanged)": [GPUPORT, "push", str(project), "--name", "p"],
         }
         alone = dict(env, GPUPORT_AGENT="0")
-        for name in ("gpuport status", "gpuport jobs", "gpuport push (unchanged)"):
+        for name in ("gpuport --help", "gpuport status", "gpuport jobs", "gpuport push (unchanged)"):
             commands[f"{name}, no helper"] = commands[name]
         subprocess.run(commands["gpuport push (unchanged)"], env=alone, check=True, capture_output=True)
         time.sleep(2.1)  # the hash cache keeps a file's hash once the file is 2 s old

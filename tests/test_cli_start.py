@@ -54,6 +54,17 @@ def test_version_and_help_load_nothing_heavy(args: list[str]) -> None:
     assert [m for m in HEAVY if _loaded(modules, m)] == []
 
 
+def test_version_says_what_click_would_without_loading_it() -> None:
+    code, modules, out = _modules(["--version"])
+    from click.testing import CliRunner
+
+    from gpuport.cli.main import cli
+
+    clicks = CliRunner().invoke(cli, ["--version"], prog_name="gpuport")
+    assert (code, out) == (clicks.exit_code, clicks.output) and "gpuport, version" in out
+    assert not _loaded(modules, "click")
+
+
 def test_importing_gpuport_loads_the_client_on_first_use() -> None:
     done = subprocess.run(
         [
@@ -161,7 +172,7 @@ def test_server_commands_run_in_the_helper_with_the_same_output(helper: Helper, 
     assert first.returncode == 0 and _timeless(first.stdout) == _timeless(alone.stdout), first.stderr
     process = helper.ready()
     assert oct(os.stat(helper.runtime / f"gpuport-{os.getuid()}").st_mode & 0o777) == "0o700"
-    for args in (["status"], ["jobs", "--all"], ["gpus"], ["queue"]):
+    for args in (["status"], ["jobs", "--all"], ["gpus"], ["queue"], ["--help"], ["push", "--help"]):
         here, there = helper.run(*args, GPUPORT_AGENT="0"), helper.run(*args)
         assert (there.returncode, _timeless(there.stdout), there.stderr) == (
             here.returncode,

@@ -55,6 +55,16 @@ def banner(versions: str, quick: bool, where: str = "everything on 127.0.0.1") -
     say("load average at the start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
+def compile_gpuport() -> None:
+    """Compile gpuport's modules, as an install leaves them: whole-process timings of the CLI then
+    measure what users run (with PYTHONDONTWRITEBYTECODE, set on some machines, each command would
+    compile what changed since, and time that)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "compileall", "-q", os.path.dirname(gpuport.__file__)], check=True)
+
+
 @contextlib.contextmanager
 def isolated_workdir() -> Iterator[Path]:
     """A temp dir, removed at the end, that holds the client's config and cache dirs; nothing of the

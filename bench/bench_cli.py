@@ -44,11 +44,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=21)
     args = parser.parse_args()
     _report.banner("gpuport's CLI", quick=False)
-    # As pip leaves an install: every module compiled. (PYTHONDONTWRITEBYTECODE, set on some machines,
-    # would have each command compile what changed since, and time that.)
-    subprocess.run(
-        [sys.executable, "-m", "compileall", "-q", str(Path(__file__).parent.parent / "gpuport")], check=True
-    )
+    _report.compile_gpuport()
     with _report.isolated_workdir() as work, _report.gpuport_server(work, "server") as server:
         env = _report.cli_login_env(server, work / "config", work / "cache")  # as after `gpuport login`
         env.update(_report.cli_helper_env(work))

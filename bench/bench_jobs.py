@@ -62,6 +62,7 @@ from _report import (  # noqa: E402
     banner,
     cli_helper_env,
     cli_login_env,
+    compile_gpuport,
     connect,
     gpuport_server,
     isolated_workdir,
@@ -637,6 +638,7 @@ def main() -> None:
             setattr(args, key, value)
 
     banner(f"grpcio {grpc.__version__}", args.quick)
+    compile_gpuport()  # the CLI's processes as an install leaves them
     with isolated_workdir() as work:
         say(fs_note(work))
         cli_s = None

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import gpuport
+from gpuport.protocol import gpuport_pb2 as pb
 from tests.conftest import RunningServer, client_env, touch_in_job, wait_for
 
 TRAIN = textwrap.dedent(
@@ -87,6 +88,48 @@ def test_only_missing_files_are_uploaded_and_ignored_ones_never(admin: gpuport.C
     job = admin.submit("cat data/table.csv; ls", workdir=None, project="sync-test").wait()
     assert list(job.logs()) == ["a,b", "3,4", "data", "new.py", "train.py"]
     assert "sync-test" in [s.name for s in admin.snapshots()]
+
+
+def _settled(folder: Path) -> None:
+    """Make ``folder``'s files old: the hash cache keeps only settled files' hashes between pushes."""
+    for path in folder.rglob("*"):
+        os.utime(path, (1_000_000_000, 1_000_000_000))
+
+
+def test_an_unchanged_push_names_its_snapshot_without_sending_the_manifest(
+    admin: gpuport.Client, project: Path
+) -> None:
+    _settled(project)
+    first = admin.push(project, "named-a")
+    sent: list[int] = []
+    create = admin.transport.snapshots.Create
+
+    def counted(request: object, **kw: object) -> object:
+        sent.append(len(request.entries))  # type: ignore[attr-defined]
+        return create(request, **kw)
+
+    admin.transport.snapshots.Create = counted  # type: ignore[method-assign]
+    again = admin.push(project, "named-b")
+    assert (again.id, again.files, again.bytes, again.uploaded_files) == (first.id, first.files, first.bytes, 0)
+    assert sent == []  # its id, computed here as the server computes it, went instead
+    names = {s.name: s.id for s in admin.snapshots()}
+    assert (names["named-a"], names["named-b"]) == (first.id, first.id)
+    (project / "train.py").write_text(TRAIN + "# changed\n")
+    changed = admin.push(project, "named-b")
+    assert changed.id != first.id and sent == [first.files] and changed.uploaded_files == 1
+
+
+def test_an_unchanged_push_of_another_users_snapshot_sends_its_manifest_and_files(
+    server: RunningServer, admin: gpuport.Client, project: Path, user_token: str
+) -> None:
+    _settled(project)
+    first = admin.push(project, "theirs")
+    with server.connect(user_token) as other:  # the same hash cache: every hash known, no such snapshot
+        mine = other.push(project, "mine")
+        with pytest.raises(gpuport.NotFound, match="no snapshot"):
+            other.transport.call(other.transport.snapshots.Name, pb.NameSnapshotRequest(snapshot_id="0" * 64))
+    assert (mine.id, mine.uploaded_files) == (first.id, first.files)
+    assert "mine" not in [s.name for s in admin.snapshots()]
 
 
 def test_a_job_gets_its_gpus_job_id_output_dir_and_datasets(admin: gpuport.Client, tmp_path: Path) -> None:

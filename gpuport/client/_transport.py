@@ -212,6 +212,12 @@ class Transport:
         files = _sync.scan(folder)
         cache = _sync.HashCache(folder)
         known, unknown = cache.split(files)
+        if not unknown:  # every hash known: the server may have this very snapshot, named by its id
+            named = self._name_unchanged(known, name)
+            if named is not None:
+                if progress:
+                    progress(0, 0)
+                return named
         uploads = _sync.UploadQueue()
         files = self._hash_and_upload(cache, known, unknown, uploads, progress) if unknown else known
         request = pb.CreateSnapshotRequest(entries=_sync.manifest(files), name=name)
@@ -231,6 +237,19 @@ class Transport:
         elif progress and not uploads.files:
             progress(0, 0)
         return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, uploads.files, uploads.bytes)
+
+    def _name_unchanged(self, files: list[_sync.LocalFile], name: str) -> Snapshot | None:
+        """Name the snapshot of ``files`` (hashes known) without sending its manifest: its id is
+        computed here as the server computes it. None where the server has no such snapshot of
+        ours (or is older than ``Snapshots.Name``): the manifest must go."""
+        from gpuport.protocol.paths import snapshot_id
+
+        sid = snapshot_id(sorted(files, key=lambda f: f.path))
+        try:
+            reply = self.call(self.snapshots.Name, pb.NameSnapshotRequest(snapshot_id=sid, name=name))
+        except (NotFound, ServerError):  # ServerError: UNIMPLEMENTED, from a server older than Name
+            return None
+        return Snapshot(reply.snapshot_id, name, reply.files, reply.bytes, 0, 0)
 
     def _send(self, uploads: _sync.UploadQueue, progress: Progress | None) -> None:
         """Upload the queue's files in one stream, until the queue is closed: on the data port

@@ -203,6 +203,14 @@ class CreateSnapshotRequest(_message.Message):
     name: str
     def __init__(self, entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
 
+class NameSnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id", "name")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    name: str
+    def __init__(self, snapshot_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class CreateSnapshotReply(_message.Message):
     __slots__ = ("snapshot_id", "missing", "files", "bytes")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -399,6 +399,11 @@ class SnapshotsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
                 _registered_method=True)
+        self.Name = channel.unary_unary(
+                '/gpuport.v1.Snapshots/Name',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.NameSnapshotRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
+                _registered_method=True)
         self.Missing = channel.unary_unary(
                 '/gpuport.v1.Snapshots/Missing',
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobList.SerializeToString,
@@ -431,6 +436,14 @@ class SnapshotsServicer:
 
     def Create(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Name(self, request, context):
+        """Name a snapshot the caller has (NOT_FOUND if none): an unchanged push sends its manifest's id
+        (the client computes it as the server does), not the manifest.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -474,6 +487,11 @@ def add_SnapshotsServicer_to_server(servicer, server):
             'Create': grpc.unary_unary_rpc_method_handler(
                     servicer.Create,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.SerializeToString,
+            ),
+            'Name': grpc.unary_unary_rpc_method_handler(
+                    servicer.Name,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.NameSnapshotRequest.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.SerializeToString,
             ),
             'Missing': grpc.unary_unary_rpc_method_handler(
@@ -528,6 +546,33 @@ class Snapshots:
             target,
             '/gpuport.v1.Snapshots/Create',
             gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Name(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/Name',
+            gpuport_dot_protocol_dot_gpuport__pb2.NameSnapshotRequest.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.CreateSnapshotReply.FromString,
             options,
             channel_credentials,

@@ -9,6 +9,8 @@ see). Nothing may sit below a symlink (the server would write through it), nor b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import posixpath
 from collections.abc import Iterable
 from typing import Protocol
@@ -84,6 +86,21 @@ class _Entry(Protocol):
     def blob(self) -> str: ...
     @property
     def link(self) -> str: ...
+
+
+class _File(_Entry, Protocol):
+    @property
+    def size(self) -> int: ...
+    @property
+    def mode(self) -> int: ...
+
+
+def snapshot_id(entries: Iterable[_File]) -> str:
+    """A snapshot's id: the SHA-256 of its manifest (``entries`` in path order) in one canonical form.
+    The server names snapshots by it; a client computes it alike to name an unchanged folder's
+    snapshot without sending the manifest (``Snapshots.Name``)."""
+    canonical = json.dumps([[e.path, e.blob, e.size, e.mode & 0o777, e.link] for e in entries], separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def check_entries(entries: Iterable[_Entry]) -> None:

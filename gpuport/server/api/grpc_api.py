@@ -213,6 +213,11 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
         return pb.CreateSnapshotReply(snapshot_id=record.id, files=record.files, bytes=record.bytes)
 
     @rpc
+    async def Name(self, request: pb.NameSnapshotRequest, caller: Identity) -> pb.CreateSnapshotReply:
+        record = self.app.snapshots.name(caller, request.snapshot_id, request.name)
+        return pb.CreateSnapshotReply(snapshot_id=record.id, files=record.files, bytes=record.bytes)
+
+    @rpc
     async def Missing(self, request: pb.BlobList, caller: Identity) -> pb.BlobList:
         if len(request.blobs) > MAX_SNAPSHOT_FILES:
             raise InvalidRequest(f"{len(request.blobs)} blobs asked about at once; the limit is {MAX_SNAPSHOT_FILES}")

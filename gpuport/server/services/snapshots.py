@@ -8,7 +8,6 @@ given with ``gpuport push`` points at one of them (projects and datasets for lat
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import BinaryIO
 
 from gpuport.defaults import MAX_ARCHIVE_UNPACKED_BYTES, MAX_BLOB_BYTES, MAX_NAME_LENGTH, MAX_SNAPSHOT_FILES
 from gpuport.protocol.errors import InvalidRequest, NotFound
-from gpuport.protocol.paths import check_entries, check_path
+from gpuport.protocol.paths import check_entries, check_path, snapshot_id
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobStore, check_hash
 from gpuport.server.store import Store
@@ -62,11 +61,6 @@ def check_snapshot_name(name: str) -> str:
             "or '-', starting with a letter or digit"
         )
     return name
-
-
-def snapshot_id(entries: list[Entry]) -> str:
-    canonical = json.dumps([[e.path, e.blob, e.size, e.mode & 0o777, e.link] for e in entries], separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def check_manifest(entries: list[Entry]) -> list[Entry]:
@@ -113,6 +107,16 @@ class SnapshotService:
             self._insert(caller.name, sid, entries)
         self._name(caller.name, name, sid)
         return self._record(sid, caller.name, name), []
+
+    def name(self, caller: Identity, sid: str, name: str) -> SnapshotRecord:
+        """Name ``caller``'s snapshot ``sid`` ``name`` (none: nothing), as ``create`` does for a
+        manifest it has; ``NotFound`` where the caller has no such snapshot."""
+        if name:
+            check_snapshot_name(name)
+        if self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, caller.name)) is None:
+            raise NotFound(f"you have no snapshot {sid[:80]!r} — send its manifest (Snapshots.Create)")
+        self._name(caller.name, name, sid)
+        return self._record(sid, caller.name, name)
 
     def _name(self, owner: str, name: str, sid: str) -> None:
         """Point ``owner``'s snapshot name ``name`` (none: nothing) at snapshot ``sid``."""

@@ -92,8 +92,7 @@ class SnapshotService:
             check_snapshot_name(name)
         entries = check_manifest(entries)
         sid = snapshot_id(entries)
-        row = self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, caller.name))
-        if row is None:
+        if not self._owns(caller.name, sid):
             sizes = self.blobs.sizes(e.blob for e in entries if e.blob)
             missing = self.missing(caller, sizes)
             if missing:
@@ -113,10 +112,13 @@ class SnapshotService:
         manifest it has; ``NotFound`` where the caller has no such snapshot."""
         if name:
             check_snapshot_name(name)
-        if self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, caller.name)) is None:
+        if not self._owns(caller.name, sid):
             raise NotFound(f"you have no snapshot {sid[:80]!r} — send its manifest (Snapshots.Create)")
         self._name(caller.name, name, sid)
         return self._record(sid, caller.name, name)
+
+    def _owns(self, owner: str, sid: str) -> bool:
+        return self.store.query_one("SELECT 1 FROM snapshots WHERE id = ? AND owner = ?", (sid, owner)) is not None
 
     def _name(self, owner: str, name: str, sid: str) -> None:
         """Point ``owner``'s snapshot name ``name`` (none: nothing) at snapshot ``sid``."""

@@ -6,18 +6,23 @@
 ...         print(g.index, g.name, g.memory_used, g.memory_total)
 """
 
+from __future__ import annotations
+
 import os as _os
 
 # gRPC's C core logs connection failures to stderr on its own; gpuport turns them into errors
 # that say what to do, so the raw lines are only noise. Set GRPC_VERBOSITY to see them.
 _os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from typing import TYPE_CHECKING as _TYPE_CHECKING
-from typing import Any as _Any
-
 from gpuport._version import __version__
+from gpuport.protocol import errors as _errors
+from gpuport.protocol.errors import *
+from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size
 
-if _TYPE_CHECKING:
+TYPE_CHECKING = False  # typing's constant, without importing typing: every command loads this module
+if TYPE_CHECKING:
+    from typing import Any as _Any
+
     from gpuport.client import (
         GPU,
         Client,
@@ -38,9 +43,6 @@ if _TYPE_CHECKING:
         connect,
         login,
     )
-from gpuport.protocol import errors as _errors
-from gpuport.protocol.errors import *
-from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = [
     "__version__",

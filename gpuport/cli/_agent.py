@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False  # typing's constant, without importing typing: every command loads this module
 if TYPE_CHECKING:
     import socket
 

@@ -31,8 +31,7 @@ metadata, so the client rebuilds the exact class, not just the family the status
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+TYPE_CHECKING = False  # typing's constant, without importing typing: every command loads this module
 if TYPE_CHECKING:
     import grpc
 

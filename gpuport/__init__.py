@@ -6,8 +6,6 @@
 ...         print(g.index, g.name, g.memory_used, g.memory_total)
 """
 
-from __future__ import annotations
-
 import os as _os
 
 # gRPC's C core logs connection failures to stderr on its own; gpuport turns them into errors
@@ -19,7 +17,9 @@ from gpuport.protocol import errors as _errors
 from gpuport.protocol.errors import *
 from gpuport.protocol.units import format_duration, format_size, parse_duration, parse_size
 
-TYPE_CHECKING = False  # typing's constant, without importing typing: every command loads this module
+# typing's constant, without importing typing (every command loads this module); deleted below:
+# not a public name.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any as _Any
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         connect,
         login,
     )
+del TYPE_CHECKING
 
 __all__ = [
     "__version__",
@@ -78,7 +79,7 @@ __all__ = [
 # (``_CLIENT_NAMES``, at the end of the module).
 
 
-def __getattr__(name: str) -> _Any:
+def __getattr__(name: str) -> "_Any":
     if name not in _CLIENT_NAMES:
         raise AttributeError(f"module 'gpuport' has no attribute {name!r}")
     import gpuport.client

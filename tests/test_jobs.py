@@ -99,6 +99,8 @@ def _settled(folder: Path) -> None:
 def test_an_unchanged_push_names_its_snapshot_without_sending_the_manifest(
     admin: gpuport.Client, project: Path
 ) -> None:
+    (project / "train.py").chmod(0o4755)  # a mode beyond 0o777, and a link: the id's every field
+    (project / "latest.csv").symlink_to("data/table.csv")
     _settled(project)
     first = admin.push(project, "named-a")
     sent: list[int] = []

@@ -113,6 +113,11 @@ SESSION_PROGRESS_BYTES = 64 * 1024 * 1024
 # memory first touched costs page faults that take about as long as the transfer itself.
 SESSION_REUSE_BYTES = 4 * 1024 * 1024 * 1024
 SESSION_REUSE_SECONDS = 60.0
+# Seconds a tunnel's TLS relay (TensorFlow's remote device: on the laptop and in the server) keeps
+# polling after it forwarded bytes, yielding the CPU between polls, before it sleeps. An RPC's
+# messages come in bursts, and the next one waking a sleeping thread costs a wake-up on another CPU:
+# 25-50 us on a VM whose idle CPUs halt. The same figure as Linux's busy_poll. 0: never spin.
+TUNNEL_SPIN_SECONDS = 50e-6
 # ---- model serving ----
 # A deployment coalesces concurrent requests into batches of up to this many rows, waiting at most
 # this long (seconds) after the oldest arrived, unless told otherwise.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from gpuport.server.scheduler import (
     Cluster,
@@ -14,6 +15,7 @@ from gpuport.server.scheduler import (
     Quota,
     Request,
     could_start,
+    decided_alike,
     plan,
     queue_order,
 )
@@ -298,3 +300,49 @@ def test_the_queue_kept_across_passes_orders_as_a_fresh_one() -> None:
     replaced = dataclasses.replace(next(iter(alive.values())), reserved_at=1e9)
     queue.add(replaced)  # the same id again: replaced, not added
     assert len(queue) == len(alive) and queue[replaced.job_id] == replaced
+
+
+def test_a_submit_behind_a_settled_pass_is_decided_alike_without_one() -> None:
+    """What lets a submit into a deep queue skip its pass: whenever ``decided_alike`` says so, a
+    pass with the new job queued decides exactly what the last pass did, and nothing for the job."""
+    import random
+
+    rng = random.Random(11)
+    requests = [Request(gpus=1), Request(gpus=2), Request(gpu_memory=4 * GiB), Request(cpus=1.0), Request()]
+    taken = skipped = 0
+    for _ in range(400):
+        users = [f"u{i}" for i in range(rng.randint(1, 3))]
+        running = [Holding(f"r{i}", rng.choice(users), Request(gpus=1), (i,)) for i in range(rng.randint(1, 2))]
+        kinds = rng.sample(requests, rng.randint(1, 3))
+        queued = Queue(
+            Pending(f"j{s}", rng.choice(users), rng.choice(kinds), rng.choice([0, 0, 0, 5]), s)
+            for s in range(rng.randint(0, 60))
+        )
+        quotas = {"u0": Quota(jobs=1)} if rng.random() < 0.2 else None
+        low = "low" if rng.random() < 0.2 else ""
+        depth = rng.randint(1, 8)
+        for _ in range(3):  # as the server does: a pass records its reservation, the next one settles
+            decisions = plan(queued, running, MACHINE, quotas, low, depth)
+            fresh = [d for d in decisions if d.reserves and queued[d.job_id].reserved_at is None]
+            for d in fresh:
+                queued.add(dataclasses.replace(queued[d.job_id], reserved_at=1.0))
+            if not fresh:
+                break
+        if fresh or any(d.gpu_indices is not None for d in decisions):
+            continue  # not settled: a submit runs its own pass
+        decided = Counter(queued[d.job_id].request for d in decisions)
+        seq = len(queued) + 100
+        for _ in range(5):  # submits in a row, each behind the last
+            seq += 1
+            # Mostly the kinds queued, and the owner with most jobs queued: what makes a deep queue.
+            owner = max(users, key=lambda u: sum(p.owner == u for p in queued.values())) if rng.random() < 0.7 else None
+            request = rng.choice(kinds if rng.random() < 0.8 else requests)
+            job = Pending(f"n{seq}", owner or rng.choice(users), request, rng.choice([0, 0, 0, 5]), seq)
+            alike = decided_alike(job, queued, decided, depth)
+            queued.add(job)
+            if not alike:
+                skipped += 1
+                break
+            taken += 1
+            assert plan(queued, running, MACHINE, quotas, low, depth) == decisions
+    assert taken > 100 and skipped > 50  # both ways, often

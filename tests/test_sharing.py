@@ -290,6 +290,11 @@ def test_a_deep_queue_is_looked_at_only_so_deep_yet_what_fits_behind_it_starts(t
             assert last.state == "queued" and last.position == 0
             said = f"waiting behind the first {LOOK_AHEAD} jobs in the queue, none of which can start now"
             assert last.message == said
+            # What each submit answered, those past the look-ahead without a pass of their own.
+            replies = [j.info for j in deep]
+            assert [r.position for r in replies] == [*range(1, LOOK_AHEAD + 1), *[0] * 10]
+            assert all(r.message == said for r in replies[LOOK_AHEAD:])
+            assert replies[LOOK_AHEAD - 1].message.endswith(f", {LOOK_AHEAD - 1} jobs ahead")
             cpu = admin.submit(["python", "-c", HOLD, str(flag)], workdir=None)  # asks for no GPU: it fits now
             assert cpu.info.state in ("queued", "running")
             wait_for(lambda: cpu.status == "running", what="the CPU job behind the deep queue to start")

@@ -2,7 +2,9 @@
 
 ``plan`` is a pure function of the queue, the running allocations, the machine and the quotas; the
 job service calls it after every submit and every end, and keeps nothing else: the order is derived
-from what the store holds, so it is the same after a server restart.
+from what the store holds, so it is the same after a server restart. A submit skips its pass where
+``decided_alike`` shows the pass would change nothing: the job lands behind a deep queue that
+nothing can enter.
 
 The rules, in this order:
 
@@ -585,3 +587,22 @@ def plan(
         decisions.append(Decision(job.job_id, position, None, reason, reserves=job is reservation))
         waiting += 1
     return decisions
+
+
+def decided_alike(job: Pending, queue: Queue, decided: Mapping[Request, int], depth: int) -> bool:
+    """Whether a pass over ``queue`` with ``job`` added (as a submit adds it: its owner's newest)
+    decides what the last pass decided, and nothing for ``job``, so that a submit need not run one.
+    That pass, ``depth`` deep, went over ``queue`` as it is now (nothing changed since), started
+    nothing and made no reservation; ``decided`` counts its decisions by kind of request.
+
+    It holds when ``job`` comes after all that pass decided (its owner has as many jobs ahead of it
+    at its priority), and jobs of its kind were left undecided. Then that pass stopped short of the
+    queue's end knowing that the kind cannot start (it stops only so), and the count of each kind
+    behind, which decides where a pass stops, changes nowhere before ``job``."""
+    total = sum(decided.values())
+    if job.reserved_at is not None or total < depth or job.job_id in queue:
+        return False
+    ahead = queue._users.get(job.priority, {}).get(job.owner, ())
+    if len(ahead) < total or (ahead and ahead[-1][0] >= job.seq):
+        return False
+    return queue.kinds()[job.request] > decided.get(job.request, 0)

@@ -22,6 +22,7 @@ import re
 import secrets
 import signal
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -64,6 +65,7 @@ from gpuport.server.scheduler import (
     Queue,
     Request,
     could_start,
+    decided_alike,
     plan,
     queue_order,
 )
@@ -261,6 +263,11 @@ class JobService:
         # The last pass's decision for each queued job; None when a pass was skipped because nothing
         # could start: why each job waits is then worked out when someone asks.
         self._plan: dict[str, Decision] | None = {}
+        # Moves of jobs and changes of what the queue depends on, counted; and, after a pass that
+        # started nothing and reserved nothing, what a submit needs to know that a pass of its own
+        # would decide the same: (that count, decisions by kind, the memory floor's word, the cluster).
+        self._changes = 0
+        self._settled: tuple[int, Counter[Request], str, Cluster] | None = None
         self._schedule_pending = False
         self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
         self.executor.on_change = self._nodes_changed  # a node that joins may let jobs start
@@ -450,10 +457,23 @@ class JobService:
                 ),
             ).lastrowid
         resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
-        self._queued[job_id] = Pending(job_id, caller.name, resources, request.priority, seq or 0)
+        pending = Pending(job_id, caller.name, resources, request.priority, seq or 0)
+        settled = self._settled_for(pending)
+        self._queued[job_id] = pending
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
-        self._schedule(explain=True)  # at once, so that the reply says whether it started or why it waits
+        if not settled:  # at once, so that the reply says whether it started or why it waits
+            self._schedule(explain=True)
         return self._load(job_id)
+
+    def _settled_for(self, job: Pending) -> bool:
+        """Whether a pass with ``job`` queued would decide what the last one did, and nothing for
+        ``job``: a deep queue that nothing can enter, and ``job`` behind all the pass looked at."""
+        if self._settled is None or self._plan is None or self._schedule_pending:
+            return False
+        changes, decided, low_memory, cluster = self._settled
+        if changes != self._changes or cluster != self.cluster or low_memory != self._low_memory():
+            return False
+        return decided_alike(job, self._queued, decided, LOOK_AHEAD)
 
     def _load(self, job_id: str) -> JobRecord:
         row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
@@ -630,6 +650,7 @@ class JobService:
 
     def _move(self, job_id: str, old: JobState, new: JobState, **columns: Any) -> None:
         check_move(job_id, old, new)
+        self._changes += 1
         sets = ", ".join(f"{k} = ?" for k in columns)
         with self.store.transaction() as db:
             changed = db.execute(
@@ -678,7 +699,7 @@ class JobService:
 
     def reschedule(self) -> None:
         """Look at the queue again soon: something it depends on (a quota) has changed."""
-        self._plan = None
+        self._plan, self._changes = None, self._changes + 1
         self._schedule_soon()
 
     def _nodes_changed(self) -> None:
@@ -701,6 +722,7 @@ class JobService:
         full plan on every submit and every end) unless ``explain`` asks for the reasons.
         """
         self._schedule_pending = False
+        self._settled = None
         if self._loop is None:
             return  # not started yet: start() schedules
         running = self.running()
@@ -716,6 +738,11 @@ class JobService:
         quotas = self.quotas.all()
         decisions = plan(queued, running, cluster, quotas, low_memory, depth=LOOK_AHEAD) if queued else []
         self._plan = {d.job_id: d for d in decisions}
+        if all(
+            d.gpu_indices is None and (not d.reserves or queued[d.job_id].reserved_at is not None) for d in decisions
+        ):
+            decided = Counter(queued[d.job_id].request for d in decisions)
+            self._settled = (self._changes, decided, low_memory, cluster)
         for decision in decisions:
             pending = self._queued[decision.job_id]
             if decision.reserves and pending.reserved_at is None:
@@ -755,7 +782,7 @@ class JobService:
 
     def _recheck_floor(self) -> None:
         self._floor_check = None
-        self._plan = None
+        self._plan, self._changes = None, self._changes + 1
         self._schedule_soon()
 
     def _exit_callback(self, job_id: str) -> Any:

@@ -4,8 +4,9 @@
     .venv/bin/python bench/bench_submits.py --quick    # 1,000 jobs
 
 A fresh server with two fake GPUs, both held by sleeping jobs, so that every job
-submitted stays queued: each submit is an insert into the store and a scheduling pass over a queue
-one job deeper. --threads clients (each its own connection) submit `true` (1 GPU, workdir=None:
+submitted stays queued: each submit is an insert into the store, and a scheduling pass over a queue
+one job deeper until the queue is past the pass's look-ahead (then the last pass stands: see
+``decided_alike`` in gpuport/server/scheduler.py). --threads clients (each its own connection) submit `true` (1 GPU, workdir=None:
 no folder to sync) as fast as they can; submits/s is counted per band of 1,000 queued jobs, and
 over the run. Anchor: the same clients making the same number of authenticated no-op calls
 (`Client.ping`) in the same run: the API's own rate on this machine, which a submit cannot beat.

@@ -292,6 +292,10 @@ class Queue:
         """How many queued jobs ask for each request."""
         return self._kinds
 
+    def listed(self, owner: str, priority: int) -> Sequence[tuple[int, str]]:
+        """``owner``'s jobs at ``priority`` that hold no reservation, oldest first: (seq, id)."""
+        return self._users.get(priority, {}).get(owner, ())
+
     def order(self, usage: Mapping[str, float], share_of: Callable[[Request], float]) -> Iterator[Pending]:
         """The jobs in the order they get their turn, read lazily: each priority level from the
         highest, its reserved jobs first (oldest reservation first), then the user using least (then
@@ -602,7 +606,7 @@ def decided_alike(job: Pending, queue: Queue, decided: Mapping[Request, int], de
     total = sum(decided.values())
     if job.reserved_at is not None or total < depth or job.job_id in queue:
         return False
-    ahead = queue._users.get(job.priority, {}).get(job.owner, ())
+    ahead = queue.listed(job.owner, job.priority)
     if len(ahead) < total or (ahead and ahead[-1][0] >= job.seq):
         return False
     return queue.kinds()[job.request] > decided.get(job.request, 0)

@@ -471,7 +471,7 @@ class JobService:
         if self._settled is None or self._plan is None or self._schedule_pending:
             return False
         changes, decided, low_memory, cluster = self._settled
-        if changes != self._changes or cluster != self.cluster or low_memory != self._low_memory():
+        if changes != self._changes or cluster is not self.cluster or low_memory != self._low_memory():
             return False
         return decided_alike(job, self._queued, decided, LOOK_AHEAD)
 

@@ -468,9 +468,9 @@ class JobService:
     def _settled_for(self, job: Pending) -> bool:
         """Whether a pass with ``job`` queued would decide what the last one did, and nothing for
         ``job``: a deep queue that nothing can enter, and ``job`` behind all the pass looked at."""
-        if self._settled is None or self._plan is None or self._schedule_pending:
+        if self._settled is None:
             return False
-        changes, decided, low_memory, cluster = self._settled
+        changes, decided, low_memory, cluster = self._settled  # every change counts, so: all that can differ
         if changes != self._changes or cluster is not self.cluster or low_memory != self._low_memory():
             return False
         return decided_alike(job, self._queued, decided, LOOK_AHEAD)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -35,6 +37,27 @@ READY_TIMEOUT = 60.0
 # A server on loopback, on ports the kernel picks.
 SERVER_ARGS = ("server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0")
 CLIENT_ENV = ("GPUPORT_URL", "GPUPORT_TOKEN", "GPUPORT_FINGERPRINT", "GPUPORT_PROFILE")
+
+
+def restartable_ports(count: int) -> int:
+    """A port P with P .. P+count-1 free on loopback now, all below the kernel's range of ephemeral
+    ports: for a server stopped and started again on them (a server on ``--port P`` also takes P+2 and
+    P+3). A port from that range can be handed to some connection's local end in between."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10_000, low - count)
+        with contextlib.ExitStack() as stack:
+            try:
+                for offset in range(count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+        return base
+    raise AssertionError(f"no {count} free ports in a row below {low}")
 
 
 @dataclass

@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import textwrap
 import threading
 import time
@@ -18,15 +17,8 @@ from pathlib import Path
 import numpy as np
 
 import gpuport
-from tests.conftest import RunningServer, start_server, touch_in_job, wait_for
+from tests.conftest import RunningServer, restartable_ports, start_server, touch_in_job, wait_for
 from tests.test_serving_errors import _doubler_file
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 # Prints a numbered line every 20 ms until the flag file appears in its folder, then 5 more, then
 # exits with 7.
@@ -53,7 +45,8 @@ def _start(state: Path, port: int, http_port: int) -> RunningServer:
 
 def test_a_server_killed_with_sigkill_finds_its_jobs_again(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    port, http_port = _free_port(), _free_port()
+    port = restartable_ports(5)
+    http_port = port + 4
     first = _start(state, port, http_port)
     (tmp_path / "counter.py").write_text(COUNTER)
     token, fingerprint = first.admin_token, first.fingerprint

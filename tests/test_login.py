@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,13 +13,7 @@ import pytest
 
 import gpuport
 
-from .conftest import RunningServer, start_server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import RunningServer, restartable_ports, start_server
 
 
 def test_login_with_yes_pins_and_saves_a_private_profile(server: RunningServer, cli, client_config: Path) -> None:
@@ -128,7 +121,7 @@ def test_nothing_configured_says_how_to_log_in(cli) -> None:
 def _certificate_replaced_after_login(tmp_path: Path, cli) -> Iterator[tuple[RunningServer, RunningServer]]:
     """Log in to a server, then restart it on the same port with a new certificate, as an admin
     who deleted tls/ would. Yields (before, after); the second one is stopped afterwards."""
-    port = _free_port()
+    port = restartable_ports(4)
     first = start_server(tmp_path / "state", "--port", str(port))
     try:
         assert cli("login", first.url, "--token", first.admin_token, "--yes").code == 0

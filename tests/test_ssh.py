@@ -6,10 +6,8 @@ config file of the test's (``GPUPORT_SSH="ssh -F ..."``), and a real gpuport ser
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,26 +21,7 @@ import pytest
 
 import gpuport
 from tests._sshd import end_processes_of, sshd
-from tests.conftest import needs_users
-
-
-def _free_ports(count: int) -> int:
-    """A port P with P .. P+count-1 all free on loopback (the server's gRPC, HTTP and data ports)."""
-    for _ in range(50):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = int(sock.getsockname()[1])
-        if base + count >= 65536:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for offset in range(1, count):
-                    taken = stack.enter_context(socket.socket())
-                    taken.bind(("127.0.0.1", base + offset))
-            except OSError:
-                continue
-            return base
-    raise AssertionError("no run of free ports")
+from tests.conftest import needs_users, restartable_ports
 
 
 def _servers_of(state: Path) -> set[int]:
@@ -62,7 +41,7 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, A
         monkeypatch.setenv("GPUPORT_SSH", f"ssh -F {config}")
         state = tmp_path / "box-state"
         try:
-            yield {"config": config, "state": state, "port": _free_ports(4)}
+            yield {"config": config, "state": state, "port": restartable_ports(4)}
         finally:
             end_processes_of(state)
 

@@ -2,13 +2,16 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip install --quiet --disable-pip-version-check
+# The environment is made open to read (umask 022) whatever the clone's umask: a root server's jobs
+# run as uids of their own and read it through their sandbox. A clone made with umask 077 stays
+# closed to the host's other users all the same: its own folder is 0700.
+PIP    := umask 022 && $(PY) -m pip install --quiet --disable-pip-version-check
 comma  := ,
 
 .PHONY: demo test bench proto clean sandbox test-tools
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	umask 022 && $(PYTHON) -m venv $(VENV)
 
 # The server and what the demo's Keras job needs (TensorFlow on the CPU, scikit-learn's digits).
 $(VENV)/.demo: pyproject.toml | $(PY)

@@ -99,13 +99,68 @@ def files_beneath(root: Path, relative: str = "") -> Iterator[str]:
         os.close(fd)
 
 
-def open_file_beneath(root: Path, relative: str) -> BinaryIO | None:
-    """``open_beneath`` for a regular file, as a file object; None where it is not one."""
+def open_file_beneath(root: Path, relative: str, owner: int | None = None) -> BinaryIO | None:
+    """``open_beneath`` for a regular file, as a file object; None where it is not one, or where
+    ``owner`` is given and does not own it (a hard link a job made to a file it could not read)."""
     fd = open_beneath(root, relative)
     if fd is None:
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or owner is not None and info.st_uid != owner:
         os.close(fd)
         return None
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb", buffering=0)
+
+
+def read_small_beneath(root: Path, relative: str, limit: int = 65536) -> bytes | None:
+    """The first ``limit`` bytes of the regular file ``root/relative``, opened as ``open_beneath``
+    does (no symlink followed, a FIFO never waited on); None where it is not one."""
+    opened = open_file_beneath(root, relative)
+    if opened is None:
+        return None
+    with opened:
+        return opened.read(limit)
+
+
+def let_read(folder: Path) -> None:
+    """Make the tree under ``folder`` readable by any uid that is shown it: folders 0755, regular
+    files +r (the server's own, with one link: a blob's hard links stay as they are, 0444).
+
+    Only on descriptors, from ``os.fwalk`` (which never follows a symlink, and checks each folder it
+    enters is the one it listed): a tree a job can write, or could have written, may swap a folder
+    for a symlink at any moment, and a ``chmod`` by path, as root, would then change a file of the
+    host's."""
+    for _, _, names, top_fd in os.fwalk(folder, follow_symlinks=False):
+        os.fchmod(top_fd, 0o755)
+        for name in names:
+            try:  # O_PATH: opens even a FIFO or a device without touching it
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top_fd)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                info = os.fstat(fd)
+                if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.getuid():
+                    os.chmod(f"/proc/self/fd/{fd}", info.st_mode & 0o777 | 0o044)  # that inode, not a path
+            finally:
+                os.close(fd)
+
+
+def own_folder(folder: Path, uid: int) -> None:
+    """Give the folder ``folder`` itself (not what is in it) to ``uid``, mode 0700, through a
+    descriptor opened without following a symlink."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchown(fd, uid, uid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
+def own_tree(folder: Path, uid: int) -> None:
+    """Give everything under ``folder`` (and it) to ``uid``, without following a symlink (``lchown``
+    of a link changes the link)."""
+    for _, folders, names, top_fd in os.fwalk(folder, follow_symlinks=False):
+        os.fchown(top_fd, uid, uid)
+        for name in folders + names:  # a symlink to a folder is listed in ``folders``, not entered
+            os.chown(name, uid, uid, dir_fd=top_fd, follow_symlinks=False)

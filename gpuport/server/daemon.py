@@ -211,7 +211,9 @@ async def serve(
                 state.tls_dir,
             )
     inventory = detect_inventory()
-    isolated = isolation.detect(job_uids) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
+    isolated = (
+        isolation.detect(job_uids, state.python_dir) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
+    )
     executor = None
     if ray_address:
         from gpuport.server.executors.ray import RayExecutor

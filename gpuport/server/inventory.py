@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuport._files import read_small_beneath
 from gpuport._packages import missing_package
 from gpuport.defaults import ENV_FAKE_GPUS
 from gpuport.protocol.errors import ConfigError, InvalidRequest
@@ -121,7 +122,7 @@ class FakeInventory(Inventory):
             try:
                 pid = int(file.name)
                 os.kill(pid, 0)
-                index, used = map(int, file.read_text().split())
+                index, used = map(int, (read_small_beneath(self.usage_dir, file.name, 256) or b"").split())
             except ProcessLookupError:
                 file.unlink(missing_ok=True)
                 continue
@@ -134,9 +135,12 @@ class FakeInventory(Inventory):
 def _declared_in_sandbox(folder: Path) -> list[tuple[int, int, int]]:
     """(host pid, GPU index, bytes) declared in a sandboxed job's folder: its supervisor wrote the
     job's pid namespace to ``.pidns``, where each process's NSpid maps its inner pid to the host's."""
+    # The folder is the job's to write: no file there is read through a link, nor waited on (a FIFO).
     try:
-        namespace = (folder / ".pidns").read_text()
-    except OSError:
+        namespace = (read_small_beneath(folder, ".pidns", 256) or b"").decode()
+    except (OSError, UnicodeDecodeError):
+        return []
+    if not namespace:
         return []
     hosts = {}
     for proc in Path("/proc").iterdir():
@@ -156,7 +160,7 @@ def _declared_in_sandbox(folder: Path) -> list[tuple[int, int, int]]:
     for file in files:
         try:
             host = hosts[int(file.name)]
-            index, used = map(int, file.read_text().split())
+            index, used = map(int, (read_small_beneath(folder, file.name, 256) or b"").split())
         except (KeyError, ValueError, OSError):
             continue  # a dotfile, a process that ended, a file half written
         declared.append((host, index, used))

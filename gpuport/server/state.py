@@ -77,6 +77,11 @@ class StateDir:
     def models_dir(self) -> Path:
         return self.root / "models"
 
+    @property
+    def python_dir(self) -> Path:
+        """Readable copies of the server's own code, for jobs, where its folder is closed to them."""
+        return self.root / "python"
+
 
 def open_state_dir(path: Path) -> StateDir:
     """Create ``path`` with mode 0700 if it is missing; refuse one that others could read or write.

@@ -67,6 +67,7 @@ class JobLaunch:
     hyperparameters: Any = None  # written to work/hyperparameters.json when not None
     outputs: list[str] = field(default_factory=list)  # declared output paths below the workdir
     folders: list[str] = field(default_factory=list)  # of the server's (local only), writable by the job
+    memory: int = 0  # bytes of memory the job asked for (0: none said)
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL on cancel
     time_limit: float = 0.0  # seconds from the start; 0: none
     nprocs: int = 1

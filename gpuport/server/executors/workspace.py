@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import psutil
 
-from gpuport._files import atomic_write, files_beneath, open_beneath, open_file_beneath
+from gpuport._files import atomic_write, files_beneath, let_read, open_beneath, open_file_beneath, own_folder, own_tree
 from gpuport.defaults import ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
 from gpuport.server.executors.base import Files, JobLaunch, OnExit, Usage
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
@@ -46,33 +46,36 @@ log = logging.getLogger(__name__)
 
 _SUPERVISOR = [sys.executable, "-I", "-S", supervisor.__file__]
 _BOOTSTRAP = Path(bootstrap.__file__).parent
-# Never passed on to a job: gpuport's own settings, and the engine's (a Ray node's token and
-# addresses would let a job act on the cluster as the node does).
-_PRIVATE_ENV = ("GPUPORT_", "RAY_", "PYTHONUNBUFFERED")
+
+
+def _code_paths() -> list[str]:
+    """What a job's Python needs on its path to run gpuport's workers: the bootstrap, and the folder
+    that holds gpuport where this server found it on its own path (PYTHONPATH, or the folder it was
+    started in) rather than in its environment, since the server's PYTHONPATH is not the job's."""
+    paths = [str(_BOOTSTRAP)]
+    holder = Path(bootstrap.__file__).resolve().parents[4]
+    on_path = {os.path.realpath(p or os.curdir) for p in sys.path}
+    if str(holder) in on_path and holder.name not in ("site-packages", "dist-packages"):
+        paths.append(str(holder))
+    return paths
+
+
+_CODE_PATHS = _code_paths()
+# What a job gets of the server's environment, beside what its owner sent and gpuport's own
+# variables: the locale, the time zone, and how to reach the GPUs. Nothing else: the admin's shell
+# (tokens, cloud keys, proxies) stays with the server, and so does the engine's (a Ray node's token).
+_SERVER_ENV = ("LANG", "LANGUAGE", "TZ")
+_SERVER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
+_SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 def base_env() -> dict[str, str]:
-    """The environment a job starts from: this process's, less what is private to it.
-
-    PYTHONUNBUFFERED is dropped too: it would cost a chatty Python job two thirds of its speed
-    (a job that wants it sets it in its own env). Jobs use this Python environment first: where
-    gpuport and the frameworks are installed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_PRIVATE_ENV)}
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "/usr/bin:/bin")])
+    """The environment a job starts from: ``PATH`` with this Python environment's programs first
+    (where gpuport and the frameworks are installed), then the system's, and of this process's
+    environment only ``_SERVER_ENV`` and the ``_SERVER_ENV_PREFIXES`` (documented in the README)."""
+    env = {k: v for k, v in os.environ.items() if k in _SERVER_ENV or k.startswith(_SERVER_ENV_PREFIXES)}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), _SYSTEM_PATH])
     return env
-
-
-def _let_read(folder: Path) -> None:
-    """Make what the server wrote under ``folder`` readable by a job's uid (the server writes with
-    umask 077): folders 0755, files +r. Blobs' hard links are 0444 already and left alone; the
-    sandbox shows the folder to that one job only."""
-    for top, _, files in os.walk(folder):
-        os.chmod(top, 0o755)
-        for name in files:
-            path = os.path.join(top, name)
-            info = os.lstat(path)
-            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and info.st_uid == os.getuid():
-                os.chmod(path, info.st_mode & 0o777 | 0o044)
 
 
 def _entries(files: Files) -> list[Entry]:
@@ -115,7 +118,7 @@ class JobFolders:
         env = base_env()
         env.update(job.env)
         # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_BOOTSTRAP), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*_CODE_PATHS, env.get("PYTHONPATH")) if p)
         if job.datasets:
             datasets = job_dir / "datasets"
             for name, files in job.datasets.items():
@@ -149,6 +152,8 @@ class JobFolders:
             spec["rank_env"], spec["rank_base"] = job.rank_env, job.rank_base
         if self.sandbox.isolated:
             spec.update(self._sandbox(job, work, out, env, fake_gpus))
+        elif "HOME" not in job.user_env:  # no sandbox: the job runs as the server's user, at its home
+            env["HOME"] = os.path.expanduser("~")
         return spec
 
     def _sandbox(self, job: JobLaunch, work: Path, out: Path, env: dict[str, str], fake_gpus: Path | None) -> dict:
@@ -158,25 +163,28 @@ class JobFolders:
         writable = [work, out, *(Path(folder) for folder in job.folders)]
         pidns_file = None
         if fake_gpus is not None:
-            fake_gpus.mkdir(exist_ok=True)
+            shutil.rmtree(fake_gpus, ignore_errors=True)  # made anew: an earlier run of the job wrote there
+            fake_gpus.mkdir()
             writable.append(fake_gpus)
             pidns_file = str(fake_gpus / ".pidns")
-        if uid is not None:
-            for folder in (work, out):  # copies made for this job: the job's to change
-                for top, folders, files in os.walk(folder):
-                    for name in (top, *(os.path.join(top, n) for n in folders + files)):
-                        os.lchown(name, uid, uid)
-            for folder in writable[2:]:  # the folder only: what the server put in it stays the server's
-                os.chown(folder, uid, uid)
         readable = [work.parent / "datasets"] if job.datasets else []
-        for folder in [*readable, *writable[2:]]:
-            _let_read(folder)
+        for folder in readable:  # made for this job just now, and read-only to it
+            let_read(folder)
+        if uid is not None:
+            for folder in (work, out):  # copies made for this job just now: the job's to change
+                own_tree(folder, uid)
+            # The folder only, never a walk of it: what the server put in it was made readable when it
+            # was made, and whatever else is there now, a replica or worker of the job's may have put.
+            for folder in writable[2:]:
+                own_folder(folder, uid)
         if "HOME" not in job.user_env:
             env["HOME"] = "/tmp"  # the sandbox's own; the server's home is not there
         network = None
         if self.sandbox.slirp4netns and not job.host_network:
             network = [self.sandbox.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback"]
-        argv = self.sandbox.argv(uid=uid, writable=writable, readable=readable, cwd=work, host_network=job.host_network)
+        argv = self.sandbox.argv(
+            uid=uid, writable=writable, readable=readable, cwd=work, host_network=job.host_network, tmpfs_size=job.memory
+        )
         return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
 
     def start(self, job: JobLaunch, on_exit: OnExit) -> None:
@@ -384,11 +392,14 @@ class JobFolders:
         if not found and not declared:
             return "", missing
         # Each file is opened only when it is read, one at a time.
-        opened = ((path, open_file_beneath(*found[path])) for path in sorted(found))
+        opened = ((path, self.open_output(*found[path])) for path in sorted(found))
         return ingest((path, f) for path, f in opened if f is not None), missing
 
     def open_output(self, root: Path, path: str) -> BinaryIO | None:
-        return open_file_beneath(root, path)
+        """The job's file ``path`` under ``root`` (its work or output folder), read as root: only a
+        file that the job's uid owns, as it owns those folders (never one of the host's that a hard
+        link put there), and never through a link."""
+        return open_file_beneath(root, path, owner=os.stat(root).st_uid)
 
     def tidy(self, job_id: str) -> None:
         job_dir = self.folder(job_id)

@@ -857,6 +857,7 @@ class JobService:
             hyperparameters=spec["hyperparameters"],
             outputs=json.loads(row["outputs"]),
             folders=list(spec.get("folders") or ()),
+            memory=row["memory"] or 0,
             grace=DEFAULT_CANCEL_GRACE,
             time_limit=row["time_limit"],
             nprocs=row["nprocs"],

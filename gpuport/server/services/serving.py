@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuport._files import open_nofollow
+from gpuport._files import let_read, open_nofollow
 from gpuport.defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY, MAX_SERVING_QUEUE
 from gpuport.protocol.errors import (
     Conflict,
@@ -269,6 +269,7 @@ class ServingService:
             if not (folder / model_path).exists():
                 raise NotFound(f"{spec.source}: no {path!r} in it")
             (folder / "deployment.json").write_text(json.dumps({"path": str(model_path), "format": spec.format}))
+            let_read(folder)  # now, before any replica runs: the folder is then theirs to write
             d = _Deployment(
                 id=deployment_id,
                 name=spec.name,

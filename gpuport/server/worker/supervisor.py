@@ -81,6 +81,22 @@ def _write_json(path: str, data: dict, durable: bool = True) -> None:
     os.replace(temp, path)
 
 
+def _write_new(path: str, data: bytes) -> None:
+    """Write a new file ``path`` in a folder the job can write: never through a link it left there
+    (O_NOFOLLOW, and O_EXCL once whatever was there is gone), never into a FIFO it made."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = os.open(path, flags, 0o644)
+    try:
+        with os.fdopen(fd, "wb", buffering=0, closefd=False) as f:
+            _write_all(f, data)
+    finally:
+        os.close(fd)
+
+
 def _write_all(log, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -393,8 +409,10 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
     helpers = []
     if inner is not None:
         if spec.get("pidns_file"):
-            with open(spec["pidns_file"], "w") as f:
-                f.write(os.readlink(f"/proc/{inner}/ns/pid"))
+            try:
+                _write_new(spec["pidns_file"], os.readlink(f"/proc/{inner}/ns/pid").encode())
+            except OSError:  # the job made it impossible: its fake GPUs see none of its use
+                pass
         if spec.get("network"):
             helpers.append(_connect_network(spec["network"], inner))
     try:  # what runs inside waits for it: the job starts once the network is up

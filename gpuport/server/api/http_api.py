@@ -510,11 +510,10 @@ def build_http_app(app: ServerApp) -> Predictions:
     )
     async def job_outputs_archive(job_id: str, identity: Caller) -> StreamingResponse:
         entries = _outputs(app, identity, job_id)
-        disposition = f'attachment; filename="{job_id}-outputs.tar.gz"'
         return StreamingResponse(
             _counted(rest_files.tar_chunks(entries, app.blobs), app.transfers),
             media_type="application/gzip",
-            headers={"content-disposition": disposition},
+            headers={"content-disposition": rest_files.attachment(f"{job_id}-outputs.tar.gz")},
         )
 
     @api.get(
@@ -532,7 +531,7 @@ def build_http_app(app: ServerApp) -> Predictions:
             media_type="application/octet-stream",
             headers={
                 "content-length": str(found.size),
-                "content-disposition": f'attachment; filename="{found.path.rsplit("/", 1)[-1]}"',
+                "content-disposition": rest_files.attachment(found.path.rsplit("/", 1)[-1]),
             },
         )
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sqlite3
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 import gpuport
 
-from .conftest import RunningServer, needs_users
+from .conftest import RunningServer, needs_users, start_server
 
 
 def test_admin_creates_lists_and_revokes_tokens(admin: gpuport.Client, server: RunningServer) -> None:
@@ -144,3 +148,50 @@ def test_cli_says_when_no_token_was_given(server: RunningServer, cli) -> None:
     done = cli("gpus", GPUPORT_URL=server.url, GPUPORT_FINGERPRINT=server.fingerprint)
     assert done.code == 1
     assert f"no token for {server.url}" in done.stderr and "--token" in done.stderr
+
+
+def test_names_are_unique_regardless_of_case(admin: gpuport.Client, server: RunningServer) -> None:
+    name = f"bob-{uuid.uuid4().hex[:8]}"
+    admin.create_token(name, admin=True)  # admin: the rule is the same, and needs no sandbox
+    for other in (name.upper(), name.capitalize()):
+        with pytest.raises(gpuport.Conflict, match=f"'{other}' is taken by the user '{name}'.* regardless of case"):
+            admin.create_token(other, admin=True)
+    refused = server.rest("POST", "/v1/tokens", server.admin_token, json={"name": name.upper(), "admin": True})
+    assert refused.status_code == 409 and "regardless of case" in refused.json()["error"]["message"]
+    with pytest.raises(gpuport.NotFound, match=f"no valid token named '{name.upper()}' — did you mean '{name}'"):
+        admin.revoke_token(name.upper())
+    # A revoked user's name stays theirs: a new token for them is spelled as before, and only so.
+    admin.revoke_token(name)
+    with pytest.raises(gpuport.Conflict, match=f"create '{name}' to give that user a new token"):
+        admin.create_token(name.capitalize(), admin=True)
+    assert admin.create_token(name, admin=True).name == name
+    admin.revoke_token(name)
+    assert [t.name for t in admin.tokens(include_revoked=True) if t.name.lower() == name] == [name, name]
+
+
+def test_a_state_dir_with_names_that_differ_by_case_keeps_working(tmp_path: Path) -> None:
+    """Made before names were unique regardless of case: both users go on as they were."""
+    state = tmp_path / "state"
+    first = start_server(state)
+    first.stop()
+    tokens = {"carol": "gp_" + "c" * 43, "Carol": "gp_" + "C" * 43}
+    with sqlite3.connect(state / "gpuport.db") as db:
+        for name, token in tokens.items():
+            db.execute(
+                "INSERT INTO tokens (name, hash, admin, created_at) VALUES (?, ?, 1, ?)",
+                (name, hashlib.sha256(token.encode()).hexdigest(), time.time()),
+            )
+    second = start_server(state)
+    second.admin_token = first.admin_token
+    try:
+        for name, token in tokens.items():
+            with second.connect(token) as client:
+                assert client.user == name
+        with second.connect() as admin:
+            assert {"carol", "Carol"} <= {t.name for t in admin.tokens()}
+            admin.revoke_token("Carol")  # exactly that one
+            with second.connect(tokens["carol"]) as carol:
+                carol.ping()
+            assert admin.create_token("Carol", admin=True).name == "Carol"  # a new token for that same user
+    finally:
+        second.stop()

@@ -5,7 +5,9 @@ all of them as one .tar.gz), through curl-like HTTP calls and nothing else."""
 from __future__ import annotations
 
 import io
+import re
 import tarfile
+import urllib.parse
 import zipfile
 from typing import Any
 
@@ -153,3 +155,36 @@ def test_an_archive_needs_a_token_and_a_script_must_be_in_the_project(server: Ru
     assert "script 'train.py' is not in project 'has-a'" in message and "a.py" in message
     no_project = server.rest("POST", "/v1/jobs", user_token, json={"script": "a.py"})
     assert no_project.status_code == 400 and "has no project" in no_project.json()["error"]["message"]
+
+
+# Output names a download's Content-Disposition must carry whole without breaking the header (a name
+# with a line break has no route of its own: it comes in outputs.tar.gz).
+ODD_NAMES = ['say "hi".txt', "a;b=c.txt", "résumé ü €.txt", "with space.txt", "back\\slash 100%.txt", "tab\there.txt"]
+
+
+def test_an_odd_output_name_is_a_safe_content_disposition_with_the_name_whole(
+    server: RunningServer, user_token: str
+) -> None:
+    script = f"import os\nos.makedirs('out')\nfor i, name in enumerate({ODD_NAMES!r}):\n"
+    script += "    open('out/' + name, 'w').write(str(i))\n"
+    assert _upload(server, user_token, _tar({"odd.py": script.encode()}), "application/gzip", "odd").status_code == 201
+    created = server.rest(
+        "POST", "/v1/jobs", user_token, json={"script": "odd.py", "project": "odd", "outputs": ["out/"]}
+    )
+    info = rest_job_ended(server, user_token, created.json()["job_id"])
+    assert info["state"] == "succeeded", info
+    for i, name in enumerate(ODD_NAMES):
+        got = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs/out/{urllib.parse.quote(name)}", user_token)
+        assert got.status_code == 200 and got.text == str(i), got.text
+        # Two parameters, in RFC 6266's order: an ASCII stand-in that nothing in it ends early (no
+        # quote, backslash or line break) or that a client would decode (%), then the name whole.
+        disposition = got.headers["content-disposition"]
+        parsed = re.fullmatch(r'attachment; filename="([ -~]*)"; filename\*=UTF-8\'\'([A-Za-z0-9%._~-]+)', disposition)
+        assert parsed is not None, disposition
+        fallback, encoded = parsed.groups()
+        assert not set(fallback) & set('"\\%') and len(fallback) == len(name), disposition
+        assert urllib.parse.unquote(encoded, errors="strict") == name
+    whole = server.rest("GET", f"/v1/jobs/{info['job_id']}/outputs.tar.gz", user_token)
+    assert whole.headers["content-disposition"] == (
+        f"attachment; filename=\"{info['job_id']}-outputs.tar.gz\"; filename*=UTF-8''{info['job_id']}-outputs.tar.gz"
+    )

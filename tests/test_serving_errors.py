@@ -14,6 +14,7 @@ import pytest
 
 import gpuport
 from gpuport.defaults import MAX_INFER_BYTES
+from gpuport.protocol import gpuport_pb2 as pb
 from tests._serving import doubler
 from tests.conftest import RunningServer, start_server, wait_for
 
@@ -122,6 +123,30 @@ def test_model_names_that_do_not_fit_a_url_are_refused(admin: gpuport.Client, tm
         with pytest.raises(gpuport.InvalidRequest, match="model name"):
             admin.deploy(name, _doubler_file(tmp_path))
     assert [(m.name, m.version) for m in admin.models()] == before
+
+
+def test_other_users_see_a_model_without_its_source_and_replicas(
+    server: RunningServer, admin: gpuport.Client, doubled: gpuport.ModelInfo, user_token: str, tmp_path: Path
+) -> None:
+    """Listing and getting: another user's deployment shows no snapshot id, job id or replica job id
+    of its owner's; its owner and admins see them."""
+    assert doubled.source.startswith("snapshot:") and doubled.jobs
+    with server.connect(user_token) as user:
+        (seen,) = [m for m in user.models() if m.name == "doubler"]
+        assert (seen.owner, seen.state, seen.source, seen.jobs) == ("admin", "ready", "", [])
+        assert [(s.name, s.shape) for s in seen.inputs] == [("x", (-1, 4))]  # what a caller needs to predict
+        got = user.transport.call(user.transport.models.Get, pb.ModelRef(name="doubler"))
+        assert (got.source, list(got.jobs)) == ("", [])
+        mine = user.deploy("user-doubler", _doubler_file(tmp_path))
+        try:
+            (own,) = [m for m in user.models() if m.name == "user-doubler"]
+            assert own.source.startswith("snapshot:") and own.jobs == mine.jobs and len(own.jobs) == 1
+            (as_admin,) = [m for m in admin.models() if m.name == "user-doubler"]
+            assert (as_admin.source, as_admin.jobs) == (own.source, own.jobs)
+        finally:
+            user.undeploy("user-doubler")
+    (as_admin,) = [m for m in admin.models() if m.name == "doubler"]
+    assert (as_admin.source, as_admin.jobs) == (doubled.source, doubled.jobs)
 
 
 def test_a_model_that_does_not_load_shows_failed_with_the_loaders_error(

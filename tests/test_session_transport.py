@@ -1,13 +1,15 @@
-"""How sessions' values travel and last: the data port and its tickets, the gRPC fallback, a server
-restart under a live session, Refs of an earlier worker."""
+"""How sessions' values travel and last: the data port and its tickets (and their end with their
+token), the gRPC fallback, a server restart under a live session, Refs of an earlier worker."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import ssl
 import struct
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer, data_port_unreachable, start_server
+from tests.conftest import RunningServer, data_port_unreachable, start_server, wait_for
 
 # Past the 4 MiB that travel inside a call: these go through the data port (or gRPC streams).
 LARGE = 3 * 1024 * 1024  # float32 elements: 12 MiB
@@ -259,3 +261,118 @@ def test_results_are_received_into_memory_their_arrays_let_go_of(session: gpupor
     third = session.get(session.put(np.arange(n, dtype=np.uint32)))
     assert third.ctypes.data == address  # the first one's memory, now that nothing uses it
     assert np.array_equal(third, np.arange(n, dtype=np.uint32)) and (second == 2).all()
+
+
+# ---- revocation: what a ticket handed out before it would carry, it carries no more -----------------
+
+
+def _revocable(server: RunningServer, admin: gpuport.Client) -> tuple[str, gpuport.Client]:
+    """A token to revoke (an admin's: these tests need no sandbox), and its client."""
+    name = f"rita-{uuid.uuid4().hex[:8]}"
+    return name, server.connect(admin.create_token(name, admin=True).token)
+
+
+def _data_port(server: RunningServer, port: int) -> ssl.SSLSocket:
+    context = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    context.check_hostname = False
+    return context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30))
+
+
+def _staged_result(session: gpuport.Session, value: np.ndarray) -> str:
+    """The key of a result of ``session`` staged for its download, as a large get leaves one."""
+    ref = session.put(value)
+    reply = session._rpc(pb.CallRequest(session_id=session.id, op=pb.CallRequest.GET, ref_ids=[ref.id]))
+    assert reply.value.staged
+    return reply.value.staged
+
+
+def _gone(admin: gpuport.Client, session_id: str, key: str) -> bool:
+    """Whether the staged value ``key`` is gone from the server (no download of it can be asked for)."""
+    try:
+        admin.transport.call(admin.transport.sessions.Transfer, pb.TransferRequest(session_id=session_id, staged=key))
+    except gpuport.NotFound:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("kind", ["upload", "download", "blobs"])
+def test_a_ticket_handed_out_before_its_tokens_revocation_is_refused_and_carries_nothing(
+    server: RunningServer, admin: gpuport.Client, kind: str
+) -> None:
+    name, rita = _revocable(server, admin)
+    session = rita.session() if kind != "blobs" else None
+    blob_data = f"{name}'s file".encode()
+    blob = hashlib.sha256(blob_data).hexdigest()
+    if kind == "upload":
+        assert session is not None
+        request, after = pb.TransferRequest(session_id=session.id, size=LARGE * 4), b"x" * 1000
+    elif kind == "download":
+        assert session is not None
+        request, after = pb.TransferRequest(session_id=session.id, staged=_staged_result(session, _large())), b""
+    else:
+        request = pb.TransferRequest(blobs=True)
+        head, end = struct.pack("<c64sQ", b"F", blob.encode(), len(blob_data)), struct.pack("<c64sQ", b"Z", b"", 0)
+        after = head + blob_data + end
+    ticket = rita.transport.call(rita.transport.sessions.Transfer, request)
+    admin.revoke_token(name)
+    with _data_port(server, ticket.port) as conn:
+        conn.sendall(ticket.ticket.encode() + b"\n" + after)
+        said = conn.recv(1000)
+        assert conn.recv(1000) == b""  # and closed: not a byte of the value follows
+    refused = f"Ethis ticket was handed to '{name}', whose token has been revoked since: nothing was transferred"
+    assert said == f"{refused} — log in with a valid token and try again\n".encode()
+    if session is not None:  # the value uploaded into, or to be downloaded, is freed
+        assert _gone(admin, session.id, ticket.staged or request.staged)
+        admin.close_session(session.id)
+        session.detach()
+    else:
+        assert not (server.state_dir / "blobs" / blob[:2] / blob[2:]).exists()
+    rita.close()
+
+
+def test_a_download_under_way_is_cut_when_its_token_is_revoked(server: RunningServer, admin: gpuport.Client) -> None:
+    name, rita = _revocable(server, admin)
+    session = rita.session()
+    size = 12 * LARGE * 4  # 144 MiB: far more than the sockets between here and the server hold
+    key = _staged_result(session, np.ones(size // 4, dtype=np.float32))
+    ticket = rita.transport.call(
+        rita.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, staged=key)
+    )
+    got = 0
+    with _data_port(server, ticket.port) as conn:
+        conn.sendall(ticket.ticket.encode() + b"\n")
+        while got < 1024 * 1024:
+            got += len(conn.recv(65536))
+        admin.revoke_token(name)
+        try:
+            while chunk := conn.recv(1024 * 1024):
+                got += len(chunk)
+        except OSError:  # the TLS end cut short
+            pass
+    assert got < size // 2, got  # what the sockets held when it was cut, at most
+    assert _gone(admin, session.id, key)
+    admin.close_session(session.id)
+    session.detach()
+    rita.close()
+
+
+def test_an_upload_under_way_is_cut_when_its_token_is_revoked_and_nothing_of_it_stays(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    name, rita = _revocable(server, admin)
+    session = rita.session()
+    size = 12 * LARGE * 4
+    ticket = rita.transport.call(rita.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, size=size))
+    with _data_port(server, ticket.port) as conn:
+        conn.sendall(ticket.ticket.encode() + b"\n" + b"u" * (4 * 1024 * 1024))
+        admin.revoke_token(name)
+        conn.settimeout(10)
+        try:
+            said = conn.recv(1000)
+        except OSError:  # the TLS end cut short
+            said = b""
+        assert said == b"" or b"revoked" in said, said  # never K: the upload did not arrive
+    wait_for(lambda: _gone(admin, session.id, ticket.staged), what="the upload's memory freed")
+    admin.close_session(session.id)
+    session.detach()
+    rita.close()

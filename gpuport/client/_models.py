@@ -16,7 +16,9 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A deployment: ``state`` is loading, ready or failed (``message`` says why)."""
+    """A deployment: ``state`` is loading, ready or failed (``message`` says why). Another user's
+    deployment comes without its ``source`` and ``jobs`` (empty), and without why it failed, unless
+    the caller is an admin."""
 
     id: str
     name: str

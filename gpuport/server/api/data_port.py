@@ -66,13 +66,13 @@ from google.protobuf.message import DecodeError
 
 from gpuport.defaults import MAX_BLOB_BYTES, MAX_MESSAGE_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
-from gpuport.protocol.errors import ConfigError, GpuportError, InvalidRequest, ServerError
+from gpuport.protocol.errors import AuthenticationError, ConfigError, GpuportError, InvalidRequest, ServerError
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobSink, check_hash
-from gpuport.server.services.sessions import Direct, SessionService
+from gpuport.server.services.sessions import Direct, Redeemed, SessionService, Staged
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.worker import wire
 
@@ -90,6 +90,7 @@ _REPLY = struct.Struct("<IB")  # length, kind
 _BLOB_HEAD = struct.Struct("<c64sQ")  # F (a blob follows) or Z (the end), blob id, size
 _BLOBS_DONE = struct.Struct("<QQ")  # blobs placed, bytes
 _OK, _ERROR = 0, 1
+_FOR_STAGED = ("upload", "download")  # tickets for a session's value: they count apart (see _take_hold)
 
 
 class DataPort:
@@ -127,6 +128,7 @@ class DataPort:
         self.port: int = self._listener.getsockname()[1]
         self._closed = False
         self._held: dict[str, set[socket.socket]] = {}  # a user's open channels, closed when their token goes
+        self._moving: dict[str, set[socket.socket]] = {}  # a user's uploads and downloads under way, the same
         self._held_lock = threading.Lock()
         # Idle channels handed to the accepting thread's selector, and the way to wake it for them.
         self._parking: list[_Parked] = []
@@ -134,10 +136,11 @@ class DataPort:
         self._wake_r.setblocking(False)
 
     def revoke(self, name: str) -> None:
-        """Close every channel ``name`` holds open, at once, and drop their tickets (their token was revoked)."""
-        self.staging.forget(name)
+        """Close every channel ``name`` holds open and every transfer of theirs under way, at once,
+        and refuse their tickets not redeemed yet (their token was revoked)."""
+        self.staging.forget(name)  # first: a connection counted after this sees the revocation (_take_hold)
         with self._held_lock:
-            conns = self._held.pop(name, set())
+            conns = self._held.pop(name, set()) | self._moving.pop(name, set())
         for conn in conns:
             with contextlib.suppress(OSError):
                 # The socket's own shutdown, not SSLSocket's, which would pull the TLS state from
@@ -268,15 +271,19 @@ class DataPort:
         try:
             conn.settimeout(max(arriving.deadline - time.monotonic(), 0.1))
             line = bytes(arriving.line)
-            found = self.staging.redeem(line.decode("ascii", "replace").strip())
+            try:
+                found = self.staging.redeem(line.decode("ascii", "replace").strip())
+            except AuthenticationError as e:
+                conn.sendall(b"E" + str(e).encode() + b"\n")
+                return
             if found is None:
                 conn.sendall(b"Ethis ticket is unknown, used or expired: ask for another with Sessions.Transfer\n")
                 return
+            assert found.caller is not None
             if found.kind == "blobs":
-                assert found.caller is not None
                 conn.settimeout(_IDLE_TIMEOUT)
                 name = found.caller.name
-                if self._take_hold(conn, name):  # its threads and buffers count among the user's
+                if self._take_hold(conn, found):  # its threads and buffers count among the user's
                     try:
                         self._blobs(conn, name, peer)
                     finally:
@@ -284,15 +291,13 @@ class DataPort:
                             self._held.get(name, set()).discard(conn)
                 return
             if found.kind.startswith("tunnel:"):
-                assert found.caller is not None
                 tunnel, conn = conn, None  # the tunnel's own from here on
-                self._tunnel(tunnel, found.caller.name, found.key, found.kind.partition(":")[2], peer)
+                self._tunnel(tunnel, found, peer)
                 return
             if found.kind == "channel":
-                assert found.caller is not None
                 conn.settimeout(None)  # a channel waits for the client's next call as long as it likes
                 name = found.caller.name
-                if not self._take_hold(conn, name):
+                if not self._take_hold(conn, found):
                     return
                 channel, conn = conn, None  # the channel's own from here on: _hold_channel closes it
                 try:
@@ -306,38 +311,73 @@ class DataPort:
             staged = found.staged
             assert staged is not None
             conn.settimeout(_IDLE_TIMEOUT)
-            if found.kind == "upload":
-                fd, _, size = staged.parts[0]
-                if size:
-                    if staged.mapped is None:  # kept once the value went to the worker: see _Live.sent
-                        staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
-                    view = memoryview(staged.mapped)
-                    try:
-                        _receive(conn, view)
-                    finally:
-                        view.release()
-                    self.transfers.add("data_port", "in", size)
-                staged.complete = True
-                conn.sendall(b"K")
-            else:
-                views = staged.views()
-                try:
-                    for _, view in views:
-                        for at in range(0, len(view), _SLICE):
-                            conn.sendall(view[at : at + _SLICE])
-                        self.transfers.add("data_port", "out", len(view))
-                finally:
-                    for mapped, view in views:
-                        view.release()
-                        if mapped is not None:
-                            mapped.close()
+            if not self._take_hold(conn, found):
+                if found.kind == "upload":
+                    self._drop_upload(found.key)
+                else:
                     staged.close()
+                return
+            try:
+                if found.kind == "upload":
+                    self._upload(conn, found, staged)
+                else:
+                    self._download(conn, staged)
+            finally:
+                with self._held_lock:
+                    self._moving.get(found.caller.name, set()).discard(conn)
         except (OSError, EOFError, ValueError) as e:
             log.info("a transfer from %s failed: %s", peer, e)
         finally:
             if conn is not None:
                 with contextlib.suppress(OSError):
                     conn.close()
+
+    def _upload(self, conn: socket.socket, found: Redeemed, staged: Staged) -> None:
+        """Receive an upload's bytes into its memory; an upload cut short (as by its token's
+        revocation), or whole only after its token was revoked, is dropped: nothing of it stays."""
+        assert found.caller is not None
+        fd, _, size = staged.parts[0]
+        try:
+            if size:
+                if staged.mapped is None:  # kept once the value went to the worker: see _Live.sent
+                    staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
+                view = memoryview(staged.mapped)
+                try:
+                    _receive(conn, view)
+                finally:
+                    view.release()
+                self.transfers.add("data_port", "in", size)
+        except BaseException:
+            self._drop_upload(found.key)
+            raise
+        staged.complete = True
+        if self.staging.revocations(found.caller.name) != found.revocations:  # Staging.forget passed it over
+            self._drop_upload(found.key)
+            conn.sendall(
+                f"Ethe token of '{found.caller.name}' was revoked during the upload: it was dropped\n".encode()
+            )
+            return
+        conn.sendall(b"K")
+
+    def _drop_upload(self, key: str) -> None:
+        staged = self.staging.take(key)
+        if staged is not None:
+            staged.close()
+
+    def _download(self, conn: socket.socket, staged: Staged) -> None:
+        """Send a staged result's bytes, straight from its memory; then free it."""
+        views = staged.views()
+        try:
+            for _, view in views:
+                for at in range(0, len(view), _SLICE):
+                    conn.sendall(view[at : at + _SLICE])
+                self.transfers.add("data_port", "out", len(view))
+        finally:
+            for mapped, view in views:
+                view.release()
+                if mapped is not None:
+                    mapped.close()
+            staged.close()
 
     def _blobs(self, conn: socket.socket, name: str, peer: object) -> None:
         """Receive blobs (see the module's doc) until the sender's end, placing each once it checks out."""
@@ -389,10 +429,12 @@ class DataPort:
             if sink.placed:
                 self.snapshots.hold(name, sink.placed)
 
-    def _tunnel(self, conn: socket.socket, name: str, session_id: str, tunnel: str, peer: object) -> None:
+    def _tunnel(self, conn: socket.socket, found: Redeemed, peer: object) -> None:
         """Relay a tunnel's bytes between the client and the worker's socket until either side ends."""
+        assert found.caller is not None
+        name, session_id, tunnel = found.caller.name, found.key, found.kind.partition(":")[2]
         conn.settimeout(None)
-        if not self._take_hold(conn, name):
+        if not self._take_hold(conn, found):
             with contextlib.suppress(OSError):
                 conn.close()
             return
@@ -420,20 +462,34 @@ class DataPort:
         direct.close()
         self._let_go(conn, caller.name)
 
-    def _take_hold(self, conn: socket.socket, name: str) -> bool:
-        """Count ``conn`` among ``name``'s open connections (closed at once when their token is
-        revoked); or, when they hold the most allowed, answer ``E`` and why, and say False."""
+    def _take_hold(self, conn: socket.socket, found: Redeemed) -> bool:
+        """Count ``conn``, redeemed as ``found``, among its caller's open connections (closed at once
+        when their token is revoked); or, when their token was revoked since the ticket was redeemed,
+        or they hold the most channels allowed, answer ``E`` and why, and say False. Uploads and
+        downloads of session values count apart, without a limit: they end by themselves."""
+        assert found.caller is not None
+        name = found.caller.name
         with self._held_lock:
+            # Under the lock revoke() takes after Staging.forget: a revocation either finds this
+            # connection there or is seen here.
+            revoked = self.staging.revocations(name) != found.revocations
+            if not revoked and found.kind in _FOR_STAGED:
+                self._moving.setdefault(name, set()).add(conn)
+                return True
             held = self._held.setdefault(name, set())
             count = len(held)
-            if count < _MAX_CHANNELS:
+            if not revoked and count < _MAX_CHANNELS:
                 held.add(conn)
                 return True
-        with contextlib.suppress(OSError):
-            conn.sendall(
-                f"E{name} holds {count} channels, tunnels and uploads open, the most allowed: close sessions "
-                "(or clients) no longer used\n".encode()
+        if revoked:
+            why = f"the token of '{name}' was revoked: nothing was transferred — log in with a valid token"
+        else:
+            why = (
+                f"{name} holds {count} channels, tunnels and uploads open, the most allowed: close sessions "
+                "(or clients) no longer used"
             )
+        with contextlib.suppress(OSError):
+            conn.sendall(f"E{why}\n".encode())
         return False
 
     def _let_go(self, conn: socket.socket, name: str) -> None:

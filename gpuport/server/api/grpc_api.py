@@ -576,8 +576,11 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
 
 
 def model_message(record: DeploymentRecord, caller: Identity) -> pb.ModelInfo:
-    """``record`` as ``caller`` may see it: why it failed only for its owner and admins."""
+    """``record`` as ``caller`` may see it: anyone sees a model's name, owner, signature and state; only
+    its owner and admins why it failed, its source (another user's snapshot id or job id) and its
+    replicas' job ids."""
     spec = record.spec
+    theirs = caller.admin or caller.name == record.owner
 
     def tensors(specs: list[dict[str, Any]]) -> list[pb.TensorSpec]:
         return [pb.TensorSpec(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in specs]
@@ -587,7 +590,7 @@ def model_message(record: DeploymentRecord, caller: Identity) -> pb.ModelInfo:
         name=record.name,
         version=record.version,
         owner=record.owner,
-        source=record.source,
+        source=record.source if theirs else "",
         format=record.format,
         state=record.state,
         message=message_for(record, caller),
@@ -598,7 +601,7 @@ def model_message(record: DeploymentRecord, caller: Identity) -> pb.ModelInfo:
         replicas=spec["replicas"],
         gpus=spec["gpus"],
         gpu_memory=spec["gpu_memory"],
-        jobs=record.jobs,
+        jobs=record.jobs if theirs else [],
         created_at=record.created_at,
         requests=record.stats.requests,
         batches=record.stats.batches,

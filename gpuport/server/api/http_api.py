@@ -1,7 +1,8 @@
 """HTTP routes (FastAPI): the REST API under ``/v1``, behind the same tokens as gRPC.
 
 Errors come out as ``{"error": {"type": "NotFound", "message": "..."}}`` with the HTTP status from
-``ERROR_TABLE``. OpenAPI docs are at ``/docs``.
+``ERROR_TABLE``. ``/openapi.json`` describes every route. No ``/docs`` or ``/redoc``: FastAPI's pages
+load their script from a CDN without integrity checks into the dashboard's origin, where tokens are.
 """
 
 from __future__ import annotations
@@ -316,7 +317,13 @@ async def _counted(chunks: AsyncIterator[bytes], transfers: Transfers) -> AsyncI
 
 def build_http_app(app: ServerApp) -> Predictions:
     """The HTTP port's ASGI app: predictions answered by ``Predictions``, the rest by FastAPI."""
-    api = FastAPI(title="gpuport", version=__version__, description="GPU over IP: the gpuport server's REST API.")
+    api = FastAPI(
+        title="gpuport",
+        version=__version__,
+        description="GPU over IP: the gpuport server's REST API.",
+        docs_url=None,  # see the module's doc
+        redoc_url=None,
+    )
     api.state.gpuport = app
 
     def document() -> dict[str, Any]:
@@ -339,7 +346,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         format, or the prediction protocols' ``{"error": "..."}`` on their paths: never ``{"detail": ...}``."""
         path, method = request.url.path, request.method
         if error.status_code == 404:
-            kind, message = "NotFound", f"no such route: {method} {path} — the REST API is listed at /docs"
+            kind, message = "NotFound", f"no such route: {method} {path} — the REST API is listed at /openapi.json"
         elif error.status_code == 405:
             kind, message = "MethodNotAllowed", f"{path} does not take {method}"
         else:
@@ -503,11 +510,10 @@ def build_http_app(app: ServerApp) -> Predictions:
     )
     async def job_outputs_archive(job_id: str, identity: Caller) -> StreamingResponse:
         entries = _outputs(app, identity, job_id)
-        disposition = f'attachment; filename="{job_id}-outputs.tar.gz"'
         return StreamingResponse(
             _counted(rest_files.tar_chunks(entries, app.blobs), app.transfers),
             media_type="application/gzip",
-            headers={"content-disposition": disposition},
+            headers={"content-disposition": rest_files.attachment(f"{job_id}-outputs.tar.gz")},
         )
 
     @api.get(
@@ -525,7 +531,7 @@ def build_http_app(app: ServerApp) -> Predictions:
             media_type="application/octet-stream",
             headers={
                 "content-length": str(found.size),
-                "content-disposition": f'attachment; filename="{found.path.rsplit("/", 1)[-1]}"',
+                "content-disposition": rest_files.attachment(found.path.rsplit("/", 1)[-1]),
             },
         )
 

@@ -11,6 +11,7 @@ import queue
 import tarfile
 import tempfile
 import threading
+import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,17 @@ def listing(entries: list[Entry]) -> list[dict[str, Any]]:
         {"path": e.path, "size": e.size, "mode": f"{e.mode & 0o777:o}", **({"link": e.link} if e.link else {})}
         for e in entries
     ]
+
+
+def attachment(filename: str) -> str:
+    """A ``Content-Disposition`` for a download saved as ``filename`` (RFC 6266): the name itself,
+    percent-encoded UTF-8 in ``filename*``, and for clients that know only ``filename`` an ASCII
+    stand-in in which anything that is not printable ASCII, and ``"``, ``\\`` and ``%`` (which some
+    clients decode), is ``_``. A name never reaches the header as it is: a quote would end the
+    parameter, a line break the header."""
+    fallback = "".join(c if " " <= c <= "~" and c not in '"\\%' else "_" for c in filename)
+    encoded = urllib.parse.quote(filename.encode("utf-8", "surrogateescape"), safe="")
+    return f"attachment; filename=\"{fallback}\"; filename*=UTF-8''{encoded}"
 
 
 def entry(entries: list[Entry], path: str) -> Entry:

@@ -5,6 +5,10 @@ A token is ``gp_`` + 256 random bits, shown once when created. The server keeps 
 token names one user; every object a user creates is owned by that name, and only its owner or an
 admin sees it.
 
+Names are unique regardless of case: ``Bob`` is refused while ``bob`` is a user (a token of that name,
+valid or revoked), so that no two users differ by case alone in listings, logs and quotas. A state dir
+from before this rule may hold such names already; they keep working as they are.
+
 A token may come with a client certificate signed by the server's client CA (``server/tls.py``):
 the TLS layer checks the signature, and the certificate's fingerprint, kept with the token, names
 the user. It is revoked with its token.
@@ -93,7 +97,7 @@ class AuthService:
         back in when every admin token was lost."""
         taken = {r["name"] for r in self._store.query("SELECT name FROM tokens WHERE revoked_at IS NULL")}
         number = 2
-        while f"{FIRST_ADMIN}-{number}" in taken:
+        while f"{FIRST_ADMIN}-{number}" in taken or self._same_but_case(f"{FIRST_ADMIN}-{number}"):
             number += 1
         return self._insert(f"{FIRST_ADMIN}-{number}", admin=True)[1]
 
@@ -173,8 +177,28 @@ class AuthService:
                 f"invalid token name {name!r}: use 1 to {MAX_NAME_LENGTH} letters, digits, '.', '_', '@' or '-', "
                 "starting with a letter or digit"
             )
+        self._check_free(name)
+
+    def _check_free(self, name: str) -> None:
+        """Raise ``Conflict`` when ``name`` is taken: by a valid token of that name, or by a user whose
+        name differs from it only by case."""
         if self._store.query_one("SELECT 1 FROM tokens WHERE name = ? AND revoked_at IS NULL", (name,)):
             raise Conflict(f"a token named '{name}' already exists — pick another name, or revoke it first")
+        other = self._same_but_case(name)
+        if other is not None:
+            raise Conflict(
+                f"the name '{name}' is taken by the user '{other}': token and user names are the same regardless "
+                f"of case — pick another name, or create '{other}' to give that user a new token"
+            )
+
+    def _same_but_case(self, name: str) -> str | None:
+        """A user's name (a token's, valid or revoked) that differs from ``name`` only by case, where
+        no token was ever named exactly ``name``: the user ``name`` would be mistaken for."""
+        rows = self._store.query(
+            "SELECT DISTINCT name FROM tokens WHERE name = ? COLLATE NOCASE ORDER BY name", (name,)
+        )
+        spellings = [r["name"] for r in rows]
+        return spellings[0] if spellings and name not in spellings else None
 
     def _insert(
         self, name: str, admin: bool, cert_fingerprint: str | None = None, scope: str = ""
@@ -182,6 +206,7 @@ class AuthService:
         token = TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
         now = time.time()
         with self._store.transaction() as db:
+            self._check_free(name)  # again, in the transaction: no other token can come between
             db.execute(
                 "INSERT INTO tokens (name, hash, admin, created_at, cert_fingerprint, scope) VALUES (?, ?, ?, ?, ?, ?)",
                 (name, _hash(token), int(admin), now, cert_fingerprint, scope),
@@ -199,7 +224,11 @@ class AuthService:
         caller.require_admin("revoking tokens")
         row = self._store.query_one("SELECT * FROM tokens WHERE name = ? AND revoked_at IS NULL", (name,))
         if row is None:
-            raise NotFound(f"no valid token named '{name}' — `gpuport token list` shows them")
+            spelled = self._store.query_one(
+                "SELECT name FROM tokens WHERE name = ? COLLATE NOCASE AND revoked_at IS NULL ORDER BY name", (name,)
+            )
+            meant = f" — did you mean '{spelled['name']}'?" if spelled else ""
+            raise NotFound(f"no valid token named '{name}'{meant} (`gpuport token list` shows them)")
         if row["admin"]:
             admins = self._store.query("SELECT COUNT(*) FROM tokens WHERE admin = 1 AND revoked_at IS NULL")[0][0]
             if admins <= 1:

@@ -50,6 +50,7 @@ from gpuport.defaults import (
     SESSION_REUSE_SECONDS,
 )
 from gpuport.protocol.errors import (
+    AuthenticationError,
     Conflict,
     InvalidRequest,
     NotFound,
@@ -205,6 +206,7 @@ class Redeemed:
     kind: str  # upload, download, channel, tunnel:NAME, blobs
     staged: Staged | None
     caller: Identity | None = None
+    revocations: int = 0  # the caller's revocations when it was redeemed (see Staging.revocations)
 
 
 class Staging:
@@ -215,6 +217,10 @@ class Staging:
         self._items: dict[str, Staged] = {}
         # ticket → (key, "upload" | "download" | "channel" | "tunnel:NAME" | "blobs", expiry, caller)
         self._tickets: dict[str, tuple[str, str, float, Identity | None]] = {}
+        # The tickets of revoked tokens, until they would have expired: ticket → (name, expiry), so that
+        # presenting one is refused with the reason, not as an unknown ticket.
+        self._revoked: dict[str, tuple[str, float]] = {}
+        self._revocations: dict[str, int] = {}  # name → how many times their token was revoked
 
     def add(self, staged: Staged, prefix: str) -> str:
         key = prefix + secrets.token_hex(8)
@@ -230,28 +236,55 @@ class Staging:
         with self._lock:
             return self._items.get(key)
 
-    def ticket(self, key: str, kind: str, caller: Identity | None = None) -> str:
+    def ticket(self, key: str, kind: str, caller: Identity) -> str:
         ticket = secrets.token_hex(32)
         with self._lock:
             self._tickets[ticket] = (key, kind, time.monotonic() + _TICKET_TTL, caller)
         return ticket
 
     def forget(self, name: str) -> None:
-        """Drop the tickets handed to ``name`` that are not redeemed yet (their token was revoked)."""
+        """``name``'s token was revoked: refuse the tickets handed to them that are not redeemed yet,
+        and free what they uploaded that no call took yet and the results those tickets were for."""
+        doomed: list[Staged] = []
         with self._lock:
-            self._tickets = {t: v for t, v in self._tickets.items() if v[3] is None or v[3].name != name}
+            self._revocations[name] = self._revocations.get(name, 0) + 1
+            for ticket, (key, kind, expiry, caller) in list(self._tickets.items()):
+                if caller is not None and caller.name == name:
+                    del self._tickets[ticket]
+                    self._revoked[ticket] = (name, expiry)
+                    if kind in _FOR_STAGED and key in self._items:
+                        doomed.append(self._items.pop(key))
+            # Their uploads that arrived whole (one still arriving is cut by the data port, which drops it).
+            for key in [k for k, v in self._items.items() if k.startswith("u-") and v.owner == name and v.complete]:
+                doomed.append(self._items.pop(key))
+        for staged in doomed:
+            staged.close()
+
+    def revocations(self, name: str) -> int:
+        """How many times ``name``'s token was revoked: a transfer redeemed before a revocation it
+        did not see (``Redeemed.revocations``) must not start."""
+        with self._lock:
+            return self._revocations.get(name, 0)
 
     def redeem(self, ticket: str) -> Redeemed | None:
-        """What a ticket is for (once: a ticket is used up), or None."""
+        """What a ticket is for (once: a ticket is used up), or None for an unknown, used or expired
+        one. Raises ``AuthenticationError`` for a ticket whose token was revoked since it was handed out."""
         with self._lock:
             found = self._tickets.pop(ticket, None)
             if found is None or found[2] < time.monotonic():
+                revoked = self._revoked.pop(ticket, None)
+                if revoked is not None and revoked[1] >= time.monotonic():
+                    raise AuthenticationError(
+                        f"this ticket was handed to '{revoked[0]}', whose token has been revoked since: "
+                        "nothing was transferred — log in with a valid token and try again"
+                    )
                 return None
             key, kind, _, caller = found
+            revocations = self._revocations.get(caller.name, 0) if caller is not None else 0
             if kind not in _FOR_STAGED:
-                return Redeemed(key, kind, None, caller)
+                return Redeemed(key, kind, None, caller, revocations)
             staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
-        return Redeemed(key, kind, staged) if staged is not None else None
+        return Redeemed(key, kind, staged, caller, revocations) if staged is not None else None
 
     def holds(self, inode: int) -> bool:
         """Whether a staged value lies in the memfd ``inode`` (a result on its way out of it)."""
@@ -276,6 +309,7 @@ class Staging:
                 for t, v in self._tickets.items()
                 if v[2] >= now and (v[1] not in _FOR_STAGED or v[0] in self._items)
             }
+            self._revoked = {t: v for t, v in self._revoked.items() if v[1] >= now}
         for staged in gone:
             staged.close()
 
@@ -922,13 +956,13 @@ class SessionService:
                 raise NotFound(
                     f"no result {key[:64]!r} to download for this session (it expires after {_STAGED_TTL:g}s)"
                 )
-            return key, self.staging.ticket(key, "download")
+            return key, self.staging.ticket(key, "download", caller)
         self._check_size(size)
         fd, mapped = self._memory_for(live, size)
         staged = Staged(caller.name, live.id, [(fd, 0, size)], size, complete=False, mapped=mapped)
         key = self.staging.add(staged, "u-")
         live.last_call_at = time.time()
-        return key, self.staging.ticket(key, "upload")
+        return key, self.staging.ticket(key, "upload", caller)
 
     def tunnel_socket(self, session_id: str, name: str) -> socket.socket:
         """A connection to the socket ``tunnel-NAME.sock`` that session ``session_id``'s worker listens

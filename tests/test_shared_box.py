@@ -222,3 +222,32 @@ def test_a_server_refuses_to_start_where_its_environment_is_closed_to_jobs(tmp_p
     assert done.returncode != 0, said
     assert f"{venv}, a folder of the server's Python environment, is closed to other users" in said
     assert "umask 022" in said
+
+
+# ---- a job's life loses no signal and no byte -------------------------------------------------------
+
+
+def test_a_cancel_at_any_moment_of_a_start_ends_the_job_cancelled(alice: gpuport.Client) -> None:
+    """Cancels sent from the moment of the submit on, while the supervisor starts, sets the sandbox
+    up (again, when bubblewrap failed to) and runs the job: each job ends cancelled, none lost."""
+    import random
+    import threading
+    import time
+
+    rng = random.Random(32)
+    jobs = []
+
+    def submit_and_cancel(delay: float) -> None:
+        job = alice.submit(["sleep", "60"], workdir=None)
+        time.sleep(delay)
+        job.cancel()
+        jobs.append(job)
+
+    for _ in range(4):  # rounds of 6 launches at once
+        threads = [threading.Thread(target=submit_and_cancel, args=(rng.uniform(0, 0.3),)) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    states = {job.id: job.wait(60).status for job in jobs}
+    assert sorted(set(states.values())) == ["cancelled"], states

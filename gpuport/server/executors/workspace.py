@@ -271,19 +271,27 @@ class JobFolders:
             return None
         return pid
 
+    # A request is left as a file first, then signalled once the supervisor has said it listens
+    # (supervisor.json): it reads the file after writing that, so one of the two always sees the
+    # other, and a cancel sent as a job starts is never lost.
+
     def cancel(self, job_id: str) -> None:
         pid = self._supervisor_pid(job_id)
         if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)  # the supervisor passes it to the job's groups, then SIGKILLs
+            atomic_write(self.folder(job_id) / "cancel", b"", 0o600, durable=False)
+            if (self.folder(job_id) / "supervisor.json").exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)  # the supervisor passes it to the job's groups, then SIGKILLs
 
     def kill(self, job_id: str, reason: str) -> None:
         pid = self._supervisor_pid(job_id)
         if pid is not None:
             data = json.dumps({"reason": reason}).encode()
             atomic_write(self.folder(job_id) / "kill.json", data, 0o600, durable=False)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)  # the supervisor reads kill.json and SIGKILLs the job's groups
+            atomic_write(self.folder(job_id) / "kill", b"", 0o600, durable=False)
+            if (self.folder(job_id) / "supervisor.json").exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)  # the supervisor reads kill.json and SIGKILLs the job's groups
 
     def kill_all(self, reason: str) -> list[str]:
         """Kill every job still running here (a node whose jobs the server gave up on); return their ids."""

@@ -299,7 +299,29 @@ def _start_ranks(spec: dict, nprocs: int, log, log_lock: threading.Lock):
     return ranks, readers, None
 
 
+# What the server asked for by signal (SIGTERM/SIGINT: "cancel", SIGUSR1: "kill"), kept from the
+# supervisor's first moment to its end, across a sandbox set up again: no request is lost.
+_REQUESTED: set = set()
+
+
+def _listen() -> None:
+    """Take note of the server's requests; the loops that run the job act on them."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: _REQUESTED.add("cancel"))
+    signal.signal(signal.SIGINT, lambda signum, frame: _REQUESTED.add("cancel"))
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _REQUESTED.add("kill"))
+
+
+def _announce(job_dir: str, info: dict) -> None:
+    """Write supervisor.json (the server signals this process once it exists), then take up a
+    request the server left as a file before it: ``cancel``, or ``kill`` (its reason in kill.json)."""
+    _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)
+    for request in ("cancel", "kill"):
+        if os.path.exists(os.path.join(job_dir, request)):
+            _REQUESTED.add(request)
+
+
 def main(job_dir: str) -> int:
+    _listen()
     job_dir = os.path.abspath(job_dir)  # the ranks' working directory becomes this process's
     lock = open(os.path.join(job_dir, "supervisor.lock"), "a")
     try:
@@ -315,7 +337,7 @@ def main(job_dir: str) -> int:
         with open(os.path.join(job_dir, "log"), "ab", buffering=0) as log:
 
             def started(info: dict) -> None:
-                _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)  # read while it runs
+                _announce(job_dir, info)  # read while it runs
 
             status = _run(spec, log, started, lambda: _kill_reason(job_dir))
     _write_json(os.path.join(job_dir, "exit.json"), status)
@@ -328,20 +350,25 @@ _SANDBOX_TRIES = 5  # bubblewrap 0.8 now and then fails to set up a new namespac
 def _run_sandboxed(job_dir: str, spec: dict) -> dict:
     """``_sandboxed_once``, again when bubblewrap failed to set the sandbox up for a passing reason
     before the job started (seen: "bwrap: loopback: Failed RTM_NEWADDR" when many namespaces are
-    made at once); its message is taken out of the log again."""
-    path = os.path.join(job_dir, "log")
+    made at once). Bubblewrap's own messages go to ``setup.log``, never to the job's log, so a
+    follower of the log sees the job's bytes only. A cancel or a kill asked for meanwhile ends it:
+    the job never started."""
     for attempt in range(_SANDBOX_TRIES):
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        status = _sandboxed_once(job_dir, spec)
+        status = _sandboxed_once(job_dir, spec, last=attempt == _SANDBOX_TRIES - 1)
         if not status.pop("transient", False):
             return status
-        if attempt < _SANDBOX_TRIES - 1:
-            os.truncate(path, size)
-            time.sleep(0.05 * (attempt + 1))
+        if _REQUESTED:
+            ended = {"started_at": status["started_at"], "ended_at": time.time(), "exit_code": -signal.SIGTERM}
+            if "kill" in _REQUESTED:
+                ended.update(killed=_kill_reason(job_dir), exit_code=-signal.SIGKILL)
+            else:
+                ended["cancelled"] = True
+            return ended
+        time.sleep(0.05 * (attempt + 1))
     return status
 
 
-def _sandboxed_once(job_dir: str, spec: dict) -> dict:
+def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
     """Run the job in the sandbox ``spec["sandbox"]`` (a bubblewrap command prefix the server made);
     returns the status.
 
@@ -359,6 +386,8 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
     the ranks as ``_run`` does and reports their status; this one passes a cancel on to it.
     """
     log = os.open(os.path.join(job_dir, "log"), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    # bubblewrap's (and setpriv's) stderr; the job's is the log, from its shell's `exec 2>&1` on
+    setup_log = os.open(os.path.join(job_dir, "setup.log"), os.O_RDWR | os.O_TRUNC | os.O_CREAT, 0o600)
     spec_r, spec_w = os.pipe()
     status_r, status_w = os.pipe()
     pids_r, pids_w = os.pipe()
@@ -371,20 +400,18 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
         setup = [a for a in sandbox[1:cut] if a != "--as-pid-1"]
         run = [*sandbox[cut:], "/bin/sh", "-c", _EXEC_WITH_ENV, "gpuport-job", *spec["argv"]]
         argv = [sandbox[0], "--json-status-fd", "5", *setup, "--file", "3", _ENV_FILE, *run]
-        passed: tuple = ((log, 1), (log, 2), (spec_r, 3), (pids_w, 5))
+        passed: tuple = ((log, 1), (setup_log, 2), (spec_r, 3), (pids_w, 5))
     else:
         argv = [sandbox[0], "--json-status-fd", "5", *sandbox[1:], sys.executable, "-I", "-S", __file__, "--inner"]
-        passed = ((log, 1), (log, 2), (spec_r, 3), (status_w, 4), (pids_w, 5), (lifeline_r, 6))
+        passed = ((log, 1), (setup_log, 2), (spec_r, 3), (status_w, 4), (pids_w, 5), (lifeline_r, 6))
     actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
     actions += [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in passed]
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    requested = set()
-    signal.signal(signal.SIGTERM, lambda signum, frame: requested.add("cancel"))
-    signal.signal(signal.SIGINT, lambda signum, frame: requested.add("cancel"))
-    signal.signal(signal.SIGUSR1, lambda signum, frame: requested.add("kill"))
+    requested = _REQUESTED
+    _listen()
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     started_at = time.time()
     start = time.monotonic()
@@ -422,11 +449,7 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
         pass
     import json  # noqa: F401 (imported now, while the job starts, for its end: exit.json, the status read back)
 
-    _write_json(
-        os.path.join(job_dir, "supervisor.json"),
-        {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at},
-        durable=False,
-    )
+    _announce(job_dir, {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at})
     grace = float(spec.get("grace", 5.0))
     time_limit = float(spec.get("time_limit") or 0)
     # An inner supervisor runs as the job's user: it enforces the time limit, and this one makes
@@ -480,13 +503,14 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
         os.write(log, f"gpuport: job killed: {reason}\n".encode())
     elif not reported:
         status["exit_code"] = 127
-        said = _last_line(log) if code else ""  # bubblewrap's own message, when it failed
+        said = _last_line(setup_log) if code else ""  # bubblewrap's own message, when it failed
         status["error"] = f"the job's sandbox ended without its status (bubblewrap {_describe(code)}{said})"
-        status["transient"] = said.startswith(": bwrap: loopback:")
-        os.write(log, f"gpuport: {status['error']}\n".encode())
+        status["transient"] = said.startswith(": bwrap: loopback:") and not last
+        if not status["transient"]:  # the job's log says why it never ran, once
+            os.write(log, f"gpuport: {status['error']}\n".encode())
     status.setdefault("ended_at", time.time())
     signal.set_wakeup_fd(-1)
-    for fd in (log, wake_r, wake_w, lifeline_w):
+    for fd in (log, setup_log, wake_r, wake_w, lifeline_w):
         os.close(fd)
     return status
 
@@ -494,7 +518,7 @@ def _sandboxed_once(job_dir: str, spec: dict) -> dict:
 # Where the environment of a job run direct is, in its sandbox, and what reads it: /bin/sh, as the
 # job's uid, sources it and runs the command in its place, found on the job's PATH.
 _ENV_FILE = "/run/gpuport-env"
-_EXEC_WITH_ENV = f'. {_ENV_FILE} && exec "$@"'
+_EXEC_WITH_ENV = f'exec 2>&1; . {_ENV_FILE} && exec "$@"'
 
 
 def _shell_exports(env: dict, cwd: str) -> bytes:
@@ -614,6 +638,7 @@ def _inner() -> int:
             os.set_inheritable(fd, False)
         except OSError:
             pass
+    os.dup2(1, 2)  # bubblewrap's stderr is not the log: the ranks' is
     log = os.fdopen(1, "ab", buffering=0, closefd=False)
     # Killed by the server: the outer supervisor kills this process (pid 1) itself; the lifeline
     # ends when the outer one has ended, and nobody is left to report to.
@@ -675,14 +700,12 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None) -> 
     # Signal handlers only take note, and the loop below acts: one place decides what happens, and
     # no handler can deadlock on the log's lock held by the code it interrupted. The wakeup fd,
     # written by Python's C-level handler (for SIGCHLD too), wakes that loop from its select().
-    requested = set()
+    requested = _REQUESTED
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, lambda signum, frame: requested.add("cancel"))
-    signal.signal(signal.SIGINT, lambda signum, frame: requested.add("cancel"))
-    signal.signal(signal.SIGUSR1, lambda signum, frame: requested.add("kill"))
+    _listen()
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # with SIG_DFL, a rank's end would not wake the loop
 
     ranks, readers, error = _start_ranks(spec, nprocs, log, log_lock)

@@ -75,6 +75,8 @@ DEFAULT_MEMORY_FLOOR_FRACTION = 0.05
 DEFAULT_MEMORY_FLOOR_MAX = 2 * 1024**3
 # Bytes of log per message of a log stream.
 LOG_CHUNK_BYTES = 1024 * 1024
+# Bytes of a job's log kept on disk: its first half and its last, with a note of what was cut between.
+DEFAULT_LOG_LIMIT = 256 * 1024**2
 # Seconds between looks at a running job's log file when a follower has read everything.
 LOG_POLL_INTERVAL = 0.02
 # Seconds a client keeps retrying a dropped log stream (e.g. while the server restarts) before giving up.

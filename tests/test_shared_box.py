@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -251,3 +252,36 @@ def test_a_cancel_at_any_moment_of_a_start_ends_the_job_cancelled(alice: gpuport
             thread.join()
     states = {job.id: job.wait(60).status for job in jobs}
     assert sorted(set(states.values())) == ["cancelled"], states
+
+
+def test_a_log_past_its_limit_keeps_its_start_and_end_and_says_what_was_cut(
+    server: RunningServer, alice: gpuport.Client
+) -> None:
+    """A job writes 300 MiB: the log holds its first and last 128 MiB on disk; a reader gets the
+    start, the note of what was cut and the end, in order, with offsets as the job wrote them, by
+    either door."""
+    from gpuport.defaults import DEFAULT_LOG_LIMIT
+
+    script = (
+        "import sys\nline = b'x' * 1023 + b'\\n'\nout = sys.stdout.buffer\nout.write(b'FIRST\\n')\n"
+        "for _ in range(300 * 1024):\n    out.write(line)\nout.write(b'LAST\\n')\nout.flush()\n"
+    )
+    job = alice.submit(["python", "-c", script], workdir=None)
+    assert job.wait(120).exit_code == 0, list(job.logs())[:5]
+    log = server.state_dir / "jobs" / job.id / "log"
+    assert log.stat().st_size == 300 * 1024 * 1024 + 11  # offsets are as the job wrote them
+    assert log.stat().st_blocks * 512 <= DEFAULT_LOG_LIMIT + (1 << 20)
+    marks, total = [], 0
+    for offset, data in job.log_chunks(0):
+        assert offset >= total
+        total = offset + len(data)
+        marks += [line for line in data.split(b"\n") if line and not line.startswith(b"xxx")]
+    assert marks[0] == b"FIRST" and marks[-1] == b"LAST" and len(marks) == 3, marks
+    assert re.fullmatch(rb"\[gpuport: [\d,]+ bytes of this log were cut here, to keep it within [\d,]+ bytes\]", marks[1])
+    assert total == log.stat().st_size
+    reply = server.rest(
+        "GET", f"/v1/jobs/{job.id}/logs", token=server.admin_token, params={"offset": 150 * 1024 * 1024}
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["offset"] > 150 * 1024 * 1024 and body["data"].startswith("\n[gpuport: ")

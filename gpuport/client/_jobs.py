@@ -181,10 +181,10 @@ class Job:
             request = pb.LogsRequest(job_id=self.id, offset=offset, follow=follow)
             try:
                 for chunk in self._transport.stream(self._transport.jobs.Logs, request):
-                    if chunk.offset != offset:
+                    if chunk.offset < offset:  # further on: past a part cut from a log that passed its limit
                         raise ServerError(f"log of {self.id}: got bytes from offset {chunk.offset}, expected {offset}")
                     reconnecting_since = None
-                    offset += len(chunk.data)
+                    offset = chunk.offset + len(chunk.data)
                     yield chunk.offset, chunk.data
                 return
             except ConnectionFailed:

@@ -441,13 +441,13 @@ def build_http_app(app: ServerApp) -> Predictions:
         summary="The log from a byte offset; call again with next_offset until `complete` is true",
     )
     async def job_logs(job_id: str, identity: Caller, offset: int = 0, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:
-        job, data = app.jobs.read_log(identity, job_id, offset, limit)
+        job, offset, data = app.jobs.read_log(identity, job_id, offset, limit)
         text, used = _decode_whole(data, final=job.state.is_terminal() and len(data) < limit)
         next_offset = offset + used
         return {
             "job_id": job.id,
             "state": job.state.value,
-            "offset": offset,
+            "offset": offset,  # further than asked where the log was cut there
             "next_offset": next_offset,
             "data": text,
             "complete": job.state.is_terminal() and next_offset >= job.log_bytes,

@@ -136,6 +136,11 @@ class Executor(ABC):
     def log_size(self, job_id: str) -> int:
         """The length of the job's log so far."""
 
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        """Where the job's log has bytes from ``offset`` on: past a part cut from a log that passed
+        its limit (``read_log`` stops before one). Where logs are never cut: ``offset``."""
+        return offset
+
     @abstractmethod
     def exit_status(self, job_id: str) -> dict[str, Any] | None:
         """What the job's supervisor recorded at its end (see ``worker/supervisor.py``); None when it

@@ -59,6 +59,9 @@ class LocalExecutor(Executor):
     def log_size(self, job_id: str) -> int:
         return self.folders.log_size(job_id)
 
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        return self.folders.log_data_offset(job_id, offset)
+
     def exit_status(self, job_id: str) -> dict[str, Any] | None:
         return self.folders.exit_status(job_id)
 

@@ -284,6 +284,9 @@ class NodeAgent:
     def log_size(self, job_id: str) -> int:
         return self.folders.log_size(job_id)
 
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        return self.folders.log_data_offset(job_id, offset)
+
     def exit_status(self, job_id: str) -> dict[str, Any] | None:
         return self.folders.exit_status(job_id)
 
@@ -390,8 +393,17 @@ class _LogPump:
                     data = self.ray.get(read, timeout=_CALL_TIMEOUT)
                 except Exception:
                     break  # its node is gone: what it said so far stays
-                if not data:
-                    break
+                if not data:  # the end so far, or a part cut from a log past its limit: then past it
+                    try:
+                        start = self.ray.get(
+                            handle.log_data_offset.remote(self.job_id, self.offsets[r]), timeout=_CALL_TIMEOUT
+                        )
+                    except Exception:
+                        break
+                    if start <= self.offsets[r]:
+                        break
+                    self.offsets[r] = start
+                    continue
                 self.offsets[r] += len(data)
                 *lines, self.partial[r] = (self.partial[r] + data).split(b"\n")
                 out += [prefix + line + b"\n" for line in lines]
@@ -815,8 +827,12 @@ class RayExecutor(Executor):
         with open(temp, "wb") as f:
             while True:
                 data = ray.get(handle.read_log.remote(job_id, f.tell(), _READ_BYTES), timeout=_CALL_TIMEOUT)
-                if not data:
-                    break
+                if not data:  # the end, or a part cut from a log past its limit: left a hole here too
+                    start = ray.get(handle.log_data_offset.remote(job_id, f.tell()), timeout=_CALL_TIMEOUT)
+                    if start <= f.tell():
+                        break
+                    f.seek(start)
+                    continue
                 f.write(data)
         os.replace(temp, self.root / job_id / "log")
 
@@ -866,9 +882,19 @@ class RayExecutor(Executor):
         local = self.root / job_id / "log"
         if local.exists():
             with open(local, "rb") as f:
+                with contextlib.suppress(OSError):  # stop before a hole, as JobFolders.read_log does
+                    limit = min(limit, os.lseek(f.fileno(), offset, os.SEEK_HOLE) - offset)
                 f.seek(offset)
-                return f.read(limit)
+                return f.read(max(0, limit))
         return self._call(job_id, "read_log", job_id, offset, limit, default=b"")
+
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        local = self.root / job_id / "log"
+        if local.exists():
+            with open(local, "rb") as f, contextlib.suppress(OSError):  # ENXIO: at or past its end
+                return max(offset, os.lseek(f.fileno(), offset, os.SEEK_DATA))
+            return offset
+        return int(self._call(job_id, "log_data_offset", job_id, offset, default=offset))
 
     def log_size(self, job_id: str) -> int:
         with contextlib.suppress(OSError):

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 import psutil
 
 from gpuport._files import atomic_write, files_beneath, let_read, open_beneath, open_file_beneath, own_folder, own_tree
-from gpuport.defaults import ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
+from gpuport.defaults import DEFAULT_LOG_LIMIT, ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
 from gpuport.server.executors.base import Files, JobLaunch, OnExit, Usage
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -141,6 +141,7 @@ class JobFolders:
             "env": env,
             "grace": job.grace,
             "time_limit": job.time_limit,
+            "log_limit": DEFAULT_LOG_LIMIT,
             "nprocs": job.nprocs,
             "tf_roles": job.tf_roles,
             "rank_gpus": job.rank_gpus,
@@ -345,12 +346,25 @@ class JobFolders:
     # ---- what a job leaves ------------------------------------------------------------------------
 
     def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        """Up to ``limit`` bytes from ``offset``, never into a hole: where the log passed its limit,
+        the part cut from its middle (see ``log_data_offset``)."""
         try:
             with open(self.folder(job_id) / "log", "rb") as f:
+                with contextlib.suppress(OSError):  # ENXIO: at or past the end
+                    limit = min(limit, os.lseek(f.fileno(), offset, os.SEEK_HOLE) - offset)
                 f.seek(offset)
                 return f.read(max(0, limit))
         except FileNotFoundError:
             return b""
+
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        """Where the log has bytes from ``offset`` on: ``offset`` itself, or the end of the hole it
+        lies in (the note of what was cut starts there)."""
+        try:
+            with open(self.folder(job_id) / "log", "rb") as f:
+                return max(offset, os.lseek(f.fileno(), offset, os.SEEK_DATA))
+        except OSError:  # no log yet, or at or past its end (ENXIO)
+            return offset
 
     def log_size(self, job_id: str) -> int:
         try:

@@ -604,14 +604,21 @@ class JobService:
                 await asyncio.wait_for(self._ended_event(job.id).wait(), timeout)
         return self._load(job.id)
 
-    def read_log(self, caller: Identity, job_id: str, offset: int, limit: int) -> tuple[JobRecord, bytes]:
-        """The job (as it was before the read) and up to ``limit`` bytes of its log from ``offset``."""
+    def read_log(self, caller: Identity, job_id: str, offset: int, limit: int) -> tuple[JobRecord, int, bytes]:
+        """The job (as it was before the read), and up to ``limit`` bytes of its log from ``offset``
+        with the offset they start at: further on, where ``offset`` lies in a part cut from a log
+        that passed its limit (the bytes then start with the note of what was cut)."""
         job = self.get(caller, job_id)
         if offset < 0:
             raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
         if job.state is JobState.QUEUED:
-            return job, b""
-        return job, self.executor.read_log(job.id, offset, max(0, min(limit, LOG_CHUNK_BYTES)))
+            return job, offset, b""
+        data = self.executor.read_log(job.id, offset, max(0, min(limit, LOG_CHUNK_BYTES)))
+        if not data:
+            start = self.executor.log_data_offset(job.id, offset)
+            if start != offset:
+                return job, start, self.executor.read_log(job.id, start, max(0, min(limit, LOG_CHUNK_BYTES)))
+        return job, offset, data
 
     async def logs(self, caller: Identity, job_id: str, offset: int, follow: bool) -> AsyncIterator[tuple[int, bytes]]:
         """(offset, bytes) chunks of the job's log from ``offset``; with ``follow``, until the job has ended."""
@@ -625,6 +632,11 @@ class JobService:
         while True:
             done = ended.is_set()  # looked at before reading, so the last bytes are never missed
             data = await asyncio.to_thread(read, job.id, offset, LOG_CHUNK_BYTES)
+            if not data:  # at the end, or at a part cut from a log past its limit: then past it
+                start = await asyncio.to_thread(self.executor.log_data_offset, job.id, offset)
+                if start != offset:
+                    offset = start
+                    continue
             if data:
                 yield offset, data
                 offset += len(data)

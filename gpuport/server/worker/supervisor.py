@@ -5,8 +5,10 @@ library, so it starts in a few milliseconds, and it outlives a server that is ki
 It reads ``JOB_DIR/spec.marshal``, runs the job's processes, each in its own process group, appends
 their output to ``JOB_DIR/log``, and writes ``JOB_DIR/exit.json`` (atomically) when they have ended.
 
-The spec holds ``argv``, ``cwd``, ``env``, ``grace`` (seconds from SIGTERM to SIGKILL) and
-``time_limit`` (seconds; 0 or null: none), and optionally, for distributed training on this machine:
+The spec holds ``argv``, ``cwd``, ``env``, ``grace`` (seconds from SIGTERM to SIGKILL),
+``time_limit`` (seconds; 0 or null: none) and ``log_limit`` (bytes of the log kept on disk, its
+first and last halves, see ``_LogCap``; 0 or null: all of it), and optionally, for distributed
+training on this machine:
 
 - ``nprocs``: how many processes (ranks) run ``argv``; default 1.
 - ``tf_roles``: ``[[role, count], ...]`` adding up to ``nprocs``, e.g. ``[["chief", 1], ["worker", 2]]``;
@@ -63,6 +65,9 @@ import sys
 import threading
 import time
 
+_LOG_CHECK_INTERVAL = 1.0  # seconds between looks at a running job's log size, when it has a limit
+_LOG_CUT_STEP = 1 << 20  # bytes: a log past its limit is cut by at least this much at a time
+_BLOCK = 4096  # a hole is punched in whole blocks: one the note lies in stays data
 _READ_SIZE = 1 << 16  # bytes read from a rank's pipe at once: what a pipe holds by default
 _LONGEST_LINE = 1 << 20  # bytes of a line without a newline kept back before it is written anyway
 _DRAIN_TIMEOUT = 5.0  # seconds to wait for the ranks' last output once their process groups are gone
@@ -95,6 +100,51 @@ def _write_new(path: str, data: bytes) -> None:
             _write_all(f, data)
     finally:
         os.close(fd)
+
+
+class _LogCap:
+    """Keeps a job's log within ``limit`` bytes on disk while the job appends to it: its first half
+    stays, and once what follows passes the other half, the bytes between are punched out of the
+    file (``fallocate``: a hole, which holds no disk and which readers skip), ending in a note of
+    how much was cut. The log's length and every offset in it stay as they were, so a follower
+    goes on where it was. Where the file system cannot punch holes, the log is left whole."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        # Its own descriptor, without O_APPEND: Linux's pwrite appends on one that has it.
+        self.log = os.open(path, os.O_WRONLY | os.O_CLOEXEC) if limit else -1
+        self.limit = limit
+        self.head = max(_BLOCK, limit // 2 // _BLOCK * _BLOCK)  # kept from the start
+        self.punched = self.head  # the hole ends here (its note starts here)
+        self.next_check = time.monotonic() + _LOG_CHECK_INTERVAL
+        self._fallocate = None
+
+    def check(self) -> None:
+        self.next_check = time.monotonic() + _LOG_CHECK_INTERVAL
+        if self.log < 0 or not self.limit:
+            return
+        size = os.fstat(self.log).st_size
+        note_at = (size - (self.limit - self.head) + _BLOCK) // _BLOCK * _BLOCK  # the tail then fits
+        if note_at - self.punched < _LOG_CUT_STEP:
+            return
+        if self._fallocate is None:
+            import ctypes  # here: most logs never reach their limit
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            self._fallocate = libc.fallocate
+        note = ""
+        for _ in range(2):  # the note's own bytes are cut from the job's too
+            cut = note_at + len(note) - self.head
+            note = f"\n[gpuport: {cut:,} bytes of this log were cut here, to keep it within {self.limit:,} bytes]\n"
+        if self._fallocate(self.log, 3, self.head, note_at - self.head) != 0:  # PUNCH_HOLE | KEEP_SIZE
+            self.limit = 0  # not on this file system: the log stays whole
+            return
+        os.pwrite(self.log, note.encode(), note_at)  # over the job's bytes there, which are cut too
+        self.punched = note_at
+
+    def close(self) -> None:
+        if self.log >= 0:
+            os.close(self.log)
 
 
 def _write_all(log, data: bytes) -> None:
@@ -339,7 +389,10 @@ def main(job_dir: str) -> int:
             def started(info: dict) -> None:
                 _announce(job_dir, info)  # read while it runs
 
-            status = _run(spec, log, started, lambda: _kill_reason(job_dir))
+            cap = _LogCap(os.path.join(job_dir, "log"), int(spec.get("log_limit") or 0))
+            status = _run(spec, log, started, lambda: _kill_reason(job_dir), cap=cap)
+            cap.check()
+            cap.close()
     _write_json(os.path.join(job_dir, "exit.json"), status)
     return 0
 
@@ -456,6 +509,7 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
     # sure of it a little later, whatever the job did to it. A job run direct is stopped from here.
     backstop = start + time_limit + grace + 10 if time_limit > 0 and not direct else None
     limit_at = start + time_limit if time_limit > 0 and direct else None
+    cap = _LogCap(os.path.join(job_dir, "log"), int(spec.get("log_limit") or 0))
     stopped: dict = {}  # why this process stopped a job run direct: cancelled or timed_out
     kill_at = None
     killed = False
@@ -483,13 +537,18 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
         if pid:
             code = os.waitstatus_to_exitcode(wait_status)
             break
-        deadlines = [d - now for d in (kill_at, backstop, None if stopped else limit_at) if d is not None]
+        if cap.limit and now >= cap.next_check:
+            cap.check()
+        checks = cap.next_check if cap.limit else None
+        deadlines = [d - now for d in (kill_at, backstop, None if stopped else limit_at, checks) if d is not None]
         select.select([wake_r], [], [], max(0.0, min(deadlines)) if deadlines else None)
         try:
             while os.read(wake_r, 512):
                 pass
         except BlockingIOError:
             pass
+    cap.check()  # what the job wrote since the last look, too
+    cap.close()
     for helper in helpers:  # not waited for: its end took up to 20 ms, and init reaps it once this one exits
         _signal_pid(helper, signal.SIGKILL)
     with os.fdopen(pids_r, "rb") as f:
@@ -680,7 +739,7 @@ def _json_string(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None) -> dict:
+def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap: _LogCap | None = None) -> dict:
     """Run the job's ranks to their end; returns the status for exit.json. ``started(info)`` gets the
     pids once they run; ``kill_reason()`` says why, when SIGUSR1 asked for a kill. ``lifeline``: an
     fd whose end (EOF) kills the job too (the supervisor outside a sandbox has ended)."""
@@ -771,7 +830,12 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None) -> 
         if kill_at is not None and now >= kill_at:
             signal_all(signal.SIGKILL)
             kill_at = None
-        deadlines = [t for t in (None if stopping or time_limit <= 0 else start + time_limit, kill_at) if t is not None]
+        if cap is not None and cap.limit and now >= cap.next_check:
+            cap.check()
+        checks = cap.next_check if cap is not None and cap.limit else None
+        deadlines = [
+            t for t in (None if stopping or time_limit <= 0 else start + time_limit, kill_at, checks) if t is not None
+        ]
         watched = [wake_r] if lifeline is None else [wake_r, lifeline]
         ready, _, _ = select.select(watched, [], [], max(0.0, min(deadlines) - now) if deadlines else None)
         if lifeline in ready:

@@ -221,7 +221,7 @@ class Client:
 
     def jobs(self, *, all: bool = False) -> list[Job]:
         """Your queued and running jobs and those of the last day, newest first; with ``all``, every
-        one (every user's, for an admin) up to the newest 500."""
+        one (every user's, for an admin): every queued and running job, and the 500 newest ended."""
         reply = self.transport.call(self.transport.jobs.List, pb.ListJobsRequest(all=all))
         return [Job(self.transport, JobInfo._from_message(j)) for j in reply.jobs]
 

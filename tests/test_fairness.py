@@ -3,9 +3,14 @@ connections at the data port, a flood of dashboard logins, thousands of ended jo
 
 from __future__ import annotations
 
+import json
+import socket
+import ssl
+import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 import gpuport
@@ -63,3 +68,52 @@ def test_every_running_job_is_listed_past_a_thousand_ended_ones(
         assert shown.code == 0 and running.id in shown.stdout
         flag.touch()
         assert running.wait(30).info.state == "succeeded"
+
+
+def _pipelined_logins(server: RunningServer, token: str, count: int) -> list[str]:
+    """Log in ``count`` times over one TLS connection, every request sent before the replies are read
+    (HTTP/1.1 pipelining): the server does all the work, the client only writes and reads bytes."""
+    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    url = httpx.URL(server.http_url)
+    body = json.dumps({"token": token}).encode()
+    request = (
+        f"POST /ui/login HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection((url.host, url.port)) as raw, trust.wrap_socket(raw, server_hostname=url.host) as tls:
+        sender = threading.Thread(target=tls.sendall, args=(request * count,), daemon=True)
+        sender.start()
+        replies = tls.makefile("rb")
+        logins = []
+        for _ in range(count):
+            status, length, cookie = replies.readline(), 0, ""
+            assert b" 200 " in status, status
+            while (line := replies.readline().decode()) != "\r\n":
+                name, _, value = line.partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+                elif name.lower() == "set-cookie" and value.strip().startswith("gpuport_login="):
+                    cookie = value.strip().split(";")[0].split("=", 1)[1]
+            replies.read(length)
+            logins.append(cookie)
+        sender.join()
+        return logins
+
+
+def test_a_flood_of_one_users_dashboard_logins_logs_only_their_own_oldest_out(
+    fair: RunningServer, boss: gpuport.Client
+) -> None:
+    mallory, alice = _token(boss, "mallory"), _token(boss, "alice")
+    trust = ssl.create_default_context(cafile=str(fair.state_dir / "tls" / "cert.pem"))
+    with httpx.Client(base_url=fair.http_url, verify=trust, timeout=30) as http:
+
+        def logged_in(login: str) -> bool:
+            return http.get("/ui/me", headers={"cookie": f"gpuport_login={login}"}).status_code == 200
+
+        [theirs] = _pipelined_logins(fair, alice, 1)
+        started = time.monotonic()
+        flood = _pipelined_logins(fair, mallory, 10_050)  # past the 10,000 every user once shared
+        print(f"10,050 logins in {time.monotonic() - started:.1f}s")
+        assert logged_in(theirs)  # alice's one login survives mallory's flood
+        assert not logged_in(flood[0])  # mallory's own oldest went
+        assert logged_in(flood[-1])

@@ -3,7 +3,10 @@ connections at the data port, a flood of dashboard logins, thousands of ended jo
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
+import re
 import socket
 import ssl
 import threading
@@ -14,6 +17,8 @@ import httpx
 import pytest
 
 import gpuport
+from gpuport.client._sessions import _Channel
+from gpuport.protocol import gpuport_pb2 as pb
 from tests.conftest import JobFlag, RunningServer, client_env, needs_users, start_server, wait_for
 
 # Holds until the flag file named by argv[1] appears in its folder (see JobFlag).
@@ -117,3 +122,73 @@ def test_a_flood_of_one_users_dashboard_logins_logs_only_their_own_oldest_out(
         assert logged_in(theirs)  # alice's one login survives mallory's flood
         assert not logged_in(flood[0])  # mallory's own oldest went
         assert logged_in(flood[-1])
+
+
+def _add(a: int, b: int) -> int:
+    return a + b
+
+
+def test_a_flood_of_bare_connections_from_one_address_leaves_another_users_handshakes_alone(
+    fair: RunningServer, boss: gpuport.Client
+) -> None:
+    """Plain TCP connections from 127.0.0.2, opened as fast as two threads can and never sending a
+    byte (no TLS, no ticket), while a user on 127.0.0.1 opens a session and calls into it. One of
+    that user's channels shook hands and holds its ticket back (a slow link) while hundreds of the
+    flood's connections arrive, more than every address's share together once was; then more of
+    its channels shake hands and send their tickets in the middle of the flood."""
+    found = re.search(r"^  data port\s+(\d+)", fair.banner, re.MULTILINE)
+    assert found, fair.banner
+    port = int(found[1])
+    token = _token(boss, "carol")
+    stop, opened, pushed_out = threading.Event(), [0, 0], [0, 0]
+
+    def flood(index: int) -> None:
+        mine: collections.deque[socket.socket] = collections.deque()
+        while not stop.is_set():
+            bare = socket.socket()
+            bare.bind(("127.0.0.2", 0))
+            try:
+                bare.connect(("127.0.0.1", port))
+            except OSError:
+                bare.close()
+                continue
+            mine.append(bare)
+            opened[index] += 1
+            if len(mine) > 200:  # the server pushed these out long ago: see that it did, and let go
+                old = mine.popleft()
+                old.setblocking(False)
+                with contextlib.suppress(OSError):
+                    pushed_out[index] += old.recv(1) == b""
+                old.close()
+        for bare in mine:
+            bare.close()
+
+    flooders = [threading.Thread(target=flood, args=(i,), daemon=True) for i in range(2)]
+    for thread in flooders:
+        thread.start()
+    try:
+        wait_for(lambda: sum(opened) > 300, what="the flood under way")
+        with fair.connect(token) as carol, carol.session() as session:
+            request = pb.TransferRequest(session_id=session.id, channel=True)
+            ticket, held = session._transport.data_connection(request)  # TLS is up; the ticket waits
+            assert held is not None
+            then = sum(opened)
+            wait_for(lambda: sum(opened) > then + 600, what="600 more bare connections")
+            slow = _Channel(held, ticket.ticket)  # answered C: its connection was not pushed out
+            slow.close()
+            before = sum(opened)
+            started = time.monotonic()
+            for i in range(20):
+                assert session.call(_add, i, 1) == i + 1
+                session._close_channel()  # the next call opens a new channel: a new handshake in the flood
+            took = time.monotonic() - started
+            during = sum(opened)
+    finally:
+        stop.set()
+        for thread in flooders:
+            thread.join(10)
+    print(
+        f"{during - before} bare connections during the calls, {sum(opened)} in all, {sum(pushed_out)} seen pushed out; 20 channels and calls in {took:.2f}s"
+    )
+    assert sum(pushed_out) > 0  # the flood's own oldest went
+    assert took < 20

@@ -12,6 +12,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -192,3 +193,35 @@ def test_a_flood_of_bare_connections_from_one_address_leaves_another_users_hands
     )
     assert sum(pushed_out) > 0  # the flood's own oldest went
     assert took < 20
+
+
+def test_a_queued_cap_refuses_the_job_past_it_and_stores_nothing(
+    fair: RunningServer, boss: gpuport.Client, flag: JobFlag, cli: object, tmp_path: Path
+) -> None:
+    token = _token(boss, "quinn")
+    with fair.connect(token) as quinn:
+        env = client_env(fair)
+        done = cli("quota", "set", quinn.user, "--jobs", "1", "--queued", "3", **env)  # type: ignore[operator]
+        assert done.code == 0, done.output
+        assert "1 job at once; 3 jobs queued" in done.output
+        listed = cli("quota", "list", **env)  # type: ignore[operator]
+        assert "QUEUED" in listed.stdout and any(
+            quinn.user in line and " 3 " in line for line in listed.stdout.splitlines()
+        ), listed.stdout
+        running = quinn.submit(["python", "-c", HOLD, str(flag)], workdir=None)
+        wait_for(lambda: running.status == "running", what="quinn's first job")
+        waiting = [quinn.submit(["true"], workdir=None) for _ in range(3)]
+        assert {j.status for j in waiting} == {"queued"}
+        before = len(quinn.jobs(all=True))
+        with pytest.raises(
+            gpuport.ResourceUnavailable,
+            match=rf"{quinn.user} has 3 jobs queued, the most allowed at once is 3: .*--queued N",
+        ):
+            quinn.submit(["true"], workdir=None)
+        refused = cli("run", "--detach", "--", "true", cwd=tmp_path, **client_env(fair, token))  # type: ignore[operator]
+        assert refused.code != 0 and "the most allowed at once is 3" in refused.output, refused.output
+        assert len(quinn.jobs(all=True)) == before  # nothing stored
+        waiting[0].cancel()
+        quinn.submit(["true"], workdir=None)  # room again
+        flag.touch()
+        assert running.wait(30).info.state == "succeeded"

@@ -427,7 +427,17 @@ class JobService:
     def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
         """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot) or ``ResourceUnavailable``."""
         argv, snapshot, outputs, spec = self._check(caller, request)
+        cap = self.quotas.queued_cap(caller.name)
         with self.store.transaction() as db:
+            (queued,) = db.execute(
+                "SELECT COUNT(*) FROM jobs WHERE owner = ? AND state = 'queued'", (caller.name,)
+            ).fetchone()
+            if queued >= cap:
+                raise ResourceUnavailable(
+                    f"{caller.name} has {queued} jobs queued, the most allowed at once is {cap}: wait for some "
+                    "to start, cancel some (`gpuport cancel JOB`), or ask an admin to raise it "
+                    f"(`gpuport quota set {caller.name} --queued N`)"
+                )
             while True:
                 job_id = "j-" + secrets.token_hex(4)
                 if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:

@@ -69,6 +69,9 @@ MAX_ARCHIVE_UNPACKED_BYTES = 32 * 1024**3
 # Jobs (sessions' workers and model replicas count) one user runs at once unless an admin sets
 # otherwise: the quota of '*' a new state dir starts with (`gpuport quota set '*' --jobs N`).
 DEFAULT_JOBS_PER_USER = 16
+# Jobs one user may have queued (waiting) at once, unless an admin sets otherwise for them or '*'
+# (`gpuport quota set USER --queued N`): a submit past it is refused, and nothing is stored.
+DEFAULT_QUEUED_PER_USER = 1_000
 # Work that reserves no memory waits while the machine has less than this free: the smaller of
 # the two (`gpuport server --memory-floor`).
 DEFAULT_MEMORY_FLOOR_FRACTION = 0.05

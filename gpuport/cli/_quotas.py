@@ -17,16 +17,17 @@ def quota_group() -> None:
 @click.argument("user")
 @click.option("--gpus", type=float, help="GPUs held at once (a slice counts as its part of a GPU).")
 @click.option("--jobs", type=int, help="Jobs running at once.")
+@click.option("--queued", type=int, help="Jobs queued at once: a submit past it is refused (default 1,000).")
 @click.pass_context
-def quota_set(ctx: click.Context, user: str, gpus: float | None, jobs: int | None) -> None:
+def quota_set(ctx: click.Context, user: str, gpus: float | None, jobs: int | None, queued: int | None) -> None:
     """Limit what USER holds at once (admin only); jobs over it wait in the queue, saying so.
 
     \b
         gpuport quota set alice --gpus 2 --jobs 4
         gpuport quota set '*' --gpus 1          # everyone else
     """
-    quota = client(ctx).set_quota(user, gpus=gpus, jobs=jobs)
-    err.print(f"quota of {escape(quota.user)}: {_limits(quota.gpus, quota.jobs)}")
+    quota = client(ctx).set_quota(user, gpus=gpus, jobs=jobs, queued=queued)
+    err.print(f"quota of {escape(quota.user)}: {_limits(quota.gpus, quota.jobs, quota.queued)}")
 
 
 @quota_group.command("list")
@@ -42,13 +43,14 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
         err.print("no quotas: every user may use everything")
         return
     table = new_table()
-    for column in ("USER", "GPUS", "JOBS", "SET"):
+    for column in ("USER", "GPUS", "JOBS", "QUEUED", "SET"):
         table.add_column(column)
     for q in quotas:
         table.add_row(
             escape(q.user),
             "-" if q.gpus is None else f"{q.gpus:g}",
             "-" if q.jobs is None else str(q.jobs),
+            "default" if q.queued is None else str(q.queued),
             when(q.updated_at),
         )
     out.print(table)
@@ -63,10 +65,14 @@ def quota_unset(ctx: click.Context, user: str) -> None:
     err.print(f"quota of {escape(user)} removed")
 
 
-def _limits(gpus: float | None, jobs: int | None) -> str:
+def _limits(gpus: float | None, jobs: int | None, queued: int | None = None) -> str:
     parts = []
     if gpus is not None:
         parts.append(f"{gpus:g} GPU{'s' if gpus != 1 else ''}")
     if jobs is not None:
         parts.append(f"{jobs} job{'s' if jobs != 1 else ''}")
-    return " and ".join(parts) + " at once"
+    held = " and ".join(parts) + " at once" if parts else ""
+    if queued is None:
+        return held
+    waiting = f"{queued} job{'s' if queued != 1 else ''} queued"
+    return f"{held}; {waiting}" if held else waiting

@@ -221,7 +221,7 @@ class Client:
 
     def jobs(self, *, all: bool = False) -> list[Job]:
         """Your queued and running jobs and those of the last day, newest first; with ``all``, every
-        one (every user's, for an admin) up to the newest 500."""
+        one (every user's, for an admin): every queued and running job, and the 500 newest ended."""
         reply = self.transport.call(self.transport.jobs.List, pb.ListJobsRequest(all=all))
         return [Job(self.transport, JobInfo._from_message(j)) for j in reply.jobs]
 
@@ -232,13 +232,17 @@ class Client:
 
     # ---- quotas -------------------------------------------------------------------------------------
 
-    def set_quota(self, user: str, *, gpus: float | None = None, jobs: int | None = None) -> QuotaInfo:
+    def set_quota(
+        self, user: str, *, gpus: float | None = None, jobs: int | None = None, queued: int | None = None
+    ) -> QuotaInfo:
         """Limit what ``user`` (``"*"``: everyone without a quota of their own) holds at once: GPUs
-        (slices count as their part) and running jobs; None leaves that limit off. Admin only.
+        (slices count as their part) and running jobs; None leaves that limit off. ``queued``: the
+        most jobs queued at once (None: the default's, 1,000 unless ``"*"`` says). Admin only.
 
-        Jobs over the quota wait, saying so. Raises ``PermissionDenied``, ``InvalidRequest``.
+        Jobs over the quota wait, saying so; a submit past the queued cap is refused
+        (``ResourceUnavailable``). Raises ``PermissionDenied``, ``InvalidRequest``.
         """
-        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs)
+        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, queued=queued)
         return QuotaInfo._from_message(self.transport.call(self.transport.quotas.Set, request))
 
     def quotas(self) -> list[QuotaInfo]:

@@ -178,6 +178,10 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE tokens ADD COLUMN scope TEXT NOT NULL DEFAULT '';
     """,
+    # 15: jobs a user may have queued at once; NULL: the '*' quota's, else DEFAULT_QUEUED_PER_USER
+    """
+    ALTER TABLE quotas ADD COLUMN queued INTEGER;
+    """,
 ]
 
 

@@ -41,7 +41,9 @@ LOGIN_BODY_BYTES = 4096  # a token in JSON: the body of the one request that nee
 CSRF_HEADER = "x-csrf-token"
 LOGIN_SECONDS = 12 * 3600  # a login lasts a working day; the token itself may be revoked any time
 EVENT_SECONDS = 2.0
-_MAX_LOGINS = 10_000  # the oldest go first past this: a flood of logins cannot grow memory for ever
+# Logins one user holds at once; past it their oldest goes: a flood of logins cannot grow memory for
+# ever, nor log anyone else out.
+_MAX_LOGINS_PER_USER = 100
 # Scripts, styles and connections from this server only; no inline script or style; not in a frame.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -58,34 +60,45 @@ _STATIC = {"index.html": "text/html", "app.js": "text/javascript", "style.css": 
 
 @dataclass
 class Login:
+    user: str
     token: str = dataclasses.field(repr=False)  # kept in memory only, to check it at each request
     csrf: str = dataclasses.field(repr=False)
     expires: float
 
 
 class Logins:
-    """The dashboard's logins, in memory (a server restart logs everyone out)."""
+    """The dashboard's logins, in memory (a server restart logs everyone out), at most
+    ``_MAX_LOGINS_PER_USER`` per user: a new one past that ends that same user's oldest."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Login] = {}
+        self._of: dict[str, dict[str, None]] = {}  # user → their login ids, oldest first
 
-    def create(self, token: str) -> tuple[str, Login]:
-        if len(self._by_id) >= _MAX_LOGINS:
-            self._by_id.pop(next(iter(self._by_id)))
+    def create(self, user: str, token: str) -> tuple[str, Login]:
+        theirs = self._of.setdefault(user, {})
+        while len(theirs) >= _MAX_LOGINS_PER_USER:
+            self.drop(next(iter(theirs)))
         login_id = secrets.token_urlsafe(32)
-        login = Login(token, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
+        login = Login(user, token, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
         self._by_id[login_id] = login
+        self._of.setdefault(user, {})[login_id] = None
         return login_id, login
 
     def get(self, login_id: str | None) -> Login | None:
         login = self._by_id.get(login_id or "")
         if login is not None and login.expires < time.time():
-            self._by_id.pop(login_id or "", None)
+            self.drop(login_id)
             return None
         return login
 
     def drop(self, login_id: str | None) -> None:
-        self._by_id.pop(login_id or "", None)
+        login = self._by_id.pop(login_id or "", None)
+        if login is None:
+            return
+        theirs = self._of.get(login.user, {})
+        theirs.pop(login_id or "", None)
+        if not theirs:
+            self._of.pop(login.user, None)
 
 
 class LoginBody(BaseModel):
@@ -244,7 +257,7 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
     @api.post(LOGIN_PATH, **hidden)
     async def login(body: LoginBody, request: Request) -> Response:
         identity = app.auth.authenticate(f"Bearer {body.token.strip()}")
-        login_id, made = request.app.state.logins.create(body.token.strip())
+        login_id, made = request.app.state.logins.create(identity.name, body.token.strip())
         response = Response(
             json.dumps({"user": identity.name, "admin": identity.admin, "csrf": made.csrf}),
             media_type="application/json",

@@ -12,8 +12,10 @@ reason, and closed. Same certificate, same cipher as the gRPC port.
 
 Until its ticket line is in, a connection costs no thread: one thread accepts, shakes hands (TLS)
 and reads every ticket line, without blocking, within ``_HANDSHAKE_DEADLINE`` from the connection's
-accept in all (not per read), and holds at most ``_MAX_UNREDEEMED`` such connections (a new one
-past that pushes out the oldest). A connection with its ticket gets a thread for its transfer or
+accept in all (not per read). It holds at most ``_MAX_UNREDEEMED_PER_SOURCE`` such connections from
+one source address (an IPv6 /64): a new one past that pushes out that address's own oldest, so a
+flood of bare connections from one address never pushes out another's handshake; and at most
+``_MAX_UNREDEEMED`` from all addresses, past which the address holding the most loses its oldest. A connection with its ticket gets a thread for its transfer or
 channel; a user holds at most ``_MAX_CHANNELS`` channels, tunnels and blob uploads open. A channel
 with no call for ``_PARK_AFTER`` seconds gives its thread up: it waits in that same selector, and
 gets a thread again when its next call comes.
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import ipaddress
 import json
 import logging
 import mmap
@@ -80,7 +83,8 @@ log = logging.getLogger(__name__)
 
 _TICKET_LINE = 65  # 64 hex digits and "\n"
 _HANDSHAKE_DEADLINE = 10.0  # seconds from accept to a whole ticket line, TLS handshake included
-_MAX_UNREDEEMED = 128  # connections still shaking hands or sending their ticket
+_MAX_UNREDEEMED = 512  # connections still shaking hands or sending their ticket, from every address
+_MAX_UNREDEEMED_PER_SOURCE = 32  # of those, from one address (an IPv6 /64)
 _MAX_CHANNELS = 64  # channels, tunnels and blob uploads one user holds open
 _PARK_AFTER = 2.0  # seconds without a call after which a channel gives its thread up
 _IDLE_TIMEOUT = 60.0  # seconds a transfer may stall before the server gives up on it
@@ -164,13 +168,33 @@ class DataPort:
         selector.register(self._listener, selectors.EVENT_READ)
         selector.register(self._wake_r, selectors.EVENT_READ)
         waiting: dict[socket.socket, _Arriving] = {}  # in order of arrival
+        by_source: dict[str, dict[socket.socket, None]] = {}  # the same, per source address
         parked: dict[socket.socket, _Parked] = {}  # idle channels
 
-        def drop(conn: socket.socket) -> None:
-            waiting.pop(conn, None)
+        def settle(conn: socket.socket) -> None:
+            """No longer waiting for its ticket: handed on, or dropped."""
+            arriving = waiting.pop(conn, None)
+            if arriving is not None:
+                theirs = by_source[arriving.source]
+                del theirs[conn]
+                if not theirs:
+                    del by_source[arriving.source]
             selector.unregister(conn)
+
+        def drop(conn: socket.socket) -> None:
+            settle(conn)
             with contextlib.suppress(OSError):
                 conn.close()
+
+        def make_room(source: str) -> None:
+            """Push out the oldest of ``source``'s own connections once it holds its share, or past
+            the bound for all, the oldest of the address holding the most: never another's for one
+            address's flood."""
+            theirs = by_source.get(source, {})
+            if len(theirs) >= _MAX_UNREDEEMED_PER_SOURCE:
+                drop(next(iter(theirs)))
+            elif len(waiting) >= _MAX_UNREDEEMED:
+                drop(next(iter(max(by_source.values(), key=len))))
 
         try:
             while not self._closed:
@@ -202,9 +226,10 @@ class DataPort:
                         continue
                     if key.fileobj is self._listener:
                         for conn, peer in self._accept_ready():
-                            if len(waiting) >= _MAX_UNREDEEMED:
-                                drop(next(iter(waiting)))
-                            waiting[conn] = _Arriving(peer, time.monotonic() + _HANDSHAKE_DEADLINE)
+                            source = _source(peer)
+                            make_room(source)
+                            waiting[conn] = _Arriving(peer, source, time.monotonic() + _HANDSHAKE_DEADLINE)
+                            by_source.setdefault(source, {})[conn] = None
                             selector.register(conn, selectors.EVENT_READ)
                         continue
                     conn = key.fileobj  # type: ignore[assignment]
@@ -220,8 +245,7 @@ class DataPort:
                     if want is not None:
                         selector.modify(conn, want)
                         continue
-                    del waiting[conn]
-                    selector.unregister(conn)
+                    settle(conn)
                     threading.Thread(
                         target=self._serve, args=(conn, arriving), name="gpuport transfer", daemon=True
                     ).start()
@@ -551,9 +575,25 @@ class _Arriving:
     """A connection whose ticket line is not all in yet."""
 
     peer: object
+    source: str  # what its share is counted by (_source)
     deadline: float  # time.monotonic() by which the line must be in
     handshaken: bool = False
     line: bytearray = field(default_factory=bytearray)
+
+
+def _source(peer: object) -> str:
+    """The address a connection's share of handshakes is counted by: its IP address, or for IPv6 its
+    /64 (one host may hold a whole /64)."""
+    host = peer[0] if isinstance(peer, tuple) else str(peer)
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return str(host)
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _step(conn: socket.socket, arriving: _Arriving) -> int | None:

@@ -93,6 +93,7 @@ class JobCreate(BaseModel):
 class QuotaSet(BaseModel):
     gpus: float | None = Field(None, description="GPUs held at once (slices count as their part); null: no limit")
     jobs: int | None = Field(None, description="Jobs running at once; null: no limit")
+    queued: int | None = Field(None, description="Jobs queued at once; null: the default's (1,000 unless '*' says)")
 
 
 def _flag_value(value: Any) -> str:
@@ -467,7 +468,7 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.put("/v1/quotas/{user}", summary="Set a user's quota (admin); user '*' is everyone without their own")
     async def set_quota(user: str, body: QuotaSet, identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs))
+        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs, body.queued))
 
     @api.delete("/v1/quotas/{user}", status_code=204, summary="Remove a user's quota (admin)")
     async def unset_quota(user: str, identity: Caller) -> Response:

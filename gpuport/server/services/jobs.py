@@ -427,7 +427,17 @@ class JobService:
     def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
         """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot) or ``ResourceUnavailable``."""
         argv, snapshot, outputs, spec = self._check(caller, request)
+        cap = self.quotas.queued_cap(caller.name)
         with self.store.transaction() as db:
+            (queued,) = db.execute(
+                "SELECT COUNT(*) FROM jobs WHERE owner = ? AND state = 'queued'", (caller.name,)
+            ).fetchone()
+            if queued >= cap:
+                raise ResourceUnavailable(
+                    f"{caller.name} has {queued} jobs queued, the most allowed at once is {cap}: wait for some "
+                    "to start, cancel some (`gpuport cancel JOB`), or ask an admin to raise it "
+                    f"(`gpuport quota set {caller.name} --queued N`)"
+                )
             while True:
                 job_id = "j-" + secrets.token_hex(4)
                 if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
@@ -529,19 +539,27 @@ class JobService:
         return self._record(row)
 
     def list_for(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
-        """The caller's active jobs and those of the last day, newest first; with ``all``, every one
-        (every user's, for an admin). At most _LIST_LIMIT, the newest."""
+        """The caller's active jobs and those ended in the last day, newest first; with ``all``, every
+        one (every user's, for an admin). Every queued and running job, whatever their number (queued
+        jobs are capped per user), then at most _LIST_LIMIT ended ones, the newest."""
         where: list[str] = ["kind = 'job'"]  # sessions' workers are listed as sessions
         params: list[object] = []
         if not (all and caller.admin):
             where.append("owner = ?")
             params.append(caller.name)
+        where_ended = [*where, "state NOT IN ('queued', 'running')"]
+        ended_params = list(params)
         if not all:
-            where.append("(state IN ('queued', 'running') OR created_at > ?)")
-            params.append(time.time() - _RECENT_SECONDS)
-        rows = self.store.query(
-            f"SELECT * FROM jobs WHERE {' AND '.join(where)} ORDER BY seq DESC LIMIT {_LIST_LIMIT}", params
+            where_ended.append("created_at > ?")
+            ended_params.append(time.time() - _RECENT_SECONDS)
+        active = self.store.query(
+            f"SELECT * FROM jobs WHERE {' AND '.join(where)} AND state IN ('queued', 'running')", params
         )
+        ended = self.store.query(
+            f"SELECT * FROM jobs WHERE {' AND '.join(where_ended)} ORDER BY seq DESC LIMIT {_LIST_LIMIT}",
+            ended_params,
+        )
+        rows = sorted([*active, *ended], key=lambda r: r["seq"], reverse=True)
         return [self._record(r) for r in rows]
 
     def running(self) -> list[Holding]:

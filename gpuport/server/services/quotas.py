@@ -1,7 +1,8 @@
-"""Quotas: the most GPUs and jobs a user may hold at once, set by an admin.
+"""Quotas: the most GPUs and jobs a user may hold at once, and jobs they may have queued, set by an admin.
 
 A quota for the user ``*`` applies to every user without one of their own. The scheduler reads them
-on every pass (``all``); a job over its owner's quota waits, saying so.
+on every pass (``all``); a job over its owner's quota waits, saying so. The queued cap always holds
+(``queued_cap``: the user's, else ``*``'s, else ``DEFAULT_QUEUED_PER_USER``): a submit past it is refused.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuport.defaults import MAX_NAME_LENGTH
+from gpuport.defaults import DEFAULT_QUEUED_PER_USER, MAX_NAME_LENGTH
 from gpuport.protocol.errors import InvalidRequest, NotFound, PermissionDenied
 from gpuport.server.scheduler import Quota
 from gpuport.server.services.auth import Identity
@@ -27,6 +28,7 @@ class QuotaRecord:
     gpus: float | None  # None: no limit
     jobs: int | None
     updated_at: float
+    queued: int | None = None  # None: the default's
 
 
 def _admin_only(caller: Identity) -> None:
@@ -38,10 +40,13 @@ class QuotaService:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, Quota] | None = None  # read on every scheduling pass: kept until changed
+        self._queued: dict[str, int] | None = None  # user → queued cap, read on every submit: the same
         self.on_change: Callable[[], None] = lambda: None  # the job service looks at its queue again
 
-    def set(self, caller: Identity, user: str, gpus: float | None, jobs: int | None) -> QuotaRecord:
-        """Set ``user``'s quota (admin only); None leaves that limit off."""
+    def set(
+        self, caller: Identity, user: str, gpus: float | None, jobs: int | None, queued: int | None = None
+    ) -> QuotaRecord:
+        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``: the default's)."""
         _admin_only(caller)
         if not user or len(user) > MAX_NAME_LENGTH or not user.isprintable():
             raise InvalidRequest(f"user {user[:80]!r}: give a token name, or '*' for every user")
@@ -49,19 +54,24 @@ class QuotaService:
             raise InvalidRequest(f"a GPU quota must be 0 or more, not {gpus}")
         if jobs is not None and jobs < 0:
             raise InvalidRequest(f"a job quota must be 0 or more, not {jobs}")
-        if gpus is None and jobs is None:
-            raise InvalidRequest("give --gpus, --jobs or both; `gpuport quota unset USER` removes a quota")
+        if queued is not None and queued < 0:
+            raise InvalidRequest(f"a queued-jobs cap must be 0 or more, not {queued}")
+        if gpus is None and jobs is None and queued is None:
+            raise InvalidRequest(
+                "give --gpus, --jobs, --queued or some of them; `gpuport quota unset USER` removes a quota"
+            )
         now = time.time()
         with self.store.transaction() as db:
             db.execute(
-                "INSERT INTO quotas (user, gpus, jobs, updated_at) VALUES (?, ?, ?, ?) "
+                "INSERT INTO quotas (user, gpus, jobs, queued, updated_at) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT(user) DO UPDATE SET gpus = excluded.gpus, jobs = excluded.jobs, "
-                "updated_at = excluded.updated_at",
-                (user, gpus, jobs, now),
+                "queued = excluded.queued, updated_at = excluded.updated_at",
+                (user, gpus, jobs, queued, now),
             )
         self._cache = None
+        self._queued = None
         self.on_change()
-        return QuotaRecord(user, gpus, jobs, now)
+        return QuotaRecord(user, gpus, jobs, now, queued)
 
     def unset(self, caller: Identity, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
@@ -70,13 +80,14 @@ class QuotaService:
             if not db.execute("DELETE FROM quotas WHERE user = ?", (user[:MAX_NAME_LENGTH],)).rowcount:
                 raise NotFound(f"no quota for {user[:80]!r} — `gpuport quota list` shows them")
         self._cache = None
+        self._queued = None
         self.on_change()
 
     def list(self, caller: Identity) -> list[QuotaRecord]:
         """Every quota (admin only); a user sees their own and the default."""
         rows = self.store.query("SELECT * FROM quotas ORDER BY user")
         return [
-            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"])
+            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"])
             for r in rows
             if caller.admin or r["user"] in (caller.name, DEFAULT_USER)
         ]
@@ -91,3 +102,10 @@ class QuotaService:
     def of(self, user: str) -> Quota | None:
         quotas = self.all()
         return quotas.get(user, quotas.get(DEFAULT_USER))
+
+    def queued_cap(self, user: str) -> int:
+        """The most jobs ``user`` may have queued at once: their quota's, else ``*``'s, else the default."""
+        if self._queued is None:
+            rows = self.store.query("SELECT user, queued FROM quotas WHERE queued IS NOT NULL")
+            self._queued = {r["user"]: r["queued"] for r in rows}
+        return self._queued.get(user, self._queued.get(DEFAULT_USER, DEFAULT_QUEUED_PER_USER))

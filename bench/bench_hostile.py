@@ -100,7 +100,8 @@ def main() -> None:
         f"in {bombs_took:.1f} s; {len(during)} launches meanwhile")  # fmt: skip
     grown = (peak - before) / MB
     ROWS.append(Row(f"server memory growth, {BOMBS} archive bombs", grown, None, "-", "<= +134 MB (128 MiB)",
-                    grown <= 128 * 1024**2 / MB, unit="MB"))  # fmt: skip
+                    grown <= 128 * 1024**2 / MB, unit="MB",
+                    note=f"{before / MB:.0f} -> {peak / MB:.0f} MB"))  # fmt: skip
     ours, anchor = median(during), median(quiet)
     ROWS.append(Row("other user's job launch during bombs", ours, anchor, "quiet server", "<= 2x",
                     ours <= 2 * anchor))  # fmt: skip

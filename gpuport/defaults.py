@@ -66,6 +66,15 @@ MAX_REST_BODY_BYTES = 1024 * 1024
 # An archive posted to POST /v1/snapshots (a project or dataset, without the CLI), as sent and unpacked.
 MAX_ARCHIVE_BYTES = 8 * 1024**3
 MAX_ARCHIVE_UNPACKED_BYTES = 32 * 1024**3
+# An archive unpacks to at most this many times its own size (a gzip or zip bomb is refused as it
+# unpacks), or to MAX_ARCHIVE_UNPACKED_FLOOR whatever its size, and never past MAX_ARCHIVE_UNPACKED_BYTES.
+MAX_ARCHIVE_EXPANSION = 100
+MAX_ARCHIVE_UNPACKED_FLOOR = 256 * 1024**2
+# Most entries of any kind (files, folders, links) in one archive: folders are entries to read too.
+MAX_ARCHIVE_MEMBERS = MAX_SNAPSHOT_FILES + MAX_SNAPSHOT_FILES // 4
+# Archives unpacked at once, on threads of their own: more wait their turn, and never hold the
+# threads that start jobs, read logs and run the watchdog.
+DEFAULT_ARCHIVE_THREADS = 2
 # Jobs (sessions' workers and model replicas count) one user runs at once unless an admin sets
 # otherwise: the quota of '*' a new state dir starts with (`gpuport quota set '*' --jobs N`).
 DEFAULT_JOBS_PER_USER = 16

@@ -4,15 +4,22 @@ all of them as one .tar.gz), through curl-like HTTP calls and nothing else."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
+import ssl
 import tarfile
+import threading
+import time
 import urllib.parse
 import zipfile
 from typing import Any
 
+import httpx
+import psutil
 import pytest
 
+from gpuport.defaults import MAX_ARCHIVE_MEMBERS, MAX_ARCHIVE_UNPACKED_FLOOR
 from tests.conftest import RunningServer, rest_job_ended
 
 TRAIN = """\
@@ -56,6 +63,17 @@ def _zip(files: dict[str, bytes]) -> bytes:
 def _upload(server: RunningServer, token: str, body: bytes, content_type: str, name: str = "") -> Any:
     path = "/v1/snapshots" + (f"?name={name}" if name else "")
     return server.rest("POST", path, token, content=body, headers={"content-type": content_type})
+
+
+def _upload_slowly(server: RunningServer, token: str, body: bytes, content_type: str, name: str = "") -> Any:
+    """``_upload``, waiting as long as a hostile archive takes to be read and refused on a busy box."""
+    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    with httpx.Client(verify=trust, timeout=300) as http:
+        return http.post(
+            f"{server.http_url}/v1/snapshots" + (f"?name={name}" if name else ""),
+            content=body,
+            headers={"authorization": f"Bearer {token}", "content-type": content_type},
+        )
 
 
 @pytest.mark.parametrize("kind", ["tar.gz", "zip"])
@@ -188,3 +206,84 @@ def test_an_odd_output_name_is_a_safe_content_disposition_with_the_name_whole(
     assert whole.headers["content-disposition"] == (
         f"attachment; filename=\"{info['job_id']}-outputs.tar.gz\"; filename*=UTF-8''{info['job_id']}-outputs.tar.gz"
     )
+
+
+def folders_bomb(count: int) -> bytes:
+    """A .tar.gz of ``count`` folder headers and nothing else, small and quick to make: a block of
+    1,000 distinct ones gzipped once and repeated (a gzip stream may be many members), then the end."""
+    block = b""
+    for i in range(1000):
+        info = tarfile.TarInfo(f"d{i:06d}")
+        info.type = tarfile.DIRTYPE
+        block += info.tobuf(format=tarfile.USTAR_FORMAT)
+    return gzip.compress(block, mtime=0) * (count // 1000) + gzip.compress(b"\0" * 1024, mtime=0)
+
+
+def zeros_bomb(gigabytes: int) -> bytes:
+    """A .tar.gz of about a megabyte per GiB holding one file of ``gigabytes`` GiB of zeros: a 64 MiB
+    block gzipped once and repeated."""
+    info = tarfile.TarInfo("zeros.bin")
+    info.size = gigabytes << 30
+    block = gzip.compress(bytes(64 << 20), mtime=0)
+    return gzip.compress(info.tobuf(format=tarfile.USTAR_FORMAT), mtime=0) + block * (gigabytes * 16)
+
+
+def test_a_tar_of_folder_headers_is_refused_at_the_member_limit_in_bounded_memory_while_others_run(
+    server: RunningServer, user_token: str
+) -> None:
+    bomb = folders_bomb(MAX_ARCHIVE_MEMBERS + 50_000)
+    assert len(bomb) < 4 * 1024 * 1024
+    process = psutil.Process(server.pid or server.process.pid)
+    before = process.memory_info().rss
+    peak, answers = before, []
+    uploads = [
+        threading.Thread(target=lambda: answers.append(_upload_slowly(server, user_token, bomb, "application/gzip")))
+        for _ in range(3)  # more than the archive threads: one waits its turn
+    ]
+    for upload in uploads:
+        upload.start()
+    started = time.monotonic()
+    created = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": ["true"]})
+    assert created.status_code == 201, created.text
+    job = rest_job_ended(server, server.admin_token, created.json()["job_id"], timeout=60)
+    latency = time.monotonic() - started
+    while any(upload.is_alive() for upload in uploads):
+        peak = max(peak, process.memory_info().rss)
+        time.sleep(0.05)
+    assert job["state"] == "succeeded", job
+    assert latency < 20, f"another user's `true` took {latency:.1f} s beside archive bombs"
+    assert len(answers) == 3
+    for refused in answers:
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert f"more than {MAX_ARCHIVE_MEMBERS} entries" in message and "gpuport push" in message, message
+    assert peak - before < 128 * 1024 * 1024, f"the server grew by {(peak - before) >> 20} MiB"
+
+
+def test_a_gzip_bomb_is_refused_at_its_expansion_limit_and_a_plain_tar_of_the_same_passes(
+    server: RunningServer, user_token: str
+) -> None:
+    before = server.rest("GET", "/v1/snapshots", user_token).json()
+    bomb = zeros_bomb(1)
+    assert len(bomb) < 2 * 1024 * 1024
+    refused = _upload_slowly(server, user_token, bomb, "application/gzip", name="bomb")
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "unpacks to more than 256MiB, its limit" in message and "100x its size" in message, message
+    assert "uncompressed (application/x-tar)" in message, message
+    assert server.rest("GET", "/v1/snapshots", user_token).json() == before
+
+    # The same kind of content, uncompressed, is as large as it unpacks: taken.
+    plain = _tar({"zeros.bin": bytes(MAX_ARCHIVE_UNPACKED_FLOOR // 64)}, gz=False)
+    taken = _upload_slowly(server, user_token, plain, "application/x-tar", name="plain-zeros")
+    assert taken.status_code == 201 and taken.json()["files"] == 1, taken.text
+
+
+def test_a_zip_with_too_many_entries_is_refused_before_it_is_opened(server: RunningServer, user_token: str) -> None:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for i in range(MAX_ARCHIVE_MEMBERS + 1):
+            archive.writestr(zipfile.ZipInfo(f"d{i}/"), b"")
+    refused = _upload_slowly(server, user_token, buffer.getvalue(), "application/zip")
+    assert refused.status_code == 400, refused.text
+    assert f"more than {MAX_ARCHIVE_MEMBERS} entries" in refused.json()["error"]["message"]

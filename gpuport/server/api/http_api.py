@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -494,7 +495,8 @@ def build_http_app(app: ServerApp) -> Predictions:
         app.transfers.add("rest", "in", archive.stat().st_size)
         try:
             kind = rest_files.sniffed(kind, archive)
-            record = await asyncio.to_thread(app.snapshots.ingest_archive, identity, archive, kind, name)
+            unpack = functools.partial(app.snapshots.ingest_archive, identity, archive, kind, name)
+            record = await asyncio.get_running_loop().run_in_executor(app.archive_threads, unpack)
         finally:
             archive.unlink(missing_ok=True)
         return {"snapshot_id": record.id, **dataclasses.asdict(record)}

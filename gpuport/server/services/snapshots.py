@@ -7,11 +7,16 @@ given with ``gpuport push`` points at one of them (projects and datasets for lat
 
 from __future__ import annotations
 
+import bz2
+import contextlib
 import functools
+import gzip
 import json
+import lzma
 import os
 import re
 import stat
+import struct
 import tarfile
 import threading
 import time
@@ -23,9 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from gpuport.defaults import MAX_ARCHIVE_UNPACKED_BYTES, MAX_BLOB_BYTES, MAX_NAME_LENGTH, MAX_SNAPSHOT_FILES
+from gpuport.defaults import (
+    MAX_ARCHIVE_EXPANSION,
+    MAX_ARCHIVE_MEMBERS,
+    MAX_ARCHIVE_UNPACKED_BYTES,
+    MAX_ARCHIVE_UNPACKED_FLOOR,
+    MAX_BLOB_BYTES,
+    MAX_NAME_LENGTH,
+    MAX_PATH_BYTES,
+    MAX_SNAPSHOT_FILES,
+)
 from gpuport.protocol.errors import InvalidRequest, NotFound
 from gpuport.protocol.paths import check_entries, check_path, snapshot_id
+from gpuport.protocol.units import format_size
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobStore, check_hash
 from gpuport.server.store import Store
@@ -188,25 +203,31 @@ class SnapshotService:
     def ingest_archive(self, caller: Identity, archive: Path, kind: str, name: str = "") -> SnapshotRecord:
         """Make a snapshot from a tar (``kind`` "tar", compressed or not) or zip (``kind`` "zip")
         archive on the server's disk, by the rules of a sync: relative, normalized paths, links that
-        stay inside, only files, folders and symlinks, at most ``MAX_SNAPSHOT_FILES`` files and
-        ``MAX_ARCHIVE_UNPACKED_BYTES`` unpacked. Raises ``InvalidRequest`` naming the first member
-        that breaks one; nothing is recorded then. Blocks: run it in a thread."""
+        stay inside, only files, folders and symlinks, at most ``MAX_ARCHIVE_MEMBERS`` entries of any
+        kind, ``MAX_SNAPSHOT_FILES`` files and ``unpack_limit`` bytes unpacked. The archive is read
+        as a stream, one member at a time. Raises ``InvalidRequest`` at the first member that breaks
+        one; no snapshot is recorded then (blobs already placed stay, as unreferenced blobs do).
+        Blocks: run it on ``ServerApp.archive_threads``, not on threads that other work shares."""
         if name:
             check_snapshot_name(name)
-        members = _tar_members(archive) if kind == "tar" else _zip_members(archive)
+        limit = unpack_limit(archive.stat().st_size)
         entries: list[Entry] = []
         unpacked = 0
-        for path, mode, link, opened in members:
-            if len(entries) >= MAX_SNAPSHOT_FILES:
-                raise InvalidRequest(f"the archive has more than {MAX_SNAPSHOT_FILES} files, the limit")
-            path = check_path(path.removeprefix("./"), what="path in the archive")
-            if link:
-                entries.append(Entry(path, "", 0, 0o777, link))
-                continue
-            with opened() as file:
-                blob, size = self.blobs.ingest(_Bounded(file, MAX_ARCHIVE_UNPACKED_BYTES - unpacked))
-            unpacked += size
-            entries.append(Entry(path, blob, size, 0o755 if mode & 0o111 else 0o644))
+        with contextlib.closing(_tar_members(archive) if kind == "tar" else _zip_members(archive)) as members:
+            for path, mode, link, opened in members:
+                if len(entries) >= MAX_SNAPSHOT_FILES:
+                    raise InvalidRequest(
+                        f"the archive has more than {MAX_SNAPSHOT_FILES} files, the limit — "
+                        "split the project, or keep its many small files in fewer, larger ones"
+                    )
+                path = check_path(path.removeprefix("./"), what="path in the archive")
+                if link:
+                    entries.append(Entry(path, "", 0, 0o777, link))
+                    continue
+                with opened() as file:
+                    blob, size = self.blobs.ingest(_Bounded(file, limit - unpacked, limit, kind))
+                unpacked += size
+                entries.append(Entry(path, blob, size, 0o755 if mode & 0o111 else 0o644))
         entries = check_manifest(entries)
         sid = snapshot_id(entries)
         self._insert(caller.name, sid, entries)
@@ -276,14 +297,66 @@ class SnapshotService:
         write_entries(self.manifest(record), self.blobs, dest, read_only=read_only)
 
 
+def unpack_limit(archive_bytes: int) -> int:
+    """The most bytes an archive of ``archive_bytes`` may unpack to: ``MAX_ARCHIVE_EXPANSION`` times
+    its size, at least ``MAX_ARCHIVE_UNPACKED_FLOOR`` and at most ``MAX_ARCHIVE_UNPACKED_BYTES``. A
+    project packs a few times smaller; a gzip of zeros (a bomb) a thousand times."""
+    return min(MAX_ARCHIVE_UNPACKED_BYTES, max(MAX_ARCHIVE_UNPACKED_FLOOR, MAX_ARCHIVE_EXPANSION * archive_bytes))
+
+
+def _too_many_members() -> InvalidRequest:
+    return InvalidRequest(
+        f"the archive has more than {MAX_ARCHIVE_MEMBERS} entries (files, folders and links count alike), "
+        f"the limit — pack fewer, or push the folder with `gpuport push DIR`, where only files count "
+        f"(up to {MAX_SNAPSHOT_FILES})"
+    )
+
+
 # An archive's members: (path, mode, symlink target or "", a function that opens a file's content).
 _Member = tuple[str, int, str, Callable[[], BinaryIO]]
+# Largest extended header (a long name, PAX records) a tar member may have: paths are short.
+_MAX_TAR_EXTENSION = 1024 * 1024
+
+
+class _Header(tarfile.TarInfo):
+    """A tar header read within bounds: tarfile reads an extended header (a long name, PAX records)
+    and a sparse file's map whole, so a bomb could make either gigabytes."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENSIONS and self.size > _MAX_TAR_EXTENSION:
+            raise InvalidRequest(
+                f"the archive has an extended tar header of {self.size} bytes; the limit is {_MAX_TAR_EXTENSION}"
+            )
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _sparse(self.name)
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+    def _proc_gnusparse_10(self, member: tarfile.TarInfo, pax_headers: dict[str, str], tar: tarfile.TarFile) -> None:
+        raise _sparse(member.name)
+
+
+_EXTENSIONS = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
+
+
+def _sparse(name: str) -> InvalidRequest:
+    return InvalidRequest(f"{name!r} in the archive is a sparse file: pack it without --sparse")
 
 
 def _tar_members(archive: Path) -> Iterator[_Member]:
     try:
-        with tarfile.open(archive, mode="r:*") as tar:
-            for info in tar:
+        with _decompressed(archive) as stream, tarfile.open(fileobj=stream, mode="r|", tarinfo=_Header) as tar:
+            count = 0
+            while (info := tar.next()) is not None:
+                tar.members.clear()  # each header is read once and dropped: a stream holds none
+                count += 1
+                if count > MAX_ARCHIVE_MEMBERS:
+                    raise _too_many_members()
                 if info.isdir():
                     continue
                 if info.issym():
@@ -295,8 +368,22 @@ def _tar_members(archive: Path) -> Iterator[_Member]:
                     raise InvalidRequest(
                         f"{info.name!r} in the archive is {kind}: only files, folders and symlinks are taken"
                     )
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+    except _UNREADABLE as e:
         raise InvalidRequest(f"the body is not a readable tar archive: {e}") from None
+
+
+def _decompressed(archive: Path) -> BinaryIO:
+    """The archive's bytes as a stream, unpacked by its first bytes (gzip, bzip2, xz; else as they
+    are). These readers take concatenated streams, as ``tarfile``'s own stream mode does not."""
+    with archive.open("rb") as file:
+        magic = file.read(6)
+    if magic.startswith(b"\x1f\x8b"):
+        return gzip.GzipFile(archive, "rb")  # type: ignore[return-value]
+    if magic.startswith(b"BZh"):
+        return bz2.BZ2File(archive, "rb")  # type: ignore[return-value]
+    if magic.startswith(b"\xfd7zXZ\x00"):
+        return lzma.LZMAFile(archive, "rb")  # type: ignore[return-value]
+    return archive.open("rb")
 
 
 def _tar_content(tar: tarfile.TarFile, info: tarfile.TarInfo) -> BinaryIO:
@@ -307,19 +394,57 @@ def _tar_content(tar: tarfile.TarFile, info: tarfile.TarInfo) -> BinaryIO:
 
 def _zip_members(archive: Path) -> Iterator[_Member]:
     try:
-        with zipfile.ZipFile(archive) as zipped:
-            for info in zipped.infolist():
-                if info.is_dir():
-                    continue
-                mode = info.external_attr >> 16
-                if stat.S_ISLNK(mode):
-                    yield info.filename, 0, zipped.read(info).decode("utf-8", "surrogateescape"), _no_content
-                elif stat.S_IFMT(mode) and not stat.S_ISREG(mode):  # zips made elsewhere may give no type
-                    raise InvalidRequest(f"{info.filename!r} in the archive is not a file, folder or symlink")
-                else:
-                    yield info.filename, mode, "", functools.partial(zipped.open, info)
-    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, NotImplementedError) as e:
+        with archive.open("rb") as raw:
+            _count_zip_entries(raw)
+            with zipfile.ZipFile(raw) as zipped:
+                for info in zipped.infolist():
+                    if info.is_dir():
+                        continue
+                    mode = info.external_attr >> 16
+                    if stat.S_ISLNK(mode):
+                        with zipped.open(info) as link:
+                            target = link.read(MAX_PATH_BYTES + 1)  # a longer one is refused as too long
+                        yield info.filename, 0, target.decode("utf-8", "surrogateescape"), _no_content
+                    elif stat.S_IFMT(mode) and not stat.S_ISREG(mode):  # zips made elsewhere may give no type
+                        raise InvalidRequest(f"{info.filename!r} in the archive is not a file, folder or symlink")
+                    else:
+                        yield info.filename, mode, "", functools.partial(zipped.open, info)
+    except _UNREADABLE as e:
         raise InvalidRequest(f"the body is not a readable zip archive: {e}") from None
+
+
+def _count_zip_entries(file: BinaryIO) -> None:
+    """Refuse a zip whose central directory has more than ``MAX_ARCHIVE_MEMBERS`` entries, by
+    walking it as ``zipfile`` will, before ``zipfile`` makes an object of each."""
+    end = zipfile._EndRecData(file)  # type: ignore[attr-defined]
+    if not end:
+        return  # zipfile says what is wrong
+    if end[zipfile._ECD_ENTRIES_TOTAL] > MAX_ARCHIVE_MEMBERS:  # type: ignore[attr-defined]
+        raise _too_many_members()
+    size, offset = end[zipfile._ECD_SIZE], end[zipfile._ECD_OFFSET]  # type: ignore[attr-defined]
+    start = end[zipfile._ECD_LOCATION] - size  # type: ignore[attr-defined]
+    if end[zipfile._ECD_SIGNATURE] == zipfile.stringEndArchive64:  # type: ignore[attr-defined]
+        start -= zipfile.sizeEndCentDir64 + zipfile.sizeEndCentDir64Locator  # type: ignore[attr-defined]
+    if start < 0 or offset < 0:
+        return
+    file.seek(start)
+    walked = count = 0
+    while walked < size:
+        fixed = file.read(_ZIP_ENTRY.size)
+        if len(fixed) < _ZIP_ENTRY.size:
+            return
+        count += 1
+        if count > MAX_ARCHIVE_MEMBERS:
+            raise _too_many_members()
+        name, extra, comment = _ZIP_ENTRY.unpack(fixed)[-3:]
+        file.seek(name + extra + comment, os.SEEK_CUR)
+        walked += _ZIP_ENTRY.size + name + extra + comment
+
+
+# A zip central directory entry's fixed part, up to the lengths of its name, extra field and comment.
+_ZIP_ENTRY = struct.Struct("<28xHHH12x")
+# What a damaged or hostile archive raises while read (gzip.BadGzipFile is an OSError).
+_UNREADABLE = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError, NotImplementedError, ValueError)
 
 
 def _no_content() -> BinaryIO:
@@ -327,17 +452,27 @@ def _no_content() -> BinaryIO:
 
 
 class _Bounded:
-    """A file read up to ``limit`` bytes in all: past it, InvalidRequest (an archive that unpacks to
-    more than the server takes, such as a zip bomb)."""
+    """An archive member's content, read up to ``left`` bytes (what remains of the archive's
+    ``limit``): past it, InvalidRequest (a gzip or zip bomb); a damaged member is InvalidRequest too."""
 
-    def __init__(self, file: BinaryIO, limit: int) -> None:
-        self.file, self.left = file, limit
+    def __init__(self, file: BinaryIO, left: int, limit: int, kind: str) -> None:
+        self.file, self.left, self.limit, self.kind = file, left, limit, kind
 
     def read(self, size: int = -1) -> bytes:
-        data = self.file.read(size)
+        if size < 0 or size > self.left + 1:
+            size = self.left + 1
+        try:
+            data = self.file.read(size)
+        except _UNREADABLE as e:
+            raise InvalidRequest(f"the body is not a readable {self.kind} archive: {e}") from None
         self.left -= len(data)
         if self.left < 0:
-            raise InvalidRequest(f"the archive unpacks to more than {MAX_ARCHIVE_UNPACKED_BYTES} bytes, the limit")
+            raise InvalidRequest(
+                f"the archive unpacks to more than {format_size(self.limit)}, its limit: an archive may unpack "
+                f"to {MAX_ARCHIVE_EXPANSION}x its size, at least {format_size(MAX_ARCHIVE_UNPACKED_FLOOR)} and "
+                f"at most {format_size(MAX_ARCHIVE_UNPACKED_BYTES)} — send it uncompressed (application/x-tar) "
+                "or push the folder with `gpuport push DIR`"
+            )
         return data
 
 

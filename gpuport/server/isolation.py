@@ -134,7 +134,18 @@ class Sandbox:
         # makes a tmpfs as root, and a folder of root's, even 1777, is not a home.
         own = f'chown {uid}:{uid} /tmp /dev/shm && exec "$@"'
         setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL"]
-        return [*argv, "--", "/bin/sh", "-c", own, "gpuport-sandbox", *setpriv, "--inh-caps=-all", "--bounding-set=-all", "--"]
+        return [
+            *argv,
+            "--",
+            "/bin/sh",
+            "-c",
+            own,
+            "gpuport-sandbox",
+            *setpriv,
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ]
 
 
 def detect(uids: tuple[int, int] = DEFAULT_JOB_UIDS, copies: Path | None = None) -> Sandbox:

@@ -17,7 +17,9 @@ def ordinary_work() -> dict[str, object]:
 
     done: dict[str, object] = {"uid": os.getuid(), "home": os.path.expanduser("~")}
     with multiprocessing.Pool(2) as pool:
-        done["pool"] = pool.map(math.factorial, range(5))  # a function any process imports: sent by value, this module is not
+        done["pool"] = pool.map(
+            math.factorial, range(5)
+        )  # a function any process imports: sent by value, this module is not
     lock = multiprocessing.Lock()
     with lock:
         done["lock"] = True

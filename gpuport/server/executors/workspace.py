@@ -184,7 +184,12 @@ class JobFolders:
         if self.sandbox.slirp4netns and not job.host_network:
             network = [self.sandbox.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback"]
         argv = self.sandbox.argv(
-            uid=uid, writable=writable, readable=readable, cwd=work, host_network=job.host_network, tmpfs_size=job.memory
+            uid=uid,
+            writable=writable,
+            readable=readable,
+            cwd=work,
+            host_network=job.host_network,
+            tmpfs_size=job.memory,
         )
         return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
 

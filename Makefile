@@ -73,6 +73,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_sessions.py
 	$(PY) bench/bench_serving.py
 	$(PY) bench/bench_isolation.py
+	$(PY) bench/bench_hostile.py
 	$(PY) bench/bench_ray.py
 	$(PY) bench/bench_ssh.py
 	$(PY) bench/bench_tf_remote.py

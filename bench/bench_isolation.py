@@ -51,6 +51,18 @@ def launch(client: gpuport.Client) -> float:
     return time.perf_counter() - start
 
 
+def launch_overhead(
+    inside: gpuport.Client, outside: gpuport.Client, rounds: int, figure: str = "job launch, submit to end"
+) -> Row:
+    """Launch `true` ``rounds`` times on each server (``inside`` a sandboxing one, ``outside`` one
+    with --no-sandbox), in turns; the median of each, as a row whose goal is at most 20 ms more."""
+    launch(inside), launch(outside)  # warm both
+    times = rotate(rounds, {"sandbox": lambda: launch(inside), "none": lambda: launch(outside)})
+    ours, anchor = median(times["sandbox"]), median(times["none"])
+    return Row(figure, ours, anchor, "--no-sandbox", "<= +20 ms", ours - anchor <= 0.020,
+               note=f"{(ours - anchor) * 1e3:+.1f} ms")  # fmt: skip
+
+
 def epochs(client: gpuport.Client) -> list[float]:
     job = client.submit(["python", "-c", EPOCH], workdir=None, cpus=1).wait(600)
     lines = list(job.logs())
@@ -67,11 +79,7 @@ def main() -> None:
     with isolated_workdir() as work:
         with gpuport_server(work, "sandboxed") as boxed, gpuport_server(work, "open", ["--no-sandbox"]) as open_:
             with connect(boxed) as inside, connect(open_) as outside:
-                launch(inside), launch(outside)  # warm both
-                times = rotate(rounds, {"sandbox": lambda: launch(inside), "none": lambda: launch(outside)})
-                ours, anchor = median(times["sandbox"]), median(times["none"])
-                ROWS.append(Row("job launch, submit to end", ours, anchor, "--no-sandbox", "<= +20 ms",
-                                ours - anchor <= 0.020, note=f"+{(ours - anchor) * 1e3:.1f} ms"))  # fmt: skip
+                ROWS.append(launch_overhead(inside, outside, rounds))
                 if importlib.util.find_spec("tensorflow") is None:
                     say("TensorFlow is not installed: the Keras epoch is skipped (pip install 'gpuport[tf]')")
                 else:

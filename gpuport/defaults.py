@@ -72,9 +72,8 @@ MAX_ARCHIVE_EXPANSION = 100
 MAX_ARCHIVE_UNPACKED_FLOOR = 256 * 1024**2
 # Most entries of any kind (files, folders, links) in one archive: folders are entries to read too.
 MAX_ARCHIVE_MEMBERS = MAX_SNAPSHOT_FILES + MAX_SNAPSHOT_FILES // 4
-# Archives unpacked at once, on threads of their own: more wait their turn, and never hold the
-# threads that start jobs, read logs and run the watchdog.
-DEFAULT_ARCHIVE_THREADS = 2
+# Archives unpacked at once, each in a process of its own at a lower priority: more wait their turn.
+DEFAULT_ARCHIVE_PROCESSES = 2
 # Jobs (sessions' workers and model replicas count) one user runs at once unless an admin sets
 # otherwise: the quota of '*' a new state dir starts with (`gpuport quota set '*' --jobs N`).
 DEFAULT_JOBS_PER_USER = 16

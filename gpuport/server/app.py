@@ -6,7 +6,6 @@ Both doors (``api/grpc_api.py`` and ``api/http_api.py``) call into this object a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import platform
 import socket
@@ -18,7 +17,7 @@ from typing import TypeVar
 import psutil
 
 from gpuport._version import __version__
-from gpuport.defaults import DEFAULT_ARCHIVE_THREADS
+from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.history import GpuHistory
@@ -107,11 +106,9 @@ class ServerApp:
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs)
         self.transfers = Transfers()  # bytes in and out, counted where they move
-        # Archives posted over REST unpack here, a few at a time: a queue of hostile ones waits its
-        # turn instead of taking the default executor's threads, which start jobs and read logs.
-        self.archive_threads = concurrent.futures.ThreadPoolExecutor(
-            DEFAULT_ARCHIVE_THREADS, thread_name_prefix="gpuport archive"
-        )
+        # Archives posted over REST unpack in processes of their own (server/unpacker.py), a few at
+        # a time: a queue of hostile ones waits its turn, and takes none of the server's threads.
+        self.unpackers = asyncio.Semaphore(DEFAULT_ARCHIVE_PROCESSES)
         self.gpu_history = GpuHistory(lambda: self.gpus(_HISTORY).gpus)  # the dashboard's charts
         self.metrics = Metrics(self)
         self._watching: asyncio.Task[None] | None = None
@@ -233,7 +230,6 @@ class ServerApp:
         self.gpu_history.stop()
         self.sessions.stop()
         self.serving.stop()
-        self.archive_threads.shutdown(wait=False, cancel_futures=True)
         self.executor.close()
         self.inventory.close()
         self.store.close()

@@ -7,10 +7,8 @@ load their script from a CDN without integrity checks into the dashboard's origi
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import dataclasses
-import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -47,6 +45,8 @@ from gpuport.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
+from gpuport.server.services.snapshots import check_snapshot_name
+from gpuport.server.unpacker import unpack
 
 log = logging.getLogger(__name__)
 
@@ -495,8 +495,11 @@ def build_http_app(app: ServerApp) -> Predictions:
         app.transfers.add("rest", "in", archive.stat().st_size)
         try:
             kind = rest_files.sniffed(kind, archive)
-            unpack = functools.partial(app.snapshots.ingest_archive, identity, archive, kind, name)
-            record = await asyncio.get_running_loop().run_in_executor(app.archive_threads, unpack)
+            if name:
+                check_snapshot_name(name)  # before the work, not after it
+            async with app.unpackers:
+                entries = await unpack(app.blobs.root, archive, kind)
+            record = app.snapshots.record_archive(identity, entries, name)
         finally:
             archive.unlink(missing_ok=True)
         return {"snapshot_id": record.id, **dataclasses.asdict(record)}

@@ -37,7 +37,9 @@ def check_hash(blob: str) -> str:
 
 
 class BlobStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, tidy: bool = True) -> None:
+        """``tidy``: remove uploads a restart cut off (the server's own store; not a helper process's
+        view of it, whose start is no restart)."""
         self.root = root
         self._folders: set[str] = set()  # blobs/ab/ folders known to exist
         # Sizes of blobs known to be present: blobs are never changed, so a re-sync of a large
@@ -46,7 +48,8 @@ class BlobStore:
         root.mkdir(parents=True, exist_ok=True)
         # Uploads cut off by a restart (their senders upload again): removed in the background,
         # as a large store takes a while to list.
-        threading.Thread(target=self._remove_stale_parts, name="blob store cleanup", daemon=True).start()
+        if tidy:
+            threading.Thread(target=self._remove_stale_parts, name="blob store cleanup", daemon=True).start()
 
     def _remove_stale_parts(self) -> None:
         started = time.time()

@@ -200,34 +200,11 @@ class SnapshotService:
         self._insert(owner, sid, entries)
         return self._record(sid, owner, "")
 
-    def ingest_archive(self, caller: Identity, archive: Path, kind: str, name: str = "") -> SnapshotRecord:
-        """Make a snapshot from a tar (``kind`` "tar", compressed or not) or zip (``kind`` "zip")
-        archive on the server's disk, by the rules of a sync: relative, normalized paths, links that
-        stay inside, only files, folders and symlinks, at most ``MAX_ARCHIVE_MEMBERS`` entries of any
-        kind, ``MAX_SNAPSHOT_FILES`` files and ``unpack_limit`` bytes unpacked. The archive is read
-        as a stream, one member at a time. Raises ``InvalidRequest`` at the first member that breaks
-        one; no snapshot is recorded then (blobs already placed stay, as unreferenced blobs do).
-        Blocks: run it on ``ServerApp.archive_threads``, not on threads that other work shares."""
+    def record_archive(self, caller: Identity, entries: list[Entry], name: str = "") -> SnapshotRecord:
+        """The snapshot of an archive's ``entries`` (from ``unpack_archive``), the caller's, named
+        ``name`` when given: its blobs are in the store, and the caller now holds them."""
         if name:
             check_snapshot_name(name)
-        limit = unpack_limit(archive.stat().st_size)
-        entries: list[Entry] = []
-        unpacked = 0
-        with contextlib.closing(_tar_members(archive) if kind == "tar" else _zip_members(archive)) as members:
-            for path, mode, link, opened in members:
-                if len(entries) >= MAX_SNAPSHOT_FILES:
-                    raise InvalidRequest(
-                        f"the archive has more than {MAX_SNAPSHOT_FILES} files, the limit — "
-                        "split the project, or keep its many small files in fewer, larger ones"
-                    )
-                path = check_path(path.removeprefix("./"), what="path in the archive")
-                if link:
-                    entries.append(Entry(path, "", 0, 0o777, link))
-                    continue
-                with opened() as file:
-                    blob, size = self.blobs.ingest(_Bounded(file, limit - unpacked, limit, kind))
-                unpacked += size
-                entries.append(Entry(path, blob, size, 0o755 if mode & 0o111 else 0o644))
         entries = check_manifest(entries)
         sid = snapshot_id(entries)
         self._insert(caller.name, sid, entries)
@@ -474,6 +451,35 @@ class _Bounded:
                 "or push the folder with `gpuport push DIR`"
             )
         return data
+
+
+def unpack_archive(blobs: BlobStore, archive: Path, kind: str) -> list[Entry]:
+    """The entries of a tar (``kind`` "tar", compressed or not) or zip (``kind`` "zip") archive on
+    the server's disk, its files placed in ``blobs``, by the rules of a sync: relative, normalized
+    paths, links that stay inside, only files, folders and symlinks, at most ``MAX_ARCHIVE_MEMBERS``
+    entries of any kind, ``MAX_SNAPSHOT_FILES`` files and ``unpack_limit`` bytes unpacked. The
+    archive is read as a stream, one member at a time. Raises ``InvalidRequest`` at the first member
+    that breaks one (blobs already placed stay, as unreferenced blobs do). The server runs it in a
+    process of its own (``server/unpacker.py``)."""
+    limit = unpack_limit(archive.stat().st_size)
+    entries: list[Entry] = []
+    unpacked = 0
+    with contextlib.closing(_tar_members(archive) if kind == "tar" else _zip_members(archive)) as members:
+        for path, mode, link, opened in members:
+            if len(entries) >= MAX_SNAPSHOT_FILES:
+                raise InvalidRequest(
+                    f"the archive has more than {MAX_SNAPSHOT_FILES} files, the limit — "
+                    "split the project, or keep its many small files in fewer, larger ones"
+                )
+            path = check_path(path.removeprefix("./"), what="path in the archive")
+            if link:
+                entries.append(Entry(path, "", 0, 0o777, link))
+                continue
+            with opened() as file:
+                blob, size = blobs.ingest(_Bounded(file, limit - unpacked, limit, kind))
+            unpacked += size
+            entries.append(Entry(path, blob, size, 0o755 if mode & 0o111 else 0o644))
+    return check_manifest(entries)
 
 
 def write_entries(entries: Iterable[Entry], blobs: BlobStore, dest: Path, *, read_only: bool = False) -> None:

@@ -69,6 +69,9 @@ MAX_ARCHIVE_UNPACKED_BYTES = 32 * 1024**3
 # Jobs (sessions' workers and model replicas count) one user runs at once unless an admin sets
 # otherwise: the quota of '*' a new state dir starts with (`gpuport quota set '*' --jobs N`).
 DEFAULT_JOBS_PER_USER = 16
+# Processes and threads each job may run at once, where the kernel counts them (cgroups' pids
+# controller): the quota of '*' a new state dir starts with (`gpuport quota set '*' --processes N`).
+DEFAULT_PROCESSES_PER_JOB = 4096
 # Work that reserves no memory waits while the machine has less than this free: the smaller of
 # the two (`gpuport server --memory-floor`).
 DEFAULT_MEMORY_FLOOR_FRACTION = 0.05

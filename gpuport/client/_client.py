@@ -232,13 +232,17 @@ class Client:
 
     # ---- quotas -------------------------------------------------------------------------------------
 
-    def set_quota(self, user: str, *, gpus: float | None = None, jobs: int | None = None) -> QuotaInfo:
+    def set_quota(
+        self, user: str, *, gpus: float | None = None, jobs: int | None = None, processes: int | None = None
+    ) -> QuotaInfo:
         """Limit what ``user`` (``"*"``: everyone without a quota of their own) holds at once: GPUs
-        (slices count as their part) and running jobs; None leaves that limit off. Admin only.
+        (slices count as their part) and running jobs; None leaves that limit off. ``processes``:
+        the processes and threads each of their jobs may run at once (None: the server's default,
+        4096), enforced by the kernel where the server has cgroups. Admin only.
 
         Jobs over the quota wait, saying so. Raises ``PermissionDenied``, ``InvalidRequest``.
         """
-        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs)
+        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, processes=processes)
         return QuotaInfo._from_message(self.transport.call(self.transport.quotas.Set, request))
 
     def quotas(self) -> list[QuotaInfo]:

@@ -111,16 +111,24 @@ class NewToken:
 @dataclass(frozen=True)
 class QuotaInfo:
     """A user's quota: the most GPUs (slices count as their part) and jobs held at once; None: no
-    limit. The user ``*`` stands for everyone without a quota of their own."""
+    limit. The user ``*`` stands for everyone without a quota of their own. ``processes``: the
+    processes and threads each of their jobs may run at once (None: a server that does not say)."""
 
     user: str
     gpus: float | None
     jobs: int | None
     updated_at: float
+    processes: int | None = None
 
     @classmethod
     def _from_message(cls, m: pb.QuotaInfo) -> QuotaInfo:
-        return cls(m.user, m.gpus if m.HasField("gpus") else None, m.jobs if m.HasField("jobs") else None, m.updated_at)
+        return cls(
+            m.user,
+            m.gpus if m.HasField("gpus") else None,
+            m.jobs if m.HasField("jobs") else None,
+            m.updated_at,
+            m.processes if m.HasField("processes") else None,
+        )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gpuport.defaults import DEFAULT_JOBS_PER_USER
+from gpuport.defaults import DEFAULT_JOBS_PER_USER, DEFAULT_PROCESSES_PER_JOB
 from gpuport.protocol.errors import ServerError
 
 # Append only: a state dir records how many of these it has applied.
@@ -177,6 +177,10 @@ MIGRATIONS: list[str] = [
     # 14: what a token may do: '' everything its user may; 'metrics' read GET /metrics and nothing else
     """
     ALTER TABLE tokens ADD COLUMN scope TEXT NOT NULL DEFAULT '';
+    """,
+    # 15: the processes and threads each job of the user may run at once (server/cgroups.py)
+    f"""
+    ALTER TABLE quotas ADD COLUMN processes INTEGER NOT NULL DEFAULT {DEFAULT_PROCESSES_PER_JOB};
     """,
 ]
 

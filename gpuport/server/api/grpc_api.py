@@ -397,7 +397,9 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
 
 
 def quota_message(record: QuotaRecord) -> pb.QuotaInfo:
-    return pb.QuotaInfo(user=record.user, gpus=record.gpus, jobs=record.jobs, updated_at=record.updated_at)
+    return pb.QuotaInfo(
+        user=record.user, gpus=record.gpus, jobs=record.jobs, updated_at=record.updated_at, processes=record.processes
+    )
 
 
 class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
@@ -405,7 +407,8 @@ class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
     async def Set(self, request: pb.QuotaInfo, caller: Identity) -> pb.QuotaInfo:
         gpus = request.gpus if request.HasField("gpus") else None
         jobs = request.jobs if request.HasField("jobs") else None
-        return quota_message(self.app.quotas.set(caller, request.user, gpus, jobs))
+        processes = request.processes if request.HasField("processes") else None
+        return quota_message(self.app.quotas.set(caller, request.user, gpus, jobs, processes))
 
     @rpc
     async def List(self, request: pb.Empty, caller: Identity) -> pb.QuotaList:

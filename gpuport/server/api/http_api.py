@@ -92,6 +92,7 @@ class JobCreate(BaseModel):
 class QuotaSet(BaseModel):
     gpus: float | None = Field(None, description="GPUs held at once (slices count as their part); null: no limit")
     jobs: int | None = Field(None, description="Jobs running at once; null: no limit")
+    processes: int | None = Field(None, description="Processes and threads of each job at once; null: the default")
 
 
 def _flag_value(value: Any) -> str:
@@ -460,7 +461,7 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.put("/v1/quotas/{user}", summary="Set a user's quota (admin); user '*' is everyone without their own")
     async def set_quota(user: str, body: QuotaSet, identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs))
+        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs, body.processes))
 
     @api.delete("/v1/quotas/{user}", status_code=204, summary="Remove a user's quota (admin)")
     async def unset_quota(user: str, identity: Caller) -> Response:

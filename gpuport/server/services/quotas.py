@@ -1,7 +1,10 @@
-"""Quotas: the most GPUs and jobs a user may hold at once, set by an admin.
+"""Quotas: the most GPUs and jobs a user may hold at once, and the processes each job may run, set
+by an admin.
 
 A quota for the user ``*`` applies to every user without one of their own. The scheduler reads them
-on every pass (``all``); a job over its owner's quota waits, saying so.
+on every pass (``all``); a job over its owner's quota waits, saying so. The cap of processes (and
+threads) is never off: a quota set without one gets ``DEFAULT_PROCESSES_PER_JOB``, and the kernel
+enforces it where the server has cgroups (``server/cgroups.py``); it applies to jobs started after.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuport.defaults import MAX_NAME_LENGTH
+from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB, MAX_NAME_LENGTH
 from gpuport.protocol.errors import InvalidRequest, NotFound, PermissionDenied
 from gpuport.server.scheduler import Quota
 from gpuport.server.services.auth import Identity
@@ -19,6 +22,9 @@ from gpuport.server.store import Store
 
 # The quota that applies to every user without one of their own.
 DEFAULT_USER = "*"
+# The fewest processes a job may be capped at: its sandbox's own (bubblewrap, setpriv, the shell)
+# and a Python with a few threads.
+MIN_PROCESSES = 16
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class QuotaRecord:
     gpus: float | None  # None: no limit
     jobs: int | None
     updated_at: float
+    processes: int = DEFAULT_PROCESSES_PER_JOB  # each job's processes and threads at once
 
 
 def _admin_only(caller: Identity) -> None:
@@ -40,8 +47,10 @@ class QuotaService:
         self._cache: dict[str, Quota] | None = None  # read on every scheduling pass: kept until changed
         self.on_change: Callable[[], None] = lambda: None  # the job service looks at its queue again
 
-    def set(self, caller: Identity, user: str, gpus: float | None, jobs: int | None) -> QuotaRecord:
-        """Set ``user``'s quota (admin only); None leaves that limit off."""
+    def set(
+        self, caller: Identity, user: str, gpus: float | None, jobs: int | None, processes: int | None = None
+    ) -> QuotaRecord:
+        """Set ``user``'s quota (admin only); None leaves that limit off (``processes``: the default)."""
         _admin_only(caller)
         if not user or len(user) > MAX_NAME_LENGTH or not user.isprintable():
             raise InvalidRequest(f"user {user[:80]!r}: give a token name, or '*' for every user")
@@ -49,19 +58,24 @@ class QuotaService:
             raise InvalidRequest(f"a GPU quota must be 0 or more, not {gpus}")
         if jobs is not None and jobs < 0:
             raise InvalidRequest(f"a job quota must be 0 or more, not {jobs}")
-        if gpus is None and jobs is None:
-            raise InvalidRequest("give --gpus, --jobs or both; `gpuport quota unset USER` removes a quota")
+        if processes is not None and not MIN_PROCESSES <= processes < 2**31:
+            raise InvalidRequest(f"a cap of processes per job must be {MIN_PROCESSES} or more, not {processes}")
+        if gpus is None and jobs is None and processes is None:
+            raise InvalidRequest(
+                "give --gpus, --jobs, --processes or several; `gpuport quota unset USER` removes a quota"
+            )
+        processes = DEFAULT_PROCESSES_PER_JOB if processes is None else processes
         now = time.time()
         with self.store.transaction() as db:
             db.execute(
-                "INSERT INTO quotas (user, gpus, jobs, updated_at) VALUES (?, ?, ?, ?) "
+                "INSERT INTO quotas (user, gpus, jobs, processes, updated_at) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT(user) DO UPDATE SET gpus = excluded.gpus, jobs = excluded.jobs, "
-                "updated_at = excluded.updated_at",
-                (user, gpus, jobs, now),
+                "processes = excluded.processes, updated_at = excluded.updated_at",
+                (user, gpus, jobs, processes, now),
             )
         self._cache = None
         self.on_change()
-        return QuotaRecord(user, gpus, jobs, now)
+        return QuotaRecord(user, gpus, jobs, now, processes)
 
     def unset(self, caller: Identity, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
@@ -76,7 +90,7 @@ class QuotaService:
         """Every quota (admin only); a user sees their own and the default."""
         rows = self.store.query("SELECT * FROM quotas ORDER BY user")
         return [
-            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"])
+            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["processes"])
             for r in rows
             if caller.admin or r["user"] in (caller.name, DEFAULT_USER)
         ]
@@ -84,10 +98,15 @@ class QuotaService:
     def all(self) -> dict[str, Quota]:
         """user → quota, for the scheduler."""
         if self._cache is None:
-            rows = self.store.query("SELECT user, gpus, jobs FROM quotas")
-            self._cache = {r["user"]: Quota(r["gpus"], r["jobs"]) for r in rows}
+            rows = self.store.query("SELECT user, gpus, jobs, processes FROM quotas")
+            self._cache = {r["user"]: Quota(r["gpus"], r["jobs"], r["processes"]) for r in rows}
         return self._cache
 
     def of(self, user: str) -> Quota | None:
         quotas = self.all()
         return quotas.get(user, quotas.get(DEFAULT_USER))
+
+    def processes(self, user: str) -> int:
+        """The cap of processes and threads of each of ``user``'s jobs."""
+        quota = self.of(user)
+        return quota.processes if quota is not None else DEFAULT_PROCESSES_PER_JOB

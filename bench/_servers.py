@@ -32,6 +32,7 @@ class Gpuport:
     fingerprint: str
     state_dir: Path
     http_url: str = ""
+    banner: str = ""  # what it printed before "ready"
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -70,7 +71,9 @@ def start_gpuport(workdir: Path, launcher: Sequence[str] = (), options: Sequence
         process.wait(timeout=10)
         raise SystemExit(f"gpuport server did not start: {e}") from None
     assert banner.fingerprint and banner.admin_token
-    return Gpuport(process, banner.grpc_url, banner.admin_token, banner.fingerprint, state, banner.http_url)
+    return Gpuport(
+        process, banner.grpc_url, banner.admin_token, banner.fingerprint, state, banner.http_url, "".join(lines)
+    )
 
 
 def _serve_raw(cert: Path, key: Path) -> None:

@@ -236,7 +236,7 @@ def main() -> None:
     import httpx
     import psutil
     from _report import MB, ROWS, Row, banner, connect, gpuport_server, isolated_workdir, median, print_table, say
-    from bench_isolation import launch_overhead
+    from bench_isolation import _limits, launch_overhead
 
     import gpuport
 
@@ -261,8 +261,12 @@ def main() -> None:
         process = psutil.Process(server.process.pid)
         with gpuport.connect(server.url, victim_token, fingerprint=server.fingerprint) as client:
             # The sandbox's launch overhead first, on a quiet machine: against a --no-sandbox server.
-            with gpuport_server(work, "open", ["--no-sandbox"]) as open_, connect(open_) as outside:
-                figure = "sandbox launch overhead" + ("" if "cgroup" in isolation[1] else " (no cgroup yet)")
+            with gpuport_server(work, "open", ["--no-sandbox", "--no-cgroups"]) as open_, connect(open_) as outside:
+                limits = _limits(server)
+                say(f"limits: {limits}")
+                figure = "sandbox launch overhead" + (
+                    " with its cgroup" if "cgroup v" in limits else " (no cgroup here)"
+                )
                 ROWS.append(launch_overhead(client, outside, 10 if args.quick else 30, figure))
             victim = Victim(client, calls)
             victim.cycle(Turn("warm"))

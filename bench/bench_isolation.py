@@ -2,10 +2,13 @@
 
     make bench                      # or: .venv/bin/python bench/bench_isolation.py [--quick]
 
-Two servers on 127.0.0.1 with the same fake GPUs: one isolating its jobs (bubblewrap, a uid per
-user when run as root, a private network), one started with --no-sandbox, the anchor.
-(a) launch: submit `true` and wait for its end, as the client sees it, median of N alternating
-    between the servers. Goal: at most 20 ms more than without the sandbox.
+Servers on 127.0.0.1 with the same fake GPUs: one isolating its jobs (bubblewrap, a uid per
+user when run as root, a private network, and a cgroup per job where the machine lets it: see the
+banner's "limits" line), one the same with --no-cgroups, and one started with --no-sandbox
+--no-cgroups, the anchor.
+(a) launch: submit `true` and wait for its end, as the client sees it, median of N rotating
+    between the servers. Goal: the sandbox with its cgroup at most 20 ms more than neither; the
+    row without the cgroup shows what the cgroup itself adds.
 (b) a Keras epoch: one job per server trains a small dense model on synthetic data (TensorFlow on
     the CPU), 1 warm-up epoch then 5, each timed inside the job; the median epoch. Goal: <= 1.02x.
     Skipped where TensorFlow is not installed.
@@ -16,12 +19,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _report import ROWS, Row, banner, connect, gpuport_server, isolated_workdir, median, print_table, rotate, say
+from _servers import Gpuport
 
 import gpuport
 
@@ -70,6 +75,12 @@ def epochs(client: gpuport.Client) -> list[float]:
     return list(json.loads(lines[-1]))
 
 
+def _limits(server: Gpuport) -> str:
+    """The banner's "limits" line: whether the sandboxed server's jobs get a cgroup here."""
+    found = re.search(r"^  limits\s+(.*)$", server.banner, re.MULTILINE)
+    return found.group(1) if found else "(not in the banner)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (about a minute)")
@@ -77,9 +88,23 @@ def main() -> None:
     banner("bubblewrap sandbox vs --no-sandbox", args.quick)
     rounds = 10 if args.quick else 30
     with isolated_workdir() as work:
-        with gpuport_server(work, "sandboxed") as boxed, gpuport_server(work, "open", ["--no-sandbox"]) as open_:
-            with connect(boxed) as inside, connect(open_) as outside:
-                ROWS.append(launch_overhead(inside, outside, rounds))
+        with (
+            gpuport_server(work, "sandboxed") as boxed,
+            gpuport_server(work, "no-cgroups", ["--no-cgroups"]) as plain,
+            gpuport_server(work, "open", ["--no-sandbox", "--no-cgroups"]) as open_,
+        ):
+            say(f"limits: {_limits(boxed)}")
+            with connect(boxed) as inside, connect(plain) as uncapped, connect(open_) as outside:
+                launch(inside), launch(uncapped), launch(outside)  # warm all
+                times = rotate(rounds, {"sandbox": lambda: launch(inside), "no cgroup": lambda: launch(uncapped),
+                                        "none": lambda: launch(outside)})  # fmt: skip
+                ours, bare, anchor = median(times["sandbox"]), median(times["no cgroup"]), median(times["none"])
+                anchor_name = "--no-sandbox --no-cgroups"
+                note = f"{(ours - anchor) * 1e3:+.1f} ms; the cgroup {(ours - bare) * 1e3:+.1f} ms"
+                ROWS.append(Row("job launch, submit to end", ours, anchor, anchor_name, "<= +20 ms",
+                                ours - anchor <= 0.020, note=note))  # fmt: skip
+                ROWS.append(Row("job launch, sandbox without cgroup", bare, anchor, anchor_name, "-", None,
+                                note=f"{(bare - anchor) * 1e3:+.1f} ms"))  # fmt: skip
                 if importlib.util.find_spec("tensorflow") is None:
                     say("TensorFlow is not installed: the Keras epoch is skipped (pip install 'gpuport[tf]')")
                 else:

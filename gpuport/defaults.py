@@ -80,8 +80,12 @@ DEFAULT_JOBS_PER_USER = 16
 # Jobs one user may have queued (waiting) at once, unless an admin sets otherwise for them or '*'
 # (`gpuport quota set USER --queued N`): a submit past it is refused, and nothing is stored.
 DEFAULT_QUEUED_PER_USER = 1_000
+# Processes and threads each job may run at once, where the kernel counts them (cgroups' pids
+# controller): the quota of '*' a new state dir starts with (`gpuport quota set '*' --processes N`).
+DEFAULT_PROCESSES_PER_JOB = 4096
 # Work that reserves no memory waits while the machine has less than this free: the smaller of
-# the two (`gpuport server --memory-floor`).
+# the two (`gpuport server --memory-floor`). With cgroups, the machine's memory less the floor is
+# also what a job without --memory may use, and what all jobs together may use.
 DEFAULT_MEMORY_FLOOR_FRACTION = 0.05
 DEFAULT_MEMORY_FLOOR_MAX = 2 * 1024**3
 # Bytes of log per message of a log stream.

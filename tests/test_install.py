@@ -340,6 +340,7 @@ def test_the_systemd_unit_runs_the_server_as_a_service(tmp_path: Path) -> None:
     service = unit["Service"]
     assert service["User"] == "root" and service["StateDirectory"] == "gpuport"  # root: a uid per user's jobs
     assert service["KillMode"] == "process" and service["Restart"] == "on-failure"
+    assert service["Delegate"] == "yes"  # cgroup v2: a group per job, below the unit's (server/cgroups.py)
     assert shlex.split(service["ExecStart"]) == [
         os.path.abspath(sys.executable), "-m", "gpuport", "server", "--host", "0.0.0.0", "--port", "7600",
         "--http-port", "7601", "--state-dir", "/var/lib/gpuport/state",

@@ -98,6 +98,11 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="Run jobs as the server's own user, unisolated (a box of one user): every token is then an admin token.",
 )
 @click.option(
+    "--no-cgroups",
+    is_flag=True,
+    help="Keep jobs out of cgroups: their memory limits are then polled (2 Hz), and their processes not capped.",
+)
+@click.option(
     "--memory-floor",
     metavar="SIZE",
     help="Work that reserves no memory waits while the machine has less free, e.g. 4GiB; 0: no floor "
@@ -132,6 +137,7 @@ def server(
     log_level: str,
     job_uids: str,
     no_sandbox: bool,
+    no_cgroups: bool,
     memory_floor: str | None,
     ray_address: str | None,
     ray_insecure: bool,
@@ -152,6 +158,7 @@ def server(
         options += ["--log-level", log_level] if log_level != "info" else []
         options += ["--job-uids", job_uids] if job_uids != "61000-61999" else []
         options += ["--no-sandbox"] if no_sandbox else []
+        options += ["--no-cgroups"] if no_cgroups else []
         options += ["--memory-floor", memory_floor] if memory_floor is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
@@ -186,6 +193,7 @@ def server(
             new_admin_token=new_admin_token,
             job_uids=parse_uid_range(job_uids),
             sandbox=not no_sandbox,
+            use_cgroups=not no_cgroups,
             memory_floor=floor,
             ray_address=ray_address,
             ray_insecure=ray_insecure,

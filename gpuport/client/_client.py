@@ -233,16 +233,24 @@ class Client:
     # ---- quotas -------------------------------------------------------------------------------------
 
     def set_quota(
-        self, user: str, *, gpus: float | None = None, jobs: int | None = None, queued: int | None = None
+        self,
+        user: str,
+        *,
+        gpus: float | None = None,
+        jobs: int | None = None,
+        queued: int | None = None,
+        processes: int | None = None,
     ) -> QuotaInfo:
         """Limit what ``user`` (``"*"``: everyone without a quota of their own) holds at once: GPUs
         (slices count as their part) and running jobs; None leaves that limit off. ``queued``: the
-        most jobs queued at once (None: the default's, 1,000 unless ``"*"`` says). Admin only.
+        most jobs queued at once (None: the default's, 1,000 unless ``"*"`` says). ``processes``:
+        the processes and threads each of their jobs may run at once (None: the server's default,
+        4096), enforced by the kernel where the server has cgroups. Admin only.
 
         Jobs over the quota wait, saying so; a submit past the queued cap is refused
         (``ResourceUnavailable``). Raises ``PermissionDenied``, ``InvalidRequest``.
         """
-        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, queued=queued)
+        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, queued=queued, processes=processes)
         return QuotaInfo._from_message(self.transport.call(self.transport.quotas.Set, request))
 
     def quotas(self) -> list[QuotaInfo]:

@@ -111,14 +111,16 @@ class NewToken:
 @dataclass(frozen=True)
 class QuotaInfo:
     """A user's quota: the most GPUs (slices count as their part) and jobs held at once; None: no
-    limit. ``queued``: the most jobs queued at once; None: the default's. The user ``*`` stands for
-    everyone without a quota of their own."""
+    limit. ``queued``: the most jobs queued at once; None: the default's. ``processes``: the
+    processes and threads each of their jobs may run at once (None: a server that does not say).
+    The user ``*`` stands for everyone without a quota of their own."""
 
     user: str
     gpus: float | None
     jobs: int | None
     updated_at: float
     queued: int | None = None
+    processes: int | None = None
 
     @classmethod
     def _from_message(cls, m: pb.QuotaInfo) -> QuotaInfo:
@@ -128,6 +130,7 @@ class QuotaInfo:
             m.jobs if m.HasField("jobs") else None,
             m.updated_at,
             m.queued if m.HasField("queued") else None,
+            m.processes if m.HasField("processes") else None,
         )
 
 

@@ -450,18 +450,20 @@ class WaitRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class QuotaInfo(_message.Message):
-    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued")
+    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes")
     USER_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
     user: str
     gpus: float
     jobs: int
     updated_at: float
     queued: int
-    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ...) -> None: ...
+    processes: int
+    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ..., processes: _Optional[int] = ...) -> None: ...
 
 class QuotaList(_message.Message):
     __slots__ = ("quotas",)

@@ -19,6 +19,8 @@ import psutil
 from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
+from gpuport.server import cgroups as cgroups_
+from gpuport.server.cgroups import Cgroups
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.history import GpuHistory
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
@@ -80,6 +82,7 @@ class ServerApp:
         sandbox: Sandbox,
         executor: Executor | None = None,
         memory_floor: int = 0,
+        cgroups: Cgroups = cgroups_.NONE,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -92,7 +95,7 @@ class ServerApp:
         if isinstance(inventory, FakeInventory):
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
-        self.executor = executor or LocalExecutor(state.jobs_dir, self.blobs, sandbox, inventory)
+        self.executor = executor or LocalExecutor(state.jobs_dir, self.blobs, sandbox, inventory, cgroups)
         self.jobs = JobService(
             self.store,
             self.snapshots,

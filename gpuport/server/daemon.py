@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -28,7 +29,7 @@ from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
-from gpuport.server import isolation
+from gpuport.server import cgroups, isolation
 from gpuport.server.api.callers import with_client_certificate
 from gpuport.server.api.data_port import DataPort
 from gpuport.server.api.grpc_api import build_grpc_server
@@ -123,6 +124,7 @@ def _banner(
     new_token: str | None,
     memory_floor: int = 0,
     executor: Executor | None = None,
+    limits: cgroups.Cgroups = cgroups.NONE,
 ) -> str:
     """What every start prints: where to reach the server, what to pin, what it has; then ``ready``."""
     gpus = inventory.gpus()
@@ -141,6 +143,9 @@ def _banner(
         if gpus
         else f"  GPUs         none: {inventory.note}",
         f"  isolation    {sandbox.describe()}",
+        "  limits       each node's own cgroups, as its agent finds them"
+        if on_cluster
+        else f"  limits       {limits.describe()}",
         *(_cluster_lines(executor) if executor is not None and on_cluster else []),
         f"  memory floor {format_size(memory_floor)} free (below it, work that reserves no memory waits)"
         if memory_floor
@@ -178,6 +183,7 @@ async def serve(
     new_admin_token: bool = False,
     job_uids: tuple[int, int] = isolation.DEFAULT_JOB_UIDS,
     sandbox: bool = True,
+    use_cgroups: bool = True,
     memory_floor: int | None = None,
     ray_address: str | None = None,
     ray_insecure: bool = False,
@@ -189,9 +195,10 @@ async def serve(
     on any start (for when every admin token is lost). ``data_port`` (None: the gRPC port + 2, or any
     free port when that is 0) carries sessions' large values (see api/data_port.py); ``cert_port``
     (None: the gRPC port + 3, or any free port) is gRPC for clients with a client certificate. ``job_uids``
-    and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py). Below
+    and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py); ``use_cgroups``
+    (False: none) whether each job runs in a cgroup of its own (see server/cgroups.py). Below
     ``memory_floor`` bytes of free memory (None: the default; 0: no floor), work that reserves no
-    memory waits. ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
+    memory waits; a job that asks for no memory may use the machine's memory less the floor. ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -220,7 +227,12 @@ async def serve(
         from gpuport.server.services.blobs import BlobStore
 
         executor = RayExecutor(ray_address, state.jobs_dir, BlobStore(state.blobs_dir), insecure=ray_insecure)
-    app = ServerApp(state, inventory, isolated, executor, memory_floor=resolve_memory_floor(memory_floor))
+    floor = resolve_memory_floor(memory_floor)
+    limits = cgroups.NONE
+    if use_cgroups and not ray_address:
+        room = max(0, psutil.virtual_memory().total - floor)
+        limits = cgroups.detect(cgroups.server_key(state.jobs_dir), room)
+    app = ServerApp(state, inventory, isolated, executor, memory_floor=floor, cgroups=limits)
     data: DataPort | None = None
     try:
         credentials = cert_credentials = None
@@ -304,6 +316,7 @@ async def serve(
             new_token,
             app.jobs.memory_floor,
             app.executor,
+            limits,
         )
         # Everything imported and built so far lives as long as the server: move it out of the
         # cyclic GC's sight, so that collections triggered by per-call garbage stay cheap.
@@ -321,3 +334,4 @@ async def serve(
         if data is not None:
             data.close()
         app.close()
+        limits.release()

@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
 from gpuport.protocol.units import format_size
 
 # A job that asks for nothing still counts a little in its owner's fair share, so that the owner
@@ -175,10 +176,12 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Quota:
-    """Most a user may hold at once; None: no limit."""
+    """Most a user may hold at once; None: no limit. ``processes``: each of their jobs' cap of
+    processes and threads (the kernel enforces it, where the server has cgroups; never None)."""
 
     gpus: float | None = None
     jobs: int | None = None
+    processes: int = DEFAULT_PROCESSES_PER_JOB
 
 
 @dataclass(frozen=True)

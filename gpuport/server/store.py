@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gpuport.defaults import DEFAULT_JOBS_PER_USER
+from gpuport.defaults import DEFAULT_JOBS_PER_USER, DEFAULT_PROCESSES_PER_JOB
 from gpuport.protocol.errors import ServerError
 
 # Append only: a state dir records how many of these it has applied.
@@ -181,6 +181,10 @@ MIGRATIONS: list[str] = [
     # 15: jobs a user may have queued at once; NULL: the '*' quota's, else DEFAULT_QUEUED_PER_USER
     """
     ALTER TABLE quotas ADD COLUMN queued INTEGER;
+    """,
+    # 16: the processes and threads each job of the user may run at once (server/cgroups.py)
+    f"""
+    ALTER TABLE quotas ADD COLUMN processes INTEGER NOT NULL DEFAULT {DEFAULT_PROCESSES_PER_JOB};
     """,
 ]
 

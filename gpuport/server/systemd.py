@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +37,11 @@ ExecStart={exec_start}
 # Jobs and sessions run detached (their own process session, a supervisor writing their log and exit
 # status), so that a restart of the daemon does not end them: stop only the daemon itself.
 KillMode=process
-TimeoutStopSec=30
+# The unit's cgroup is the server's to manage: on cgroup v2, each job gets a group of its own below
+# it, held to its memory and processes (gpuport/server/cgroups.py), and the server runs in server/
+# (DelegateSubgroup, systemd 254 and later; with an older one, jobs on cgroup v2 get no group).
+Delegate=yes
+{delegate_subgroup}TimeoutStopSec=30
 Restart=on-failure
 RestartSec=5
 LimitNOFILE=65536
@@ -44,6 +49,16 @@ LimitNOFILE=65536
 [Install]
 WantedBy=multi-user.target
 """
+
+
+def _systemd_version() -> int:
+    """This machine's systemd version (``systemctl --version``); a large number when unknown (a unit
+    printed for another machine: the keys of a current systemd)."""
+    try:
+        done = subprocess.run(["systemctl", "--version"], capture_output=True, text=True, timeout=10, check=False)
+        return int(done.stdout.split()[1])
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return 1 << 16
 
 
 def systemd_unit(server_args: list[str], state_dir: Path | None) -> str:
@@ -62,6 +77,7 @@ def systemd_unit(server_args: list[str], state_dir: Path | None) -> str:
     top = state_dir.relative_to(var_lib).parts[0] if managed else ""
     state_directory = f"StateDirectory={top}\nStateDirectoryMode=0700\n" if managed else ""
     return _UNIT.format(
+        delegate_subgroup="DelegateSubgroup=server\n" if _systemd_version() >= 254 else "",
         prefix=sys.prefix,
         print_command=shlex.join(["gpuport", "server", *server_args, *given, "--print-systemd-unit"]),
         exec_start=shlex.join(command),

@@ -1,5 +1,9 @@
 """The watchdog: no job uses more GPU memory than its slice, or more RAM than it asked for.
 
+Where jobs run in cgroups with a memory limit (``server/cgroups.py``), the kernel holds each job to
+its RAM, and the watchdog looks only at GPU memory; the poll of resident memory below is for
+machines without cgroups the server may use.
+
 The job's bootstrap caps each framework at the slice, but a process can still allocate around it
 (CUDA directly, a library with its own pool, a framework the bootstrap does not know). So every
 ``DEFAULT_WATCHDOG_INTERVAL`` the watchdog asks the executor what each limited job uses now (on
@@ -51,7 +55,7 @@ class Watchdog:
             slice_, memory = holding.request.gpu_memory, holding.request.memory
             if slice_ and used.gpu_memory > slice_:
                 reason = f"exceeded its GPU memory slice of {format_size(slice_)} (used {format_size(used.gpu_memory)})"
-            elif memory and used.rss > memory:
+            elif memory and used.rss > memory and not used.memory_enforced:
                 reason = f"exceeded its memory limit of {format_size(memory)} (used {format_size(used.rss)})"
             if reason:
                 self._killed.add(holding.job_id)

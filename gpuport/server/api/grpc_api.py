@@ -398,7 +398,12 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
 
 def quota_message(record: QuotaRecord) -> pb.QuotaInfo:
     return pb.QuotaInfo(
-        user=record.user, gpus=record.gpus, jobs=record.jobs, queued=record.queued, updated_at=record.updated_at
+        user=record.user,
+        gpus=record.gpus,
+        jobs=record.jobs,
+        queued=record.queued,
+        updated_at=record.updated_at,
+        processes=record.processes,
     )
 
 
@@ -408,7 +413,8 @@ class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
         gpus = request.gpus if request.HasField("gpus") else None
         jobs = request.jobs if request.HasField("jobs") else None
         queued = request.queued if request.HasField("queued") else None
-        return quota_message(self.app.quotas.set(caller, request.user, gpus, jobs, queued))
+        processes = request.processes if request.HasField("processes") else None
+        return quota_message(self.app.quotas.set(caller, request.user, gpus, jobs, queued, processes))
 
     @rpc
     async def List(self, request: pb.Empty, caller: Identity) -> pb.QuotaList:

@@ -95,6 +95,7 @@ class QuotaSet(BaseModel):
     gpus: float | None = Field(None, description="GPUs held at once (slices count as their part); null: no limit")
     jobs: int | None = Field(None, description="Jobs running at once; null: no limit")
     queued: int | None = Field(None, description="Jobs queued at once; null: the default's (1,000 unless '*' says)")
+    processes: int | None = Field(None, description="Processes and threads of each job at once; null: the default")
 
 
 def _flag_value(value: Any) -> str:
@@ -469,7 +470,7 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.put("/v1/quotas/{user}", summary="Set a user's quota (admin); user '*' is everyone without their own")
     async def set_quota(user: str, body: QuotaSet, identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs, body.queued))
+        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs, body.queued, body.processes))
 
     @api.delete("/v1/quotas/{user}", status_code=204, summary="Remove a user's quota (admin)")
     async def unset_quota(user: str, identity: Caller) -> Response:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
 from gpuport.server.inventory import GpuInfo
 from gpuport.server.scheduler import Machine
 
@@ -67,7 +68,6 @@ class JobLaunch:
     hyperparameters: Any = None  # written to work/hyperparameters.json when not None
     outputs: list[str] = field(default_factory=list)  # declared output paths below the workdir
     folders: list[str] = field(default_factory=list)  # of the server's (local only), writable by the job
-    memory: int = 0  # bytes of memory the job asked for (0: none said)
     grace: float = 5.0  # seconds between SIGTERM and SIGKILL on cancel
     time_limit: float = 0.0  # seconds from the start; 0: none
     nprocs: int = 1
@@ -81,6 +81,8 @@ class JobLaunch:
     rank_env: list[dict[str, str]] | None = None
     rank_base: int = 0
     host_network: bool = False
+    memory: int = 0  # bytes of RAM it may use (its --memory); 0: the node's default (see server/cgroups.py)
+    processes: int = DEFAULT_PROCESSES_PER_JOB  # processes and threads at once, where the kernel counts them
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class Usage:
 
     rss: int = 0  # bytes of resident memory, all its processes
     gpu_memory: int = 0  # bytes of GPU memory, all its processes on all GPUs
+    memory_enforced: bool = False  # the kernel holds it to its memory limit (a cgroup): nothing to poll
 
 
 class Executor(ABC):

@@ -9,6 +9,8 @@ from typing import Any
 
 import psutil
 
+from gpuport.server import cgroups as cgroups_
+from gpuport.server.cgroups import Cgroups
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
@@ -26,9 +28,11 @@ def this_machine(inventory: Inventory) -> Machine:
 class LocalExecutor(Executor):
     kind = "local"
 
-    def __init__(self, root: Path, blobs: BlobStore, sandbox: Sandbox, inventory: Inventory) -> None:
+    def __init__(
+        self, root: Path, blobs: BlobStore, sandbox: Sandbox, inventory: Inventory, cgroups: Cgroups = cgroups_.NONE
+    ) -> None:
         self.name = socket.gethostname()
-        self.folders = JobFolders(root, blobs, sandbox, inventory, node=self.name)
+        self.folders = JobFolders(root, blobs, sandbox, inventory, node=self.name, cgroups=cgroups)
         self.inventory = inventory
         self._node = Node(self.name, this_machine(inventory), "127.0.0.1")
 

@@ -143,8 +143,11 @@ class NodeAgent:
     """gpuport on one node of the cluster: runs as a Ray actor there (see ``RayExecutor._agent``)."""
 
     def __init__(self, name: str, address: str) -> None:
-        from gpuport.server import isolation
+        import psutil
+
+        from gpuport.server import cgroups, isolation
         from gpuport.server.executors.local import this_machine
+        from gpuport.server.services.jobs import memory_floor
         from gpuport.server.executors.workspace import JobFolders
         from gpuport.server.inventory import FakeInventory, detect_inventory
 
@@ -162,7 +165,9 @@ class NodeAgent:
         sandbox = isolation.detect()
         self.sandbox = dataclasses.replace(sandbox, python_paths=isolation.clean_python_paths())
         self.blobs = BlobStore(root / "blobs")
-        self.folders = JobFolders(root / "jobs", self.blobs, self.sandbox, inventory, node=name)
+        room = max(0, psutil.virtual_memory().total - memory_floor())
+        limits = cgroups.detect(cgroups.server_key(root / "jobs"), room)
+        self.folders = JobFolders(root / "jobs", self.blobs, self.sandbox, inventory, node=name, cgroups=limits)
         self.machine = this_machine(inventory)
         self.inventory = inventory
         self.received = 0  # blob bytes received: what crossed the network
@@ -945,8 +950,11 @@ class RayExecutor(Executor):
                 continue
             with contextlib.suppress(Exception):
                 for job_id, used in self._ray.get(handle.usage.remote(ids), timeout=_CALL_TIMEOUT).items():
-                    before = out.get(job_id, Usage())  # a job over several nodes: what all its parts use
-                    out[job_id] = Usage(before.rss + used.rss, before.gpu_memory + used.gpu_memory)
+                    before = out.get(job_id)  # a job over several nodes: what all its parts use
+                    if before is not None:
+                        enforced = before.memory_enforced and used.memory_enforced
+                        used = Usage(before.rss + used.rss, before.gpu_memory + used.gpu_memory, enforced)
+                    out[job_id] = used
         return out
 
     def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:

@@ -11,6 +11,8 @@ each Ray node on that node (``executors/ray.py``). Layout of ``ROOT/<job id>/``:
 Each job runs under ``worker/supervisor.py`` in its own session, so it outlives the process that
 started it (a server restarted, even after SIGKILL, finds it running): a thread per running job
 waits for its end, on the supervisor process for jobs started here, on its lock for the others.
+Where the machine has cgroups, each job runs in a group of its own, held to its memory limit and
+its cap of processes (``server/cgroups.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import psutil
 
 from gpuport._files import atomic_write, files_beneath, let_read, open_beneath, open_file_beneath, own_folder, own_tree
 from gpuport.defaults import DEFAULT_LOG_LIMIT, ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
+from gpuport.server import cgroups as cgroups_
+from gpuport.server.cgroups import Cgroups
 from gpuport.server.executors.base import Files, JobLaunch, OnExit, Usage
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -92,6 +96,7 @@ class JobFolders:
         sandbox: Sandbox,
         inventory: Inventory,
         node: str = "",
+        cgroups: Cgroups = cgroups_.NONE,
     ) -> None:
         self.root = root
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -99,6 +104,7 @@ class JobFolders:
         self.sandbox = sandbox
         self.inventory = inventory
         self.node = node  # $GPUPORT_NODE of its jobs
+        self.cgroups = cgroups  # where its jobs' groups are made (version 0: none)
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
 
@@ -148,6 +154,7 @@ class JobFolders:
             "sandbox": None,
             "network": None,
             "pidns_file": None,
+            "cgroup": self.cgroups.make(job.job_id, job.memory, job.processes),
         }
         if job.rank_env and job.nprocs > 1:
             spec["rank_env"], spec["rank_base"] = job.rank_env, job.rank_base
@@ -341,6 +348,9 @@ class JobFolders:
                     used[process.job_id] = used.get(process.job_id, 0) + process.memory_used
         out = {}
         for job_id in job_ids:
+            if self.cgroups.memory:  # held by the kernel; what its group is charged stands for its RSS
+                out[job_id] = Usage(self.cgroups.memory_used(job_id) or 0, used.get(job_id, 0), memory_enforced=True)
+                continue
             rss = 0
             for pid in self.pids(job_id):
                 with contextlib.suppress(psutil.Error):  # ended meanwhile
@@ -432,5 +442,6 @@ class JobFolders:
         job_dir = self.folder(job_id)
         for name in ("work", "out", "datasets"):
             shutil.rmtree(job_dir / name, ignore_errors=True)
+        self.cgroups.remove(job_id)  # its supervisor removed them, unless it was killed itself
         if isinstance(self.inventory, FakeInventory) and self.inventory.usage_dir and self.sandbox.isolated:
             shutil.rmtree(self.inventory.usage_dir / job_id, ignore_errors=True)

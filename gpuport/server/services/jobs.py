@@ -887,13 +887,14 @@ class JobService:
             hyperparameters=spec["hyperparameters"],
             outputs=json.loads(row["outputs"]),
             folders=list(spec.get("folders") or ()),
-            memory=row["memory"] or 0,
             grace=DEFAULT_CANCEL_GRACE,
             time_limit=row["time_limit"],
             nprocs=row["nprocs"],
             tf_roles=[(role, count) for role, count in tf_roles] if tf_roles else None,
             rank_gpus=rank_gpus(gpu_indices, row["nprocs"]) if row["nprocs"] > 1 and row["nodes"] == 1 else None,
             parts=tuple(Placement(node, tuple(gpus)) for node, gpus in json.loads(row["placement"] or "[]")),
+            memory=row["memory"],
+            processes=self.quotas.processes(row["owner"]),
         )
 
     def _caps_env(self, row: Any, gpu_indices: list[int]) -> dict[str, str]:
@@ -951,6 +952,8 @@ class JobService:
                 state, message = JobState.CANCELLED, f"cancelled ({message})"
             else:
                 state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
+            if status.get("process_cap"):  # a fork failed at the cap: likely why it ended so
+                message += f" (it reached its cap of {status['process_cap']} processes and threads)"
         self._end(job_id, state, code, message + note, outputs, (status or {}).get("ended_at"))
         await asyncio.to_thread(self.executor.tidy, job_id)
 

@@ -1,8 +1,12 @@
-"""Quotas: the most GPUs and jobs a user may hold at once, and jobs they may have queued, set by an admin.
+"""Quotas: the most GPUs and jobs a user may hold at once, the jobs they may have queued, and the
+processes each job may run, set by an admin.
 
 A quota for the user ``*`` applies to every user without one of their own. The scheduler reads them
 on every pass (``all``); a job over its owner's quota waits, saying so. The queued cap always holds
 (``queued_cap``: the user's, else ``*``'s, else ``DEFAULT_QUEUED_PER_USER``): a submit past it is refused.
+The cap of processes (and threads) is never off: a quota set without one gets
+``DEFAULT_PROCESSES_PER_JOB``, and the kernel enforces it where the server has cgroups
+(``server/cgroups.py``); it applies to jobs started after.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuport.defaults import DEFAULT_QUEUED_PER_USER, MAX_NAME_LENGTH
+from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB, DEFAULT_QUEUED_PER_USER, MAX_NAME_LENGTH
 from gpuport.protocol.errors import InvalidRequest, NotFound, PermissionDenied
 from gpuport.server.scheduler import Quota
 from gpuport.server.services.auth import Identity
@@ -20,6 +24,9 @@ from gpuport.server.store import Store
 
 # The quota that applies to every user without one of their own.
 DEFAULT_USER = "*"
+# The fewest processes a job may be capped at: its sandbox's own (bubblewrap, setpriv, the shell)
+# and a Python with a few threads.
+MIN_PROCESSES = 16
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class QuotaRecord:
     jobs: int | None
     updated_at: float
     queued: int | None = None  # None: the default's
+    processes: int = DEFAULT_PROCESSES_PER_JOB  # each job's processes and threads at once
 
 
 def _admin_only(caller: Identity) -> None:
@@ -44,9 +52,16 @@ class QuotaService:
         self.on_change: Callable[[], None] = lambda: None  # the job service looks at its queue again
 
     def set(
-        self, caller: Identity, user: str, gpus: float | None, jobs: int | None, queued: int | None = None
+        self,
+        caller: Identity,
+        user: str,
+        gpus: float | None,
+        jobs: int | None,
+        queued: int | None = None,
+        processes: int | None = None,
     ) -> QuotaRecord:
-        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``: the default's)."""
+        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``: the default's,
+        ``processes``: the default)."""
         _admin_only(caller)
         if not user or len(user) > MAX_NAME_LENGTH or not user.isprintable():
             raise InvalidRequest(f"user {user[:80]!r}: give a token name, or '*' for every user")
@@ -56,22 +71,25 @@ class QuotaService:
             raise InvalidRequest(f"a job quota must be 0 or more, not {jobs}")
         if queued is not None and queued < 0:
             raise InvalidRequest(f"a queued-jobs cap must be 0 or more, not {queued}")
-        if gpus is None and jobs is None and queued is None:
+        if processes is not None and not MIN_PROCESSES <= processes < 2**31:
+            raise InvalidRequest(f"a cap of processes per job must be {MIN_PROCESSES} or more, not {processes}")
+        if gpus is None and jobs is None and queued is None and processes is None:
             raise InvalidRequest(
-                "give --gpus, --jobs, --queued or some of them; `gpuport quota unset USER` removes a quota"
+                "give --gpus, --jobs, --queued, --processes or several; `gpuport quota unset USER` removes a quota"
             )
+        processes = DEFAULT_PROCESSES_PER_JOB if processes is None else processes
         now = time.time()
         with self.store.transaction() as db:
             db.execute(
-                "INSERT INTO quotas (user, gpus, jobs, queued, updated_at) VALUES (?, ?, ?, ?, ?) "
+                "INSERT INTO quotas (user, gpus, jobs, queued, processes, updated_at) VALUES (?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(user) DO UPDATE SET gpus = excluded.gpus, jobs = excluded.jobs, "
-                "queued = excluded.queued, updated_at = excluded.updated_at",
-                (user, gpus, jobs, queued, now),
+                "queued = excluded.queued, processes = excluded.processes, updated_at = excluded.updated_at",
+                (user, gpus, jobs, queued, processes, now),
             )
         self._cache = None
         self._queued = None
         self.on_change()
-        return QuotaRecord(user, gpus, jobs, now, queued)
+        return QuotaRecord(user, gpus, jobs, now, queued, processes)
 
     def unset(self, caller: Identity, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
@@ -87,7 +105,7 @@ class QuotaService:
         """Every quota (admin only); a user sees their own and the default."""
         rows = self.store.query("SELECT * FROM quotas ORDER BY user")
         return [
-            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"])
+            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"], r["processes"])
             for r in rows
             if caller.admin or r["user"] in (caller.name, DEFAULT_USER)
         ]
@@ -95,8 +113,8 @@ class QuotaService:
     def all(self) -> dict[str, Quota]:
         """user → quota, for the scheduler."""
         if self._cache is None:
-            rows = self.store.query("SELECT user, gpus, jobs FROM quotas")
-            self._cache = {r["user"]: Quota(r["gpus"], r["jobs"]) for r in rows}
+            rows = self.store.query("SELECT user, gpus, jobs, processes FROM quotas")
+            self._cache = {r["user"]: Quota(r["gpus"], r["jobs"], r["processes"]) for r in rows}
         return self._cache
 
     def of(self, user: str) -> Quota | None:
@@ -109,3 +127,8 @@ class QuotaService:
             rows = self.store.query("SELECT user, queued FROM quotas WHERE queued IS NOT NULL")
             self._queued = {r["user"]: r["queued"] for r in rows}
         return self._queued.get(user, self._queued.get(DEFAULT_USER, DEFAULT_QUEUED_PER_USER))
+
+    def processes(self, user: str) -> int:
+        """The cap of processes and threads of each of ``user``'s jobs."""
+        quota = self.of(user)
+        return quota.processes if quota is not None else DEFAULT_PROCESSES_PER_JOB

@@ -18,6 +18,10 @@ training on this machine:
   job succeeds.
 - ``rank_gpus``: one list of GPU indices per rank, which becomes that rank's CUDA_VISIBLE_DEVICES
   (an empty list: no GPU). Default: every rank keeps the one in ``env``.
+- ``cgroup``: the job's cgroups, made by the server with its limits (``server/cgroups.py``). The
+  job's first process starts in them (this process joins them just before, and leaves right
+  after); an OOM kill in them ends the whole job; once it has ended, what is left in them is
+  killed and they are removed.
 
 One process (the default) writes its stdout and stderr straight to the log, with nothing added to
 its environment. With ``nprocs`` N > 1, rank r also gets TF_CONFIG (a cluster of one free
@@ -43,8 +47,10 @@ ended, whatever they left running in their process groups is killed, so that it 
 
 exit.json holds ``started_at``, ``ended_at`` and ``exit_code`` (the first failing rank's return code,
 negative for a signal; 0 when every rank exited 0), and where they apply ``cancelled`` (true),
-``timed_out`` (true), ``killed`` (the reason), ``failed_rank`` (N > 1 only) and ``error`` (the job
-could not start; exit code 127).
+``timed_out`` (true), ``killed`` (the reason: the server's, or the kernel's OOM killer's in the
+job's cgroup, "exceeded its memory limit of 256MiB"), ``failed_rank`` (N > 1 only), ``error`` (the
+job could not start; exit code 127) and ``process_cap`` (a fork failed at the job's cap of
+processes, which it gives).
 """
 
 from __future__ import annotations
@@ -303,6 +309,146 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+class _Groups:
+    """The job's cgroups, as the server made them (the spec's ``cgroup``; see server/cgroups.py).
+
+    ``enter`` before the job's first process starts and ``leave`` right after: the job and all it
+    forks are inside, held to its limits, while this process stays outside, so that it outlives an
+    OOM kill of the job's and reports it. On cgroup v1, ``fd`` (an eventfd) wakes the loop on an OOM
+    in the job's group, which then ends the whole job, as ``memory.oom.group`` does on v2.
+    """
+
+    def __init__(self, spec: dict | None) -> None:
+        self.spec = spec or {}
+        self.fd: int | None = None
+        self._control: int | None = None
+
+    def enter(self) -> str:
+        """Put this process in the job's groups; returns an error ('' : done)."""
+        for folder in self.spec.get("dirs", ()):
+            try:
+                self._move(folder)
+            except OSError as e:
+                self.leave()
+                return f"cannot enter the job's cgroup {folder}: {e.strerror}"
+        return ""
+
+    def leave(self) -> None:
+        for folder in self.spec.get("homes", ()):
+            try:
+                self._move(folder)
+            except OSError:  # stays in the job's group: its memory is small, and counted there
+                pass
+
+    def _move(self, folder: str) -> None:
+        # A write to cgroup.procs takes a lock that waits for an RCU grace period: 12-20 ms of each
+        # job's start, for the two moves in each of two v1 hierarchies. On v1, the calling thread
+        # moves itself without it ("0" to ``tasks``): the whole process, while it has one thread.
+        if self.spec.get("version") == 1 and threading.active_count() == 1:
+            _write_file(os.path.join(folder, "tasks"), "0")
+        else:
+            _write_file(os.path.join(folder, "cgroup.procs"), str(os.getpid()))
+
+    def watch(self) -> None:
+        """v1: have the kernel signal ``fd`` on each OOM in the job's group (or above it)."""
+        memory = self.spec.get("memory")
+        if self.spec.get("version") != 1 or not memory:
+            return
+        try:
+            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            self._control = os.open(os.path.join(memory, "memory.oom_control"), os.O_RDONLY | os.O_CLOEXEC)
+            _write_file(os.path.join(memory, "cgroup.event_control"), f"{self.fd} {self._control}")
+        except OSError:  # the end still finds an OOM kill in the counters
+            self.close_fds()
+
+    def woken(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except (OSError, TypeError):
+            pass
+
+    def _counter(self, name: str, key: str) -> int:
+        folder = self.spec.get("pids" if name == "pids.events" else "memory")
+        if not folder:
+            return 0
+        try:
+            with open(os.path.join(folder, name)) as f:
+                text = f.read()
+        except OSError:
+            return 0
+        if not key:
+            return int(text.strip() or 0)
+        for line in text.splitlines():
+            field, _, value = line.partition(" ")
+            if field == key:
+                return int(value)
+        return 0
+
+    def oom_kills(self) -> int:
+        """Processes of the job the kernel's OOM killer has ended."""
+        return self._counter("memory.oom_control" if self.spec.get("version") == 1 else "memory.events", "oom_kill")
+
+    def oom_reason(self) -> str:
+        """Why: the job's own limit (its group hit it), or the memory of all jobs together."""
+        if self.spec.get("version") == 1:  # its peak reached its limit (failcnt misses memory + swap's)
+            peak = max(
+                self._counter("memory.max_usage_in_bytes", ""), self._counter("memory.memsw.max_usage_in_bytes", "")
+            )
+            own = peak >= self._counter("memory.limit_in_bytes", "") - _NEAR_LIMIT
+        else:
+            own = self._counter("memory.events", "oom") > 0
+        return self.spec["oom_own"] if own else self.spec["oom_other"]
+
+    def capped(self) -> int:
+        """The job's cap of processes and threads when a fork failed at it, else 0."""
+        return self.spec.get("processes", 0) if self._counter("pids.events", "max") else 0
+
+    def close_fds(self) -> None:
+        for fd in (self.fd, self._control):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self._control = None
+
+    def remove(self) -> None:
+        """Kill whatever is left in the job's groups (a process that left its process group is still
+        there), then remove them; one that stays busy is the server's to remove (``tidy``)."""
+        self.close_fds()
+        for folder in self.spec.get("dirs", ()):
+            deadline = time.monotonic() + 1.0
+            while True:
+                try:
+                    os.rmdir(folder)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                try:
+                    with open(os.path.join(folder, "cgroup.procs")) as f:
+                        left = [int(pid) for pid in f.read().split()]
+                except (OSError, ValueError):
+                    left = []
+                for pid in left:
+                    if pid != os.getpid():  # this one is never there (``leave``), but never killed
+                        _signal_pid(pid, signal.SIGKILL)
+                time.sleep(0.005)
+
+
+# Bytes below its v1 limit at which a job's peak counts as having reached it: charges come in batches.
+_NEAR_LIMIT = 4 << 20
+# The log's last line when a fork failed at the job's cap (``pids.max``).
+_CAPPED = "the job reached its cap of {} processes and threads, and a fork failed (`gpuport quota list` shows it)"
+
+
+def _write_file(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 def _kill_reason(job_dir: str) -> str:
     import json
 
@@ -409,15 +555,16 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
     for attempt in range(_SANDBOX_TRIES):
         status = _sandboxed_once(job_dir, spec, last=attempt == _SANDBOX_TRIES - 1)
         if not status.pop("transient", False):
-            return status
+            break
         if _REQUESTED:
-            ended = {"started_at": status["started_at"], "ended_at": time.time(), "exit_code": -signal.SIGTERM}
+            status = {"started_at": status["started_at"], "ended_at": time.time(), "exit_code": -signal.SIGTERM}
             if "kill" in _REQUESTED:
-                ended.update(killed=_kill_reason(job_dir), exit_code=-signal.SIGKILL)
+                status.update(killed=_kill_reason(job_dir), exit_code=-signal.SIGKILL)
             else:
-                ended["cancelled"] = True
-            return ended
+                status["cancelled"] = True
+            break
         time.sleep(0.05 * (attempt + 1))
+    _Groups(spec.get("cgroup")).remove()
     return status
 
 
@@ -445,7 +592,7 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
     status_r, status_w = os.pipe()
     pids_r, pids_w = os.pipe()
     lifeline_r, lifeline_w = os.pipe()  # the write end stays here, never written: its end is this process's
-    inner_spec = {k: v for k, v in spec.items() if k not in ("sandbox", "network", "pidns_file")}
+    inner_spec = {k: v for k, v in spec.items() if k not in ("sandbox", "network", "pidns_file", "cgroup")}
     sandbox = spec["sandbox"]
     direct = int(spec.get("nprocs") or 1) == 1
     if direct:  # the environment goes in on fd 3 (bubblewrap copies it to _ENV_FILE), then the command
@@ -471,16 +618,24 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
     # bubblewrap makes the folders leading to its mounts with this umask: the server's 077 would hide
     # them from the job's uid.
     umask = os.umask(0o022)
+    groups = _Groups(spec.get("cgroup"))
     try:
-        bwrap = os.posix_spawn(argv[0], argv, {"PATH": os.defpath}, file_actions=actions, setsid=True)
+        error = groups.enter()  # bubblewrap, and all that runs in the sandbox, starts in the job's groups
+        if error:
+            raise OSError(error)
+        try:
+            bwrap = os.posix_spawn(argv[0], argv, {"PATH": os.defpath}, file_actions=actions, setsid=True)
+        finally:
+            groups.leave()
     except OSError as e:
-        error = f"cannot start the sandbox ({argv[0]}): {e.strerror}"
+        error = str(e) if e.strerror is None else f"cannot start the sandbox ({argv[0]}): {e.strerror}"
         os.write(log, f"gpuport: {error}\n".encode())
         return {"started_at": started_at, "exit_code": 127, "error": error, "ended_at": time.time()}
     finally:
         os.umask(umask)
         for fd in (spec_r, status_w, pids_w, lifeline_r):
             os.close(fd)
+    groups.watch()
     inner = None
     with os.fdopen(pids_r, "rb", buffering=0, closefd=False) as f:
         line = f.readline()  # bubblewrap's first report: the pid, as the host sees it, of its child
@@ -512,12 +667,18 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
     cap = _LogCap(os.path.join(job_dir, "log"), int(spec.get("log_limit") or 0))
     stopped: dict = {}  # why this process stopped a job run direct: cancelled or timed_out
     kill_at = None
-    killed = False
+    killed = oom = False
+    oom_check_at = None  # an OOM was signalled before its kill was counted: look again then
     code = None
     while code is None:
         if "kill" in requested and not killed and inner is not None:
             killed = True
             _signal_pid(inner, signal.SIGKILL)
+        if oom_check_at is not None and time.monotonic() >= oom_check_at:
+            oom_check_at = None
+            if not oom and groups.oom_kills():  # a process of the job was ended: the whole job goes
+                oom = True
+                _signal_pid(inner, signal.SIGKILL)
         if limit_at is not None and not stopped and time.monotonic() >= limit_at:
             stopped["timed_out"] = True
         elif "cancel" in requested and not stopped and direct:
@@ -540,8 +701,16 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
         if cap.limit and now >= cap.next_check:
             cap.check()
         checks = cap.next_check if cap.limit else None
-        deadlines = [d - now for d in (kill_at, backstop, None if stopped else limit_at, checks) if d is not None]
-        select.select([wake_r], [], [], max(0.0, min(deadlines)) if deadlines else None)
+        deadlines = [
+            d - now for d in (kill_at, backstop, None if stopped else limit_at, oom_check_at, checks) if d is not None
+        ]
+        watched = [wake_r] if groups.fd is None else [wake_r, groups.fd]
+        ready, _, _ = select.select(watched, [], [], max(0.0, min(deadlines)) if deadlines else None)
+        if groups.fd is not None and groups.fd in ready:
+            groups.woken()
+            oom_check_at = time.monotonic()
+            if not groups.oom_kills():  # woken as the kernel picks a victim: counted once it is killed
+                oom_check_at += 0.05
         try:
             while os.read(wake_r, 512):
                 pass
@@ -556,9 +725,17 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
     with os.fdopen(status_r, "rb") as f:
         reported = _direct_status(reports, started_at, stopped, log) if direct else _reported_status(f.read(1 << 16))
     status = reported or {"started_at": started_at}
+    oom = oom or groups.oom_kills() > 0
+    oom_reason = groups.oom_reason() if oom else ""
+    capped = groups.capped()
+    groups.close_fds()  # the groups go once no new try is made (``_run_sandboxed``)
     if killed:
         status["killed"] = reason = _kill_reason(job_dir)
         status["exit_code"] = -signal.SIGKILL
+        os.write(log, f"gpuport: job killed: {reason}\n".encode())
+    elif oom:
+        status["killed"] = reason = oom_reason
+        status.setdefault("exit_code", -signal.SIGKILL)
         os.write(log, f"gpuport: job killed: {reason}\n".encode())
     elif not reported:
         status["exit_code"] = 127
@@ -567,6 +744,9 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
         status["transient"] = said.startswith(": bwrap: loopback:") and not last
         if not status["transient"]:  # the job's log says why it never ran, once
             os.write(log, f"gpuport: {status['error']}\n".encode())
+    if capped:
+        status["process_cap"] = capped
+        os.write(log, f"gpuport: {_CAPPED.format(capped)}\n".encode())
     status.setdefault("ended_at", time.time())
     signal.set_wakeup_fd(-1)
     for fd in (log, setup_log, wake_r, wake_w, lifeline_w):
@@ -742,7 +922,9 @@ def _json_string(text: str) -> str:
 def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap: _LogCap | None = None) -> dict:
     """Run the job's ranks to their end; returns the status for exit.json. ``started(info)`` gets the
     pids once they run; ``kill_reason()`` says why, when SIGUSR1 asked for a kill. ``lifeline``: an
-    fd whose end (EOF) kills the job too (the supervisor outside a sandbox has ended)."""
+    fd whose end (EOF) kills the job too (the supervisor outside a sandbox has ended). The ranks
+    start in the job's cgroups when the spec has them (without a sandbox; inside one, they are
+    in them already)."""
     nprocs = int(spec.get("nprocs") or 1)
     log_lock = threading.Lock()  # one writer at a time: the ranks' log threads and this one
 
@@ -767,7 +949,16 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
     _listen()
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)  # with SIG_DFL, a rank's end would not wake the loop
 
-    ranks, readers, error = _start_ranks(spec, nprocs, log, log_lock)
+    groups = _Groups(spec.get("cgroup"))
+    error = groups.enter()
+    if error:
+        ranks, readers = [], []
+    else:
+        try:
+            ranks, readers, error = _start_ranks(spec, nprocs, log, log_lock)
+        finally:
+            groups.leave()
+        groups.watch()
     stopping = False  # SIGTERM or SIGKILL has been sent: what follows is no rank's own failure
     kill_at = None  # monotonic time at which SIGKILL follows the SIGTERM of a stop
 
@@ -794,7 +985,8 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
 
     codes = [None] * len(ranks)
     first_failure = None  # (rank, code) of the first rank seen to exit with a non-zero code
-    killed = False
+    killed = oom = False
+    oom_check_at = None  # an OOM was signalled before its kill was counted: look again then
     roles = _roles(spec, nprocs)
     chief = roles.index("chief") if "chief" in roles and len(ranks) == nprocs else None
     chief_done = False  # the chief exited 0: the others are stopped, and their codes are no failure
@@ -806,6 +998,11 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
         if "cancel" in requested and not stopping:
             status["cancelled"] = True
             stop()
+        if oom_check_at is not None and time.monotonic() >= oom_check_at:
+            oom_check_at = None
+            if not oom and groups.oom_kills():  # a process of the job was ended: the whole job goes
+                oom = stopping = True
+                signal_all(signal.SIGKILL)
         for rank, process in enumerate(ranks):
             if codes[rank] is not None or (code := process.poll()) is None:
                 continue
@@ -833,14 +1030,16 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
         if cap is not None and cap.limit and now >= cap.next_check:
             cap.check()
         checks = cap.next_check if cap is not None and cap.limit else None
-        deadlines = [
-            t for t in (None if stopping or time_limit <= 0 else start + time_limit, kill_at, checks) if t is not None
-        ]
-        watched = [wake_r] if lifeline is None else [wake_r, lifeline]
+        limit_at = None if stopping or time_limit <= 0 else start + time_limit
+        deadlines = [t for t in (limit_at, kill_at, oom_check_at, checks) if t is not None]
+        watched = [fd for fd in (wake_r, lifeline, groups.fd) if fd is not None]
         ready, _, _ = select.select(watched, [], [], max(0.0, min(deadlines) - now) if deadlines else None)
-        if lifeline in ready:
+        if lifeline is not None and lifeline in ready:
             requested.add("kill")
             lifeline = None
+        if groups.fd is not None and groups.fd in ready:
+            groups.woken()
+            oom_check_at = time.monotonic() + (0 if groups.oom_kills() else 0.05)
         try:
             while os.read(wake_r, 512):
                 pass
@@ -849,12 +1048,22 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
 
     # What a rank left behind in its group would hold the GPU and the log open.
     signal_all(signal.SIGKILL)
+    oom = oom or groups.oom_kills() > 0
+    oom_reason = groups.oom_reason() if oom else ""
+    capped = groups.capped()
+    groups.remove()  # and what left its process group, but not its cgroup
     drain_until = time.monotonic() + _DRAIN_TIMEOUT
     for reader in readers:  # bounded: a process that left its group could hold a pipe open forever
         reader.join(max(0.0, drain_until - time.monotonic()))
     if killed:
         status["killed"] = reason = kill_reason()
         note(f"job killed: {reason}")
+    elif oom:
+        status["killed"] = oom_reason
+        note(f"job killed: {oom_reason}")
+    if capped:
+        status["process_cap"] = capped
+        note(_CAPPED.format(capped))
     status.setdefault("exit_code", first_failure[1] if first_failure else 0)
     status["ended_at"] = time.time()
     signal.set_wakeup_fd(-1)

@@ -1,0 +1,263 @@
+"""Limits the kernel enforces: each job in a cgroup of its own, held to its memory and its cap of
+processes, and killed alone when it goes over (server/cgroups.py, worker/supervisor.py).
+
+The tests with real jobs need a server that may make cgroups (root, with the v1 memory and pids
+controllers or a delegated cgroup v2); elsewhere they skip with the reason the server's banner gives.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import gpuport
+from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
+from gpuport.protocol.units import format_size
+from gpuport.server import cgroups
+from gpuport.server.services.jobs import memory_floor
+from gpuport.server.worker import supervisor
+from tests.conftest import JobFlag, RunningServer, client_env, start_server, wait_for
+
+# Allocates and touches 1 GiB, a MiB at a time, saying how far it got.
+ALLOCATE = """
+import sys
+held = []
+for mib in range(1, 1025):
+    held.append(b"x" * (1 << 20))
+    if mib % 128 == 0:
+        print(mib, "MiB", flush=True)
+print("held it all")
+"""
+
+# Forks 5,000 processes that wait (their parent's end ends them), and says how many it got.
+FORK = """
+import os, sys, time
+forked = 0
+try:
+    for _ in range(5000):
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        forked += 1
+except BlockingIOError as e:
+    print("fork failed after", forked, ":", e, flush=True)
+    sys.exit(3)
+print("forked", forked, flush=True)
+"""
+
+
+def limits_line(server: RunningServer) -> str:
+    found = re.search(r"^  limits\s+(.*)$", server.banner, re.MULTILINE)
+    assert found, server.banner
+    return found.group(1)
+
+
+def needs_cgroups(server: RunningServer) -> None:
+    line = limits_line(server)
+    if not line.startswith("cgroup v"):
+        pytest.skip(f"the server cannot put jobs in cgroups here: {line}")
+
+
+def job_groups(job_id: str) -> dict[str, str]:
+    """The folders of a job's cgroup(s) on this machine, by controller: found, not computed."""
+    found = {}
+    for _, point, fstype, options in cgroups._mounts():
+        hits = glob.glob(f"{point}/**/gpuport/*/{job_id}", recursive=True)
+        for controller in ("memory", "pids"):
+            if hits and (controller in options or fstype == "cgroup2" and Path(hits[0], "memory.max").exists()):
+                found[controller] = hits[0]
+    return found
+
+
+def memory_limit(folder: str) -> int:
+    name = "memory.max" if Path(folder, "memory.max").exists() else "memory.limit_in_bytes"
+    return int(Path(folder, name).read_text())
+
+
+@pytest.fixture
+def alice(admin: gpuport.Client, server: RunningServer, user_token: str) -> Iterator[gpuport.Client]:
+    with server.connect(user_token) as client:
+        yield client
+
+
+def test_the_banner_says_which_cgroups_hold_the_jobs(server: RunningServer) -> None:
+    line = limits_line(server)
+    assert line.startswith(("cgroup v2:", "cgroup v1:", "none: ")), line
+    if line.startswith("none: "):  # and says why, and what happens instead
+        assert "memory limits are polled" in line, line
+    else:
+        assert "held to its --memory (default " in line and "processes to the quota" in line, line
+
+
+def test_a_job_over_its_memory_limit_is_killed_alone(
+    server: RunningServer, alice: gpuport.Client, user_token: str, tmp_path: Path, cli: object
+) -> None:
+    needs_cgroups(server)
+    flag = JobFlag(server.state_dir, f"go-{uuid.uuid4().hex[:6]}")
+    try:
+        other = alice.submit(["sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done; echo lived"], workdir=None)
+        wait_for(lambda: other.refresh().state == "running", what="the other job running")
+        (tmp_path / "alloc.py").write_text(ALLOCATE)
+        greedy = alice.submit(["python", "alloc.py"], workdir=tmp_path, memory="256MiB").wait(120)
+        info = greedy.info
+        assert info.state == "killed", info
+        assert info.message == "exceeded its memory limit of 256MiB", info
+        log = list(greedy.logs())
+        assert "held it all" not in log and log[-1] == "gpuport: job killed: exceeded its memory limit of 256MiB", log
+        # `gpuport wait` and `gpuport jobs` say so too.
+        env = client_env(server, user_token)
+        waited = cli("wait", info.id, **env)  # type: ignore[operator]
+        assert f"job {info.id} killed" in waited.output, waited.output
+        assert "exceeded its memory limit of 256MiB" in waited.output, waited.output
+        listed = cli("jobs", "--json", **env)  # type: ignore[operator]
+        mine = next(j for j in json.loads(listed.stdout) if j["id"] == info.id)
+        assert (mine["state"], mine["message"]) == ("killed", "exceeded its memory limit of 256MiB"), mine
+        # The other job and the server live on; the greedy job's groups are gone.
+        assert other.refresh().state == "running", (other.refresh(), list(other.logs()))
+        assert psutil.pid_exists(server.pid or server.process.pid) and server.process.poll() is None
+        assert job_groups(info.id) == {}
+        flag.touch()
+        assert other.wait(60).info.state == "succeeded" and "lived" in list(other.logs())
+    finally:
+        flag.close()
+
+
+def test_a_job_without_memory_gets_the_default_limit_and_the_process_cap(
+    server: RunningServer, alice: gpuport.Client
+) -> None:
+    needs_cgroups(server)
+    room = psutil.virtual_memory().total - memory_floor()  # what is left above the floor
+    assert f"(default {format_size(room)})" in limits_line(server)
+    flag = JobFlag(server.state_dir, f"go-{uuid.uuid4().hex[:6]}")
+    try:
+        job = alice.submit(["sh", "-c", f"while [ ! -e {flag} ]; do sleep 0.05; done"], workdir=None)
+        wait_for(lambda: job.refresh().state == "running", what="the job running")
+        groups = wait_for(lambda: job_groups(job.id), what="the job's cgroups")
+        assert room - 4096 < memory_limit(groups["memory"]) <= room  # in whole pages
+        assert Path(groups["pids"], "pids.max").read_text().strip() == str(DEFAULT_PROCESSES_PER_JOB)
+        # Its processes are in it (bubblewrap, the shell, its sleeps); its supervisor is not.
+        written = server.state_dir / "jobs" / job.id / "supervisor.json"
+        started = json.loads(wait_for(lambda: written.exists() and written.read_text(), what="supervisor.json"))
+        inside = {int(p) for p in Path(groups["pids"], "cgroup.procs").read_text().split()}
+        assert started["child"] in inside and started["pid"] not in inside, (started, inside)
+        flag.touch()
+        assert job.wait(60).info.state == "succeeded"
+        wait_for(lambda: job_groups(job.id) == {}, what="the job's groups removed")
+    finally:
+        flag.close()
+
+
+def test_a_fork_bomb_stops_at_the_cap_of_processes(
+    server: RunningServer, admin: gpuport.Client, tmp_path: Path, cli: object
+) -> None:
+    needs_cgroups(server)
+    name = f"forker-{uuid.uuid4().hex[:8]}"
+    token = admin.create_token(name).token
+    env = client_env(server, server.admin_token)
+    listed = cli("quota", "list", **env)  # type: ignore[operator]
+    star = next(line for line in listed.stdout.splitlines() if line.split()[:1] == ["*"])
+    assert str(DEFAULT_PROCESSES_PER_JOB) in star.split(), listed.stdout  # the default, as quota list shows it
+    done = cli("quota", "set", name, "--jobs", "4", "--processes", "64", **env)  # type: ignore[operator]
+    assert done.code == 0 and "64 processes and threads per job" in done.output, done.output
+    mine = next(q for q in admin.quotas() if q.user == name)
+    assert (mine.jobs, mine.processes) == (4, 64)
+    (tmp_path / "fork.py").write_text(FORK)
+    with server.connect(token) as forker:
+        job = forker.submit(["python", "fork.py"], workdir=tmp_path).wait(120)
+        log = "\n".join(job.logs())
+        info = job.info
+    assert info.state == "failed" and info.exit_code == 3, (info, log)
+    forked = int(re.search(r"fork failed after (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert 30 < forked < 64, log  # the sandbox and Python's own come first
+    assert "reached its cap of 64 processes and threads" in info.message, info
+    assert log.rstrip().endswith("`gpuport quota list` shows it)"), log
+    wait_for(lambda: job_groups(info.id) == {}, what="the job's groups removed, its processes gone")
+
+
+def test_without_a_sandbox_a_job_is_held_to_its_memory_too(tmp_path: Path) -> None:
+    running = start_server(tmp_path / "state", "--no-sandbox")
+    try:
+        needs_cgroups(running)
+        (tmp_path / "alloc.py").write_text(ALLOCATE)
+        with running.connect() as admin:
+            job = admin.submit(["python", "alloc.py"], workdir=tmp_path, memory="200MiB").wait(120)
+            assert (job.info.state, job.info.message) == ("killed", "exceeded its memory limit of 200MiB"), job.info
+            assert admin.submit(["true"], workdir=None).wait(60).info.state == "succeeded"
+    finally:
+        running.stop()
+
+
+def test_without_cgroups_the_banner_says_so_and_the_poll_holds_memory(tmp_path: Path) -> None:
+    running = start_server(tmp_path / "state", "--no-cgroups")
+    try:
+        assert limits_line(running) == (
+            "none: --no-cgroups was given; memory limits are polled (2 Hz), processes not capped"
+        )
+        (tmp_path / "alloc.py").write_text(
+            ALLOCATE.replace('print(mib, "MiB", flush=True)', "import time; time.sleep(0.01)")
+        )
+        with running.connect() as admin:
+            info = admin.submit(["python", "alloc.py"], workdir=tmp_path, memory="200MiB").wait(120).info
+            assert info.state == "killed" and info.message.startswith("exceeded its memory limit of 200MiB (used "), (
+                info
+            )
+    finally:
+        running.stop()
+
+
+def test_a_jobs_groups_are_made_with_its_limits(tmp_path: Path) -> None:
+    """Cgroup v2's files, on a folder that stands for the hierarchy (this machine may have none)."""
+    parent = tmp_path / "gpuport" / "key"
+    parent.mkdir(parents=True)
+    limits = cgroups.Cgroups(2, "", ("memory", "pids"), (str(parent),), (str(tmp_path / "server"),), 8 << 30)
+    spec = limits.make("j-1", 256 << 20, 100)
+    assert spec is not None
+    folder = parent / "j-1"
+    files = {
+        name: (folder / name).read_text() for name in ("memory.max", "memory.swap.max", "memory.oom.group", "pids.max")
+    }
+    assert files == {"memory.max": str(256 << 20), "memory.swap.max": "0", "memory.oom.group": "1", "pids.max": "100"}
+    assert spec["dirs"] == [str(folder)] and spec["homes"] == [str(tmp_path / "server")]
+    assert spec["oom_own"] == "exceeded its memory limit of 256MiB"
+    limits.make("j-2", 0, 100)
+    assert (parent / "j-2" / "memory.max").read_text() == str(8 << 30)
+    assert "limit of 8GiB (the default" in limits.make("j-2", 0, 100)["oom_own"]  # type: ignore[index]
+    assert cgroups.NONE.make("j-3", 256 << 20, 100) is None
+
+    # What the supervisor reads at the job's end.
+    (folder / "memory.events").write_text("low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\n")
+    (folder / "pids.events").write_text("max 0\n")
+    groups = supervisor._Groups(spec)
+    assert groups.oom_kills() == 1 and groups.oom_reason() == spec["oom_own"] and not groups.capped()
+    (folder / "memory.events").write_text("low 0\nhigh 0\nmax 0\noom 0\noom_kill 1\n")  # the parent's OOM
+    (folder / "pids.events").write_text("max 3\n")
+    assert groups.oom_reason() == spec["oom_other"] and groups.capped() == 100
+
+
+def _allocate(mib: int) -> int:
+    held = [b"x" * (1 << 20) for _ in range(mib)]
+    return len(held)
+
+
+def test_a_session_worker_is_held_to_its_memory_and_killed_alone(server: RunningServer, alice: gpuport.Client) -> None:
+    needs_cgroups(server)
+    with alice.session(memory="300MiB") as session:
+        assert session.call(_allocate, 64) == 64
+        worker = session.info().job_id
+        groups = job_groups(worker)
+        assert set(groups) == {"memory", "pids"} and memory_limit(groups["memory"]) == 300 << 20
+        with pytest.raises(gpuport.WorkerDied):
+            session.call(_allocate, 1024)
+        info = alice.job(worker).wait(60).info
+        assert (info.state, info.message) == ("killed", "exceeded its memory limit of 300MiB"), info
+        assert session.info().state == "died"
+        session.restart()
+        assert session.call(_allocate, 16) == 16  # a fresh worker, in a fresh group
+        assert job_groups(session.info().job_id) and job_groups(worker) == {}

@@ -57,6 +57,16 @@ class Dist:
     source: Path  # the unpacked sdist: the "clone" the README's commands run in
 
 
+@pytest.fixture(autouse=True)
+def usual_umask() -> Iterator[None]:
+    """The venvs made as most users make them (umask 022), whatever this run's (a clone made with
+    umask 077): a root server refuses an environment that its jobs' uids cannot read, saying so
+    (tests/test_shared_box.py), and the quick start is not about that."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     out = tmp_path_factory.mktemp("dist")

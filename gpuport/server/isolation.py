@@ -153,7 +153,8 @@ def detect(uids: tuple[int, int] = DEFAULT_JOB_UIDS, copies: Path | None = None)
 
     As root, the jobs' uids must be able to read the server's Python environment: gpuport's own
     package, where its folder is closed (a clone made with umask 077), is shown from a readable copy
-    made under ``copies``; any other closed folder of it raises ``ConfigError`` saying what to do."""
+    made under ``copies`` (None: a probe, which makes none); any other closed folder of it raises
+    ``ConfigError`` saying what to do."""
     bwrap = shutil.which("bwrap")
     if not bwrap:
         return Sandbox("none", "bubblewrap is not installed (apt-get install bubblewrap)")
@@ -167,7 +168,7 @@ def detect(uids: tuple[int, int] = DEFAULT_JOB_UIDS, copies: Path | None = None)
         return Sandbox("none", f"bubblewrap cannot make namespaces here ({reason}); run the server as root")
     paths, copied = _python_paths(), ()
     if root:
-        paths, copied = _readable_by_jobs(paths, copies)
+        paths, copied = readable_by_jobs(paths, copies)
     return Sandbox(
         "uids" if root else "sandbox",
         bwrap=bwrap,
@@ -186,19 +187,21 @@ def _open_to_others(path: str) -> bool:
     return mode & wanted == wanted
 
 
-def _readable_by_jobs(
+def readable_by_jobs(
     paths: tuple[str, ...], copies: Path | None
 ) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """``paths`` split into those the jobs' uids can read as they are, and (copy, path) pairs."""
+    """``paths`` split into those the jobs' uids can read as they are, and (copy, path) pairs for
+    gpuport's package where it is closed (copies made under ``copies``; None: none made, for a
+    probe of what the machine allows). Raises ``ConfigError`` for any other closed folder."""
     package = str(Path(gpuport.__file__).resolve().parent)
     kept: list[str] = []
     copied: list[tuple[str, str]] = []
     for path in paths:
         inside = os.path.join(path, "__init__.py") if path == package else path  # a clone's files: 0600
         closed = not (_open_to_others(path) and _open_to_others(inside))
-        if not closed:
+        if not closed or path == package and copies is None:  # None: a probe, which makes no copy
             kept.append(path)
-        elif path == package and copies is not None:
+        elif path == package:
             copied.append((_copy_package(package, copies), package))
         else:
             raise ConfigError(

@@ -163,7 +163,10 @@ class NodeAgent:
         # Ray puts its driver's folders on its workers' sys.path: they are not this Python's, and a
         # job must not see them (the server's working folder, say). The paths come from a clean Python.
         sandbox = isolation.detect()
-        self.sandbox = dataclasses.replace(sandbox, python_paths=isolation.clean_python_paths())
+        paths, copied = isolation.clean_python_paths(), ()
+        if sandbox.mode == "uids":  # as the server does: jobs' uids read all of it, or a copy
+            paths, copied = isolation.readable_by_jobs(paths, root / "python")
+        self.sandbox = dataclasses.replace(sandbox, python_paths=paths, python_copies=copied)
         self.blobs = BlobStore(root / "blobs")
         room = max(0, psutil.virtual_memory().total - memory_floor())
         limits = cgroups.detect(cgroups.server_key(root / "jobs"), room)

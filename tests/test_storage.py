@@ -3,6 +3,7 @@ removes blobs nobody keeps, and `gpuport snapshots rm` lets a user free their sp
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import tarfile
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import gpuport
-from tests.conftest import RunningServer, client_env, needs_users, start_server
+from tests.conftest import RunningServer, client_env, data_port_unreachable, needs_users, start_server
 
 MiB = 1024 * 1024
 
@@ -91,6 +92,29 @@ def test_a_push_over_the_quota_is_refused_and_nothing_is_stored(
     # what fits is kept
     client.push(_folder(tmp_path / "small", 100 * 1024), "small")
     assert [s.name for s in client.snapshots()] == ["small"]
+
+
+@pytest.mark.parametrize("door", ["data port", "gRPC"])
+def test_an_upload_past_the_quota_is_refused_even_unannounced(
+    box: RunningServer, user: tuple, tmp_path: Path, door: str
+) -> None:
+    """A client that does not say its sizes when it asks what is missing (an older one) is stopped
+    by the upload itself, and none of what it sent is the sender's."""
+    name, _, client = user
+    with box.connect() as admin:
+        admin.set_quota(name, storage="1MiB")
+    if door == "gRPC":
+        data_port_unreachable(client)
+    missing = client.transport.snapshots.Missing
+    client.transport.snapshots.Missing = lambda request, **kw: missing(  # type: ignore[method-assign]
+        type(request)(blobs=request.blobs), **kw
+    )
+    with contextlib.ExitStack() as stack:
+        if door == "gRPC":
+            stack.enter_context(pytest.warns(UserWarning, match="cannot reach the server's data port"))
+        with pytest.raises(gpuport.GpuportError, match="storage quota exceeded"):
+            client.push(_folder(tmp_path / "big", 2 * MiB), "big")
+    assert client.snapshots() == [] and _held(box, name) == 0
 
 
 def test_a_sparse_output_over_the_quota_is_not_kept(box: RunningServer, user: tuple) -> None:

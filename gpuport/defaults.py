@@ -83,6 +83,14 @@ DEFAULT_QUEUED_PER_USER = 1_000
 # Processes and threads each job may run at once, where the kernel counts them (cgroups' pids
 # controller): the quota of '*' a new state dir starts with (`gpuport quota set '*' --processes N`).
 DEFAULT_PROCESSES_PER_JOB = 4096
+# Storage each user may keep (the blobs of their snapshots, datasets, outputs and uploads, and their
+# jobs' logs) unless an admin sets otherwise: this share of the state dir's filesystem.
+DEFAULT_STORAGE_SHARE = 0.25
+# Seconds a blob no snapshot refers to is kept (an upload in flight becomes a snapshot within it)
+# before the storage sweep removes it (`gpuport server --blob-grace`).
+DEFAULT_BLOB_GRACE = 3600.0
+# Seconds between two storage sweeps (the first runs as the server starts).
+DEFAULT_SWEEP_INTERVAL = 3600.0
 # Work that reserves no memory waits while the machine has less than this free: the smaller of
 # the two (`gpuport server --memory-floor`). With cgroups, the machine's memory less the floor is
 # also what a job without --memory may use, and what all jobs together may use.

@@ -241,7 +241,9 @@ def test_quotas_make_jobs_wait_and_only_admins_set_them(
                 assert job.wait(30).info.state == "succeeded"
         finally:
             admin_of.unset_quota(dave.user)
-        assert all(q.user != dave.user for q in admin_of.quotas())
+        # still listed, for the storage they keep (their jobs' logs), but under the default's limits
+        (listed_dave,) = [q for q in admin_of.quotas() if q.user == dave.user]
+        assert listed_dave.updated_at == 0 and listed_dave.jobs == DEFAULT_JOBS_PER_USER
         result = cli("quota", "unset", dave.user, **client_env(sharing))  # type: ignore[operator]
         assert result.code == 1 and "no quota for" in result.stderr
 

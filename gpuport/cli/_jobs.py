@@ -476,11 +476,13 @@ def push_command(ctx: click.Context, folder: Path, name: str, as_json: bool) -> 
     )
 
 
-@click.command("snapshots")
+@click.group("snapshots", invoke_without_command=True)
 @json_option
 @click.pass_context
 def snapshots_command(ctx: click.Context, as_json: bool) -> None:
-    """List your named snapshots (made with `gpuport push`)."""
+    """List your named snapshots (made with `gpuport push`); `gpuport snapshots rm` removes one."""
+    if ctx.invoked_subcommand is not None:
+        return
     snapshots = client(ctx).snapshots()
     if as_json:
         print_json(snapshots)
@@ -491,6 +493,21 @@ def snapshots_command(ctx: click.Context, as_json: bool) -> None:
     for s in snapshots:
         table.add_row(escape(s.name), str(s.files), format_size(s.bytes), s.id[:12])
     out.print(table)
+
+
+@snapshots_command.command("rm")
+@click.argument("name_or_id")
+@click.pass_context
+def snapshots_rm(ctx: click.Context, name_or_id: str) -> None:
+    """Remove the snapshot NAME_OR_ID: a name you pushed, or an id (a job's outputs: its
+    output_snapshot_id), with every name pointing at it. Its storage is freed once nothing else of
+    yours uses its files (the server removes them within its grace period, 1h by default).
+
+    \b
+        gpuport snapshots rm mydata
+    """
+    removed = client(ctx).remove_snapshot(name_or_id)
+    err.print(f"removed snapshot {escape(name_or_id)} ({removed.files} files, {format_size(removed.bytes)})")
 
 
 JOB_COMMANDS = [

@@ -1,4 +1,5 @@
-"""``gpuport quota``: what each user may hold at once (admins set it; jobs over it wait)."""
+"""``gpuport quota``: what each user may hold at once (admins set it; jobs over it wait), and the
+storage they may keep (past it, what would add to it is refused)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import click
 
 from gpuport.cli._common import client, json_option
 from gpuport.cli._output import err, escape, new_table, out, print_json, when
+from gpuport.protocol.units import format_size
 
 
 @click.group("quota")
 def quota_group() -> None:
-    """Per-user quotas: concurrent GPUs and jobs, processes per job. USER '*' is everyone without a quota of their own."""
+    """Per-user quotas: concurrent GPUs and jobs, processes per job, storage. USER '*' is everyone without a quota of their own."""
 
 
 @quota_group.command("set")
@@ -23,9 +25,20 @@ def quota_group() -> None:
     type=int,
     help="Processes and threads each job may run at once, held by the kernel (cgroups) [default: 4096].",
 )
+@click.option(
+    "--storage",
+    metavar="SIZE",
+    help="Snapshots, datasets, outputs and logs the user may keep, e.g. 50GiB [default: '*''s, else 25% of the server's disk].",
+)
 @click.pass_context
 def quota_set(
-    ctx: click.Context, user: str, gpus: float | None, jobs: int | None, queued: int | None, processes: int | None
+    ctx: click.Context,
+    user: str,
+    gpus: float | None,
+    jobs: int | None,
+    queued: int | None,
+    processes: int | None,
+    storage: str | None,
 ) -> None:
     """Limit what USER holds at once (admin only); jobs over it wait in the queue, saying so. A
     limit not given is off, but for --queued and --processes, which are then the defaults.
@@ -34,16 +47,21 @@ def quota_set(
         gpuport quota set alice --gpus 2 --jobs 4
         gpuport quota set '*' --gpus 1          # everyone else
         gpuport quota set bob --jobs 8 --processes 16384
+        gpuport quota set carol --jobs 4 --storage 50GiB
     """
-    quota = client(ctx).set_quota(user, gpus=gpus, jobs=jobs, queued=queued, processes=processes)
-    err.print(f"quota of {escape(quota.user)}: {_limits(quota.gpus, quota.jobs, quota.queued, quota.processes)}")
+    quota = client(ctx).set_quota(user, gpus=gpus, jobs=jobs, queued=queued, processes=processes, storage=storage)
+    held = _limits(quota.gpus, quota.jobs, quota.queued, quota.processes)
+    if quota.storage is not None:
+        held += f"; {format_size(quota.storage)} of storage"
+    err.print(f"quota of {escape(quota.user)}: {held}")
 
 
 @quota_group.command("list")
 @json_option
 @click.pass_context
 def quota_list(ctx: click.Context, as_json: bool) -> None:
-    """Every quota (admins), or yours and the default one."""
+    """Every quota and each user's storage use (admins), or yours and the default one. A user
+    without a quota of their own is shown with the default's limits, set '(*)'."""
     quotas = client(ctx).quotas()
     if as_json:
         print_json(quotas)
@@ -52,7 +70,7 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
         err.print("no quotas: every user may use everything")
         return
     table = new_table()
-    for column in ("USER", "GPUS", "JOBS", "QUEUED", "PROCESSES/JOB", "SET"):
+    for column in ("USER", "GPUS", "JOBS", "QUEUED", "PROCESSES/JOB", "USED", "STORAGE", "SET"):
         table.add_column(column)
     for q in quotas:
         table.add_row(
@@ -61,7 +79,9 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
             "-" if q.jobs is None else str(q.jobs),
             "default" if q.queued is None else str(q.queued),
             "?" if q.processes is None else str(q.processes),
-            when(q.updated_at),
+            "-" if q.storage_used is None else format_size(q.storage_used),
+            "?" if q.storage is None else format_size(q.storage),
+            when(q.updated_at) if q.updated_at else "(*)",
         )
     out.print(table)
 

@@ -20,9 +20,16 @@ from gpuport.cli._quotas import quota_group
 from gpuport.cli._sessions import sessions_group
 from gpuport.client._channel import Target, parse_url
 from gpuport.client._config import config_path, load_profiles, remove_profile
-from gpuport.defaults import DEFAULT_GRPC_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_PROFILE, ENV_PROFILE
+from gpuport.defaults import (
+    DEFAULT_BLOB_GRACE,
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_PROFILE,
+    ENV_PROFILE,
+)
 from gpuport.protocol.errors import GpuportError, InvalidRequest
-from gpuport.protocol.units import format_size, parse_size
+from gpuport.protocol.units import format_size, parse_duration, parse_size
 
 
 class _Gpuport(click.Group):
@@ -109,6 +116,12 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "[default: 5% of the memory, at most 2GiB].",
 )
 @click.option(
+    "--blob-grace",
+    metavar="DURATION",
+    help="Blobs no snapshot, output or dataset refers to are removed once this old, e.g. 30m "
+    "(uploads in flight become snapshots within it) [default: 1h].",
+)
+@click.option(
     "--ray",
     "ray_address",
     metavar="ADDRESS",
@@ -139,6 +152,7 @@ def server(
     no_sandbox: bool,
     no_cgroups: bool,
     memory_floor: str | None,
+    blob_grace: str | None,
     ray_address: str | None,
     ray_insecure: bool,
     print_systemd_unit: bool,
@@ -160,6 +174,7 @@ def server(
         options += ["--no-sandbox"] if no_sandbox else []
         options += ["--no-cgroups"] if no_cgroups else []
         options += ["--memory-floor", memory_floor] if memory_floor is not None else []
+        options += ["--blob-grace", blob_grace] if blob_grace is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
         print(systemd_unit(options, state_dir), end="")
@@ -176,6 +191,10 @@ def server(
         floor = None if memory_floor is None else parse_size(memory_floor)
     except InvalidRequest as e:
         raise click.BadParameter(str(e), param_hint="--memory-floor") from None
+    try:
+        grace = DEFAULT_BLOB_GRACE if blob_grace is None else parse_duration(blob_grace)
+    except InvalidRequest as e:
+        raise click.BadParameter(str(e), param_hint="--blob-grace") from None
     import logging
 
     logging.basicConfig(
@@ -195,6 +214,7 @@ def server(
             sandbox=not no_sandbox,
             use_cgroups=not no_cgroups,
             memory_floor=floor,
+            blob_grace=grace,
             ray_address=ray_address,
             ray_insecure=ray_insecure,
             say=lambda text: print(text, flush=True),

@@ -137,6 +137,16 @@ class Client:
         reply = self.transport.call(self.transport.snapshots.List, _EMPTY)
         return [Snapshot(s.snapshot_id, s.name, s.files, s.bytes) for s in reply.snapshots]
 
+    def remove_snapshot(self, name_or_id: str) -> Snapshot:
+        """Remove your snapshot named ``name_or_id`` (the snapshot itself goes too, unless another
+        name or queued or running work uses it), or the snapshot with that id (a job's outputs: its
+        ``output_snapshot_id``) and its names. Its files stop counting against your storage once
+        nothing else of yours has them. Raises ``NotFound``, ``InvalidRequest`` (one in use)."""
+        by_id = len(name_or_id) == 64 and all(c in "0123456789abcdef" for c in name_or_id)
+        ref = pb.SnapshotRef(snapshot_id=name_or_id) if by_id else pb.SnapshotRef(name=name_or_id)
+        s = self.transport.call(self.transport.snapshots.Delete, ref)
+        return Snapshot(s.snapshot_id, s.name, s.files, s.bytes)
+
     # ---- jobs ---------------------------------------------------------------------------------------
 
     def submit(
@@ -240,17 +250,21 @@ class Client:
         jobs: int | None = None,
         queued: int | None = None,
         processes: int | None = None,
+        storage: int | str | None = None,
     ) -> QuotaInfo:
         """Limit what ``user`` (``"*"``: everyone without a quota of their own) holds at once: GPUs
         (slices count as their part) and running jobs; None leaves that limit off. ``queued``: the
         most jobs queued at once (None: the default's, 1,000 unless ``"*"`` says). ``processes``:
         the processes and threads each of their jobs may run at once (None: the server's default,
-        4096), enforced by the kernel where the server has cgroups. Admin only.
+        4096), enforced by the kernel where the server has cgroups. ``storage``: the bytes (or a
+        size such as ``"50GiB"``) of snapshots, datasets, outputs and logs they may keep (None: the
+        default's: ``"*"``'s, else a quarter of the server's disk). Admin only.
 
         Jobs over the quota wait, saying so; a submit past the queued cap is refused
         (``ResourceUnavailable``). Raises ``PermissionDenied``, ``InvalidRequest``.
         """
-        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, queued=queued, processes=processes)
+        size = None if storage is None else parse_size(storage)
+        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, queued=queued, processes=processes, storage=size)
         return QuotaInfo._from_message(self.transport.call(self.transport.quotas.Set, request))
 
     def quotas(self) -> list[QuotaInfo]:

@@ -299,7 +299,8 @@ class Transport:
             blobs = [f.blob for f in batch if f.blob]
             if not blobs:
                 return
-            missing = set(self.call(self.snapshots.Missing, pb.BlobList(blobs=blobs)).blobs)
+            sizes = [f.size for f in batch if f.blob]  # the server refuses at once a push past the quota
+            missing = set(self.call(self.snapshots.Missing, pb.BlobList(blobs=blobs, sizes=sizes)).blobs)
             for f in batch:
                 if f.blob in missing:
                     if not started:

@@ -113,7 +113,8 @@ class QuotaInfo:
     """A user's quota: the most GPUs (slices count as their part) and jobs held at once; None: no
     limit. ``queued``: the most jobs queued at once; None: the default's. ``processes``: the
     processes and threads each of their jobs may run at once (None: a server that does not say).
-    The user ``*`` stands for everyone without a quota of their own."""
+    ``storage``: the bytes of blobs and logs they may keep, ``storage_used``: what they keep. The user
+    ``*`` stands for everyone without a quota of their own."""
 
     user: str
     gpus: float | None
@@ -121,6 +122,8 @@ class QuotaInfo:
     updated_at: float
     queued: int | None = None
     processes: int | None = None
+    storage: int | None = None  # bytes the user may keep (None: a server that does not say)
+    storage_used: int | None = None  # bytes they keep (None: the '*' quota)
 
     @classmethod
     def _from_message(cls, m: pb.QuotaInfo) -> QuotaInfo:
@@ -131,6 +134,8 @@ class QuotaInfo:
             m.updated_at,
             m.queued if m.HasField("queued") else None,
             m.processes if m.HasField("processes") else None,
+            m.storage if m.HasField("storage") else None,
+            m.storage_used if m.HasField("storage_used") else None,
         )
 
 

@@ -288,10 +288,12 @@ class DownloadRequest(_message.Message):
     def __init__(self, snapshot_id: _Optional[str] = ..., blobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlobList(_message.Message):
-    __slots__ = ("blobs",)
+    __slots__ = ("blobs", "sizes")
     BLOBS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     blobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, blobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, blobs: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node")
@@ -450,20 +452,24 @@ class WaitRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class QuotaInfo(_message.Message):
-    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes")
+    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes", "storage", "storage_used")
     USER_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_USED_FIELD_NUMBER: _ClassVar[int]
     user: str
     gpus: float
     jobs: int
     updated_at: float
     queued: int
     processes: int
-    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ..., processes: _Optional[int] = ...) -> None: ...
+    storage: int
+    storage_used: int
+    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ..., processes: _Optional[int] = ..., storage: _Optional[int] = ..., storage_used: _Optional[int] = ...) -> None: ...
 
 class QuotaList(_message.Message):
     __slots__ = ("quotas",)

@@ -419,6 +419,11 @@ class SnapshotsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotList.FromString,
                 _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/gpuport.v1.Snapshots/Delete',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Snapshot.FromString,
+                _registered_method=True)
         self.Upload = channel.stream_unary(
                 '/gpuport.v1.Snapshots/Upload',
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.BlobBatch.SerializeToString,
@@ -468,6 +473,14 @@ class SnapshotsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Delete(self, request, context):
+        """Drop a name (the snapshot too, unless another name or running work uses it), or a snapshot by
+        id with its names: its blobs are then removed unless something else of the caller's keeps them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Upload(self, request_iterator, context):
         """Blobs go up here, or faster on the data port (Sessions.Transfer with `blobs`).
         """
@@ -508,6 +521,11 @@ def add_SnapshotsServicer_to_server(servicer, server):
                     servicer.List,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotList.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Snapshot.SerializeToString,
             ),
             'Upload': grpc.stream_unary_rpc_method_handler(
                     servicer.Upload,
@@ -655,6 +673,33 @@ class Snapshots:
             '/gpuport.v1.Snapshots/List',
             gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.SnapshotList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Snapshots/Delete',
+            gpuport_dot_protocol_dot_gpuport__pb2.SnapshotRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.Snapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ from typing import TypeVar
 import psutil
 
 from gpuport._version import __version__
-from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES
+from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES, DEFAULT_BLOB_GRACE
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
@@ -33,6 +33,7 @@ from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.serving import ServingService
 from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
+from gpuport.server.services.storage import StorageService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
 from gpuport.server.tls import ClientCertificate, issue_client_certificate
@@ -83,6 +84,7 @@ class ServerApp:
         executor: Executor | None = None,
         memory_floor: int = 0,
         cgroups: Cgroups = cgroups_.NONE,
+        blob_grace: float = DEFAULT_BLOB_GRACE,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -91,7 +93,7 @@ class ServerApp:
         self.inventory = inventory
         self.blobs = BlobStore(state.blobs_dir)
         self.snapshots = SnapshotService(self.store, self.blobs)
-        self.quotas = QuotaService(self.store)
+        self.quotas = QuotaService(self.store, state.root)
         if isinstance(inventory, FakeInventory):
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
@@ -105,6 +107,8 @@ class ServerApp:
             sandbox,
             memory_floor,
         )
+        self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.log_size, blob_grace)
+        self.jobs.storage = self.storage
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs)
@@ -129,6 +133,7 @@ class ServerApp:
         await self.sessions.start()
         await self.serving.start()
         self._watching = asyncio.create_task(self.watchdog.run())
+        self.storage.start()
         self.gpu_history.start()
 
     async def until_revoked(self, name: str, replies: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -230,6 +235,7 @@ class ServerApp:
     def close(self) -> None:
         if self._watching is not None:
             self._watching.cancel()
+        self.storage.stop()
         self.gpu_history.stop()
         self.sessions.stop()
         self.serving.stop()

@@ -26,7 +26,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gpuport._version import __version__
-from gpuport.defaults import DEFAULT_SHUTDOWN_GRACE
+from gpuport.defaults import DEFAULT_BLOB_GRACE, DEFAULT_SHUTDOWN_GRACE
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups, isolation
@@ -187,6 +187,7 @@ async def serve(
     memory_floor: int | None = None,
     ray_address: str | None = None,
     ray_insecure: bool = False,
+    blob_grace: float = DEFAULT_BLOB_GRACE,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
@@ -198,7 +199,8 @@ async def serve(
     and ``sandbox`` (False: none) say how jobs are isolated (see server/isolation.py); ``use_cgroups``
     (False: none) whether each job runs in a cgroup of its own (see server/cgroups.py). Below
     ``memory_floor`` bytes of free memory (None: the default; 0: no floor), work that reserves no
-    memory waits; a job that asks for no memory may use the machine's memory less the floor. ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
+    memory waits; a job that asks for no memory may use the machine's memory less the floor. Blobs
+    nobody keeps are removed once ``blob_grace`` seconds old (see services/storage.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -232,7 +234,7 @@ async def serve(
     if use_cgroups and not ray_address:
         room = max(0, psutil.virtual_memory().total - floor)
         limits = cgroups.detect(cgroups.server_key(state.jobs_dir), room)
-    app = ServerApp(state, inventory, isolated, executor, memory_floor=floor, cgroups=limits)
+    app = ServerApp(state, inventory, isolated, executor, memory_floor=floor, cgroups=limits, blob_grace=blob_grace)
     data: DataPort | None = None
     try:
         credentials = cert_credentials = None
@@ -264,6 +266,7 @@ async def serve(
             data_port,
             state.cert_path if identity else None,
             state.key_path if identity else None,
+            storage=app.storage,
         )
         app.sessions.data_port = data.port
         app.auth.revoked_hooks.append(data.revoke)

@@ -186,6 +186,18 @@ MIGRATIONS: list[str] = [
     f"""
     ALTER TABLE quotas ADD COLUMN processes INTEGER NOT NULL DEFAULT {DEFAULT_PROCESSES_PER_JOB};
     """,
+    # 17: storage: what each held blob weighs (its holder is charged all of it), since when it is
+    # held (the sweep spares younger ones), and each user's storage quota (bytes; NULL: the '*'
+    # quota's, else DEFAULT_STORAGE_SHARE of the state dir's filesystem)
+    """
+    ALTER TABLE quotas ADD COLUMN storage INTEGER;
+    ALTER TABLE blob_holders ADD COLUMN size INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE blob_holders ADD COLUMN held_at REAL NOT NULL DEFAULT 0;
+    UPDATE blob_holders SET size = m.size FROM (
+        SELECT s.owner AS owner, json_extract(e.value, '$[1]') AS blob, MAX(json_extract(e.value, '$[2]')) AS size
+        FROM snapshots s, json_each(s.manifest) e WHERE json_extract(e.value, '$[1]') != '' GROUP BY 1, 2
+    ) m WHERE m.owner = blob_holders.owner AND m.blob = blob_holders.blob;
+    """,
 ]
 
 

@@ -69,7 +69,14 @@ from google.protobuf.message import DecodeError
 
 from gpuport.defaults import MAX_BLOB_BYTES, MAX_MESSAGE_BYTES
 from gpuport.protocol import gpuport_pb2 as pb
-from gpuport.protocol.errors import AuthenticationError, ConfigError, GpuportError, InvalidRequest, ServerError
+from gpuport.protocol.errors import (
+    AuthenticationError,
+    ConfigError,
+    GpuportError,
+    InvalidRequest,
+    ResourceUnavailable,
+    ServerError,
+)
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.metrics import Transfers
@@ -77,6 +84,7 @@ from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobSink, check_hash
 from gpuport.server.services.sessions import Direct, Redeemed, SessionService, Staged
 from gpuport.server.services.snapshots import SnapshotService
+from gpuport.server.services.storage import StorageService, over_quota
 from gpuport.server.worker import wire
 
 log = logging.getLogger(__name__)
@@ -107,9 +115,11 @@ class DataPort:
         port: int,
         cert: Path | None,
         key: Path | None,
+        storage: StorageService | None = None,
     ) -> None:
         self.sessions = sessions
         self.snapshots = snapshots
+        self.storage = storage  # blobs count against their sender's storage quota
         self.transfers = transfers
         self.staging = sessions.staging
         self._context: ssl.SSLContext | None = None
@@ -407,6 +417,8 @@ class DataPort:
         """Receive blobs (see the module's doc) until the sender's end, placing each once it checks out."""
         sink = BlobSink(self.snapshots.blobs)
         source = conn.makefile("rb", buffering=_SLICE)
+        budget = self.storage.left(name) if self.storage is not None else None
+        received, over = 0, False
         try:
             conn.sendall(b"B")
             buffer = memoryview(sink.buffer())
@@ -420,6 +432,11 @@ class DataPort:
                     raise InvalidRequest(f"a blob upload carried {kind!r} where a blob's header was expected")
                 if size > MAX_BLOB_BYTES:
                     raise InvalidRequest(f"blob {blob} is larger than the limit of {MAX_BLOB_BYTES} bytes")
+                received += size
+                if budget is not None and received > budget:  # refused before its bytes are read
+                    over = True
+                    assert self.storage is not None
+                    raise ResourceUnavailable(over_quota(name, *self._use(name), received, "this upload"))
                 offset = 0
                 while True:
                     if at == len(buffer):
@@ -438,7 +455,7 @@ class DataPort:
             sink.send()
             sink.finish()
             conn.sendall(b"K" + _BLOBS_DONE.pack(len(sink.placed), sink.bytes))
-        except InvalidRequest as e:
+        except (InvalidRequest, ResourceUnavailable) as e:
             sink.abort()
             log.info("a blob upload from %s was refused: %s", peer, e)
             with contextlib.suppress(OSError, EOFError, ValueError):
@@ -450,8 +467,13 @@ class DataPort:
             source.close()
             # The blobs that arrived whole are the sender's, even from an upload cut short.
             self.transfers.add("snapshots", "in", sink.bytes)
-            if sink.placed:
+            if sink.placed and not over:  # past the quota, none is theirs (the sweep removes them)
                 self.snapshots.hold(name, sink.placed)
+
+    def _use(self, name: str) -> tuple[int, int]:
+        """What ``name`` keeps, and may keep."""
+        assert self.storage is not None
+        return self.storage.used(name), self.storage.quotas.storage(name)
 
     def _tunnel(self, conn: socket.socket, found: Redeemed, peer: object) -> None:
         """Relay a tunnel's bytes between the client and the worker's socket until either side ends."""

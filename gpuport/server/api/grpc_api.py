@@ -223,7 +223,12 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
             raise InvalidRequest(f"{len(request.blobs)} blobs asked about at once; the limit is {MAX_SNAPSHOT_FILES}")
         for blob in request.blobs:
             check_hash(blob)
-        return pb.BlobList(blobs=self.app.snapshots.missing(caller, request.blobs))
+        missing = self.app.snapshots.missing(caller, request.blobs)
+        if len(request.sizes) == len(request.blobs):  # a push says how much it brings: refused now, if too much
+            sizes = dict(zip(request.blobs, request.sizes, strict=True))
+            adding = sum(max(0, sizes[blob]) for blob in missing)
+            await asyncio.to_thread(self.app.storage.check, caller.name, adding, "this push")
+        return pb.BlobList(blobs=missing)
 
     @rpc
     async def Get(self, request: pb.SnapshotRef, caller: Identity) -> pb.Snapshot:
@@ -235,8 +240,14 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
         return pb.SnapshotList(snapshots=[snapshot_message(r) for r in self.app.snapshots.named(caller)])
 
     @rpc
+    async def Delete(self, request: pb.SnapshotRef, caller: Identity) -> pb.Snapshot:
+        record = await asyncio.to_thread(self.app.snapshots.remove, caller, request.name, request.snapshot_id)
+        return snapshot_message(record)
+
+    @rpc
     async def Upload(self, requests: AsyncIterator[pb.BlobBatch], caller: Identity) -> pb.UploadReply:
-        writer = self.app.blobs.writer()
+        left = await asyncio.to_thread(self.app.storage.left, caller.name)
+        writer = self.app.blobs.writer(budget=left)
         # Receiving (on the event loop) and writing + hashing (in a thread) overlap through a small
         # queue; one after the other, an upload ran at half the speed.
         queue: asyncio.Queue[pb.BlobBatch | None] = asyncio.Queue(maxsize=_UPLOAD_QUEUE)
@@ -266,9 +277,11 @@ class SnapshotsServicer(_Servicer, pb_grpc.SnapshotsServicer):
                 await asyncio.wait([writing])
             writer.abort()
             raise
-        finally:  # the blobs whose bytes arrived whole are the caller's, even from a stream cut short
+        finally:  # the blobs whose bytes arrived whole are the caller's, even from a stream cut short,
+            # unless it went past their storage quota: then none is (the sweep removes them)
             self.app.transfers.add("snapshots", "in", writer.bytes)
-            await asyncio.to_thread(self.app.snapshots.hold, caller.name, writer.placed)
+            if not writer.over:
+                await asyncio.to_thread(self.app.snapshots.hold, caller.name, writer.placed)
         return pb.UploadReply(blobs=len(writer.placed), bytes=writer.bytes)
 
     @stream_rpc
@@ -404,6 +417,8 @@ def quota_message(record: QuotaRecord) -> pb.QuotaInfo:
         queued=record.queued,
         updated_at=record.updated_at,
         processes=record.processes,
+        storage=record.storage,
+        storage_used=record.storage_used,
     )
 
 
@@ -414,11 +429,16 @@ class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
         jobs = request.jobs if request.HasField("jobs") else None
         queued = request.queued if request.HasField("queued") else None
         processes = request.processes if request.HasField("processes") else None
-        return quota_message(self.app.quotas.set(caller, request.user, gpus, jobs, queued, processes))
+        storage = request.storage if request.HasField("storage") else None
+        record = await asyncio.to_thread(
+            self.app.quotas.set, caller, request.user, gpus, jobs, queued, processes, storage
+        )
+        return quota_message(record)
 
     @rpc
     async def List(self, request: pb.Empty, caller: Identity) -> pb.QuotaList:
-        return pb.QuotaList(quotas=[quota_message(q) for q in self.app.quotas.list(caller)])
+        quotas = await asyncio.to_thread(self.app.quotas.list, caller)
+        return pb.QuotaList(quotas=[quota_message(q) for q in quotas])
 
     @rpc
     async def Unset(self, request: pb.QuotaRef, caller: Identity) -> pb.Empty:

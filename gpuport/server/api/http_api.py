@@ -7,6 +7,7 @@ load their script from a CDN without integrity checks into the dashboard's origi
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import dataclasses
 import json
@@ -96,6 +97,9 @@ class QuotaSet(BaseModel):
     jobs: int | None = Field(None, description="Jobs running at once; null: no limit")
     queued: int | None = Field(None, description="Jobs queued at once; null: the default's (1,000 unless '*' says)")
     processes: int | None = Field(None, description="Processes and threads of each job at once; null: the default")
+    storage: int | str | None = Field(
+        None, description="Bytes of blobs and logs the user may keep, or a size such as '50GiB'; null: the default's"
+    )
 
 
 def _flag_value(value: Any) -> str:
@@ -466,11 +470,20 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.get("/v1/quotas", summary="Quotas (admins: all; a user: their own and the default '*')")
     async def list_quotas(identity: Caller) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(q) for q in app.quotas.list(identity)]
+        return [dataclasses.asdict(q) for q in await asyncio.to_thread(app.quotas.list, identity)]
 
     @api.put("/v1/quotas/{user}", summary="Set a user's quota (admin); user '*' is everyone without their own")
     async def set_quota(user: str, body: QuotaSet, identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.quotas.set(identity, user, body.gpus, body.jobs, body.queued, body.processes))
+        storage = None if body.storage is None else parse_size(body.storage)
+        record = await asyncio.to_thread(
+            app.quotas.set, identity, user, body.gpus, body.jobs, body.queued, body.processes, storage
+        )
+        return dataclasses.asdict(record)
+
+    @api.post("/v1/storage/sweep", summary="Remove the blobs nobody keeps now, past the grace period (admin)")
+    async def sweep_storage(identity: Caller) -> dict[str, Any]:
+        identity.require_admin("sweeping the storage")
+        return dataclasses.asdict(await asyncio.to_thread(app.storage.sweep))
 
     @api.delete("/v1/quotas/{user}", status_code=204, summary="Remove a user's quota (admin)")
     async def unset_quota(user: str, identity: Caller) -> Response:
@@ -500,6 +513,9 @@ def build_http_app(app: ServerApp) -> Predictions:
                 check_snapshot_name(name)  # before the work, not after it
             async with app.unpackers:
                 entries = await unpack(app.blobs.root, archive, kind)
+            sizes = {e.blob: e.size for e in entries if e.blob}
+            adding = await asyncio.to_thread(app.snapshots.new_bytes, identity.name, sizes)
+            await asyncio.to_thread(app.storage.check, identity.name, adding, "this archive")
             record = app.snapshots.record_archive(identity, entries, name)
         finally:
             archive.unlink(missing_ok=True)
@@ -545,5 +561,14 @@ def build_http_app(app: ServerApp) -> Predictions:
     @api.get("/v1/snapshots", summary="Your named snapshots (gpuport push)")
     async def list_snapshots(identity: Caller) -> list[dict[str, Any]]:
         return [dataclasses.asdict(s) for s in app.snapshots.named(identity)]
+
+    @api.delete(
+        "/v1/snapshots/{name_or_id}",
+        summary="Remove a named snapshot (or a snapshot by id, with its names): its storage is freed",
+    )
+    async def delete_snapshot(name_or_id: str, identity: Caller) -> dict[str, Any]:
+        by_id = len(name_or_id) == 64 and all(c in "0123456789abcdef" for c in name_or_id)
+        name, sid = ("", name_or_id) if by_id else (name_or_id, "")
+        return dataclasses.asdict(await asyncio.to_thread(app.snapshots.remove, identity, name, sid))
 
     return Predictions(api, app)

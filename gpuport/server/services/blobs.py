@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from gpuport.defaults import MAX_BLOB_BYTES
-from gpuport.protocol.errors import InvalidRequest
+from gpuport.protocol.errors import InvalidRequest, ResourceUnavailable
+from gpuport.protocol.units import format_size
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _KNOWN_SIZES = 1_000_000
@@ -97,12 +98,17 @@ class BlobStore:
             sizes[blob] = size
         return sizes
 
+    def forget(self, blob: str) -> None:
+        """Drop what is known of ``blob``, about to be removed (the storage sweep)."""
+        self._known.pop(blob, None)
+
     def _place(self, temp: str, blob: str) -> None:
         os.chmod(temp, 0o444)
         os.replace(temp, f"{self.root}/{blob[:2]}/{blob[2:]}")
 
-    def writer(self) -> BlobWriter:
-        return BlobWriter(self)
+    def writer(self, budget: int | None = None) -> BlobWriter:
+        """A writer for one upload stream, refusing (``ResourceUnavailable``) bytes past ``budget``."""
+        return BlobWriter(self, budget)
 
     def ingest(self, source: BinaryIO) -> tuple[str, int]:
         """Add the content of ``source`` (a job's output, open) to the store; return its hash and size.
@@ -124,6 +130,9 @@ class BlobStore:
             if self.sizes([blob])[blob] is None:
                 self._folder(blob)
                 self._place(temp, blob)
+            else:  # kept by the storage sweep's grace period until its new holder is recorded
+                with contextlib.suppress(OSError):
+                    os.utime(self.path(blob))
         finally:
             Path(temp).unlink(missing_ok=True)
         return blob, size
@@ -150,10 +159,12 @@ class BlobWriter:
     ``write`` takes one message's parts (in a thread: writing and hashing release the GIL).
     """
 
-    def __init__(self, store: BlobStore) -> None:
+    def __init__(self, store: BlobStore, budget: int | None = None) -> None:
         self.store = store
         self.placed: list[str] = []  # the blobs received whole and checked, in order
         self.bytes = 0
+        self.budget = budget  # the most bytes this stream may bring (the sender's storage left); None: any
+        self.over = False  # it brought more: none of its blobs is the sender's
         self._blob: str | None = None  # the blob being received
         self._offset = 0
         self._file: BinaryIO | None = None
@@ -179,6 +190,13 @@ class BlobWriter:
             raise InvalidRequest(f"blob {blob}: part at offset {offset}, expected {self._offset}")
         if self._offset + len(data) > MAX_BLOB_BYTES:
             raise InvalidRequest(f"blob {blob} is larger than the limit of {MAX_BLOB_BYTES} bytes")
+        if self.budget is not None and self.bytes + self._offset + len(data) > self.budget:
+            self.over = True
+            raise ResourceUnavailable(
+                f"storage quota exceeded: this upload brings more than the {format_size(self.budget)} you may "
+                "still keep — nothing of it was stored; remove snapshots or outputs you no longer need "
+                "(`gpuport snapshots rm NAME_OR_ID`), or ask an admin for more (`gpuport quota set USER --storage SIZE`)"
+            )
         assert self._file is not None
         self._file.write(data)
         self._digest.update(data)

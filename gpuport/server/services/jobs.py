@@ -71,7 +71,8 @@ from gpuport.server.scheduler import (
 )
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
-from gpuport.server.services.snapshots import SnapshotRecord, SnapshotService, check_snapshot_name
+from gpuport.server.services.snapshots import OverBudget, SnapshotRecord, SnapshotService, check_snapshot_name
+from gpuport.server.services.storage import StorageService, over_quota
 from gpuport.server.store import Store
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ class JobService:
         self.inventory = inventory
         self.executor = executor
         self.quotas = quotas
+        self.storage: StorageService | None = None  # set by the app: outputs count against their owner's storage
         self.sandbox = sandbox
         self.uids = UidMap(store, sandbox.uids)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -924,10 +926,13 @@ class JobService:
         status = await asyncio.to_thread(self.executor.exit_status, job_id)
         try:
             outputs, missing = await asyncio.to_thread(self._collect_outputs, row)
+            note = f"; outputs not found: {', '.join(missing)}" if missing else ""
+        except ResourceUnavailable as e:  # over the storage quota: the job ends as it did, without outputs
+            log.info("job %s: outputs not kept: %s", job_id, e)
+            outputs, note = "", f"; outputs not kept: {e}"
         except Exception as e:
             log.exception("job %s: collecting outputs failed", job_id)
-            outputs, missing = "", [f"(collecting outputs failed: {e})"]
-        note = f"; outputs not found: {', '.join(missing)}" if missing else ""
+            outputs, note = "", f"; outputs not found: (collecting outputs failed: {e})"
         if status is None:
             state, code = JobState.LOST, None
             message = "its supervisor ended without recording an exit code (killed, or the machine restarted)"
@@ -998,10 +1003,18 @@ class JobService:
     def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:
         """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found."""
 
-        def ingest(files: Any) -> str:
-            return self.snapshots.ingest_folder(row["owner"], files).id
+        owner = row["owner"]
+        budget = self.storage.left(owner) if self.storage is not None else None
 
-        return self.executor.collect_outputs(row["id"], json.loads(row["outputs"]), ingest)
+        def ingest(files: Any) -> str:
+            return self.snapshots.ingest_folder(owner, files, budget).id
+
+        try:
+            return self.executor.collect_outputs(row["id"], json.loads(row["outputs"]), ingest)
+        except OverBudget as e:
+            assert self.storage is not None
+            used, quota = self.storage.used(owner), self.quotas.storage(owner)
+            raise ResourceUnavailable(over_quota(owner, used, quota, e.total, "its outputs")) from None
 
     def pids(self, job_id: str) -> list[int]:
         """The pids of a running job's processes on this machine (every rank's, and their descendants)."""

@@ -6,17 +6,26 @@ on every pass (``all``); a job over its owner's quota waits, saying so. The queu
 (``queued_cap``: the user's, else ``*``'s, else ``DEFAULT_QUEUED_PER_USER``): a submit past it is refused.
 The cap of processes (and threads) is never off: a quota set without one gets
 ``DEFAULT_PROCESSES_PER_JOB``, and the kernel enforces it where the server has cgroups
-(``server/cgroups.py``); it applies to jobs started after.
+(``server/cgroups.py``); it applies to jobs started after. Storage (the blobs and logs a user keeps,
+``services/storage.py``) is never unlimited either: the user's, else ``*``'s, else
+``DEFAULT_STORAGE_SHARE`` of the state dir's filesystem.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB, DEFAULT_QUEUED_PER_USER, MAX_NAME_LENGTH
+from gpuport.defaults import (
+    DEFAULT_PROCESSES_PER_JOB,
+    DEFAULT_QUEUED_PER_USER,
+    DEFAULT_STORAGE_SHARE,
+    MAX_NAME_LENGTH,
+)
 from gpuport.protocol.errors import InvalidRequest, NotFound, PermissionDenied
 from gpuport.server.scheduler import Quota
 from gpuport.server.services.auth import Identity
@@ -37,6 +46,8 @@ class QuotaRecord:
     updated_at: float
     queued: int | None = None  # None: the default's
     processes: int = DEFAULT_PROCESSES_PER_JOB  # each job's processes and threads at once
+    storage: int | None = None  # bytes the user may keep (the one in force: the default's where unset)
+    storage_used: int | None = None  # bytes the user keeps (None: the '*' quota, which is nobody's)
 
 
 def _admin_only(caller: Identity) -> None:
@@ -45,8 +56,11 @@ def _admin_only(caller: Identity) -> None:
 
 
 class QuotaService:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, root: Path | None = None) -> None:
         self.store = store
+        self.root = root or store.path.parent  # storage's default is a share of this folder's filesystem
+        self._storage: dict[str, int] | None = None  # user → storage quota set
+        self.usage: Callable[[str], int] = lambda user: 0  # bytes a user keeps (services/storage.py)
         self._cache: dict[str, Quota] | None = None  # read on every scheduling pass: kept until changed
         self._queued: dict[str, int] | None = None  # user → queued cap, read on every submit: the same
         self.on_change: Callable[[], None] = lambda: None  # the job service looks at its queue again
@@ -59,9 +73,10 @@ class QuotaService:
         jobs: int | None,
         queued: int | None = None,
         processes: int | None = None,
+        storage: int | None = None,
     ) -> QuotaRecord:
-        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``: the default's,
-        ``processes``: the default)."""
+        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``, ``storage``:
+        the default's, ``processes``: the default)."""
         _admin_only(caller)
         if not user or len(user) > MAX_NAME_LENGTH or not user.isprintable():
             raise InvalidRequest(f"user {user[:80]!r}: give a token name, or '*' for every user")
@@ -73,23 +88,30 @@ class QuotaService:
             raise InvalidRequest(f"a queued-jobs cap must be 0 or more, not {queued}")
         if processes is not None and not MIN_PROCESSES <= processes < 2**31:
             raise InvalidRequest(f"a cap of processes per job must be {MIN_PROCESSES} or more, not {processes}")
-        if gpus is None and jobs is None and queued is None and processes is None:
+        if storage is not None and not 0 <= storage < 2**63:
+            raise InvalidRequest(f"a storage quota must be 0 bytes or more, not {storage}")
+        if gpus is None and jobs is None and queued is None and processes is None and storage is None:
             raise InvalidRequest(
-                "give --gpus, --jobs, --queued, --processes or several; `gpuport quota unset USER` removes a quota"
+                "give --gpus, --jobs, --queued, --processes, --storage or several; "
+                "`gpuport quota unset USER` removes a quota"
             )
         processes = DEFAULT_PROCESSES_PER_JOB if processes is None else processes
         now = time.time()
         with self.store.transaction() as db:
             db.execute(
-                "INSERT INTO quotas (user, gpus, jobs, queued, processes, updated_at) VALUES (?, ?, ?, ?, ?, ?) "
+                "INSERT INTO quotas (user, gpus, jobs, queued, processes, storage, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(user) DO UPDATE SET gpus = excluded.gpus, jobs = excluded.jobs, "
-                "queued = excluded.queued, processes = excluded.processes, updated_at = excluded.updated_at",
-                (user, gpus, jobs, queued, processes, now),
+                "queued = excluded.queued, processes = excluded.processes, storage = excluded.storage, "
+                "updated_at = excluded.updated_at",
+                (user, gpus, jobs, queued, processes, storage, now),
             )
         self._cache = None
         self._queued = None
+        self._storage = None
         self.on_change()
-        return QuotaRecord(user, gpus, jobs, now, queued, processes)
+        used = None if user == DEFAULT_USER else self.usage(user)
+        return QuotaRecord(user, gpus, jobs, now, queued, processes, self.storage(user), used)
 
     def unset(self, caller: Identity, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
@@ -99,16 +121,45 @@ class QuotaService:
                 raise NotFound(f"no quota for {user[:80]!r} — `gpuport quota list` shows them")
         self._cache = None
         self._queued = None
+        self._storage = None
         self.on_change()
 
     def list(self, caller: Identity) -> list[QuotaRecord]:
-        """Every quota (admin only); a user sees their own and the default."""
+        """Every quota, with each user's storage use (admin only); a user sees their own and the
+        default. A user who keeps storage without a quota of their own is listed with the default's
+        limits and ``updated_at`` 0. Blocking (a stat per job log): run it in a thread."""
         rows = self.store.query("SELECT * FROM quotas ORDER BY user")
-        return [
-            QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"], r["processes"])
+        records = {
+            r["user"]: QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"], r["processes"])
             for r in rows
             if caller.admin or r["user"] in (caller.name, DEFAULT_USER)
+        }
+        keeping = self.store.query("SELECT DISTINCT owner FROM blob_holders UNION SELECT DISTINCT owner FROM jobs")
+        default = records.get(DEFAULT_USER) or QuotaRecord(DEFAULT_USER, None, None, 0.0)
+        for row in keeping:
+            user = row["owner"]
+            if user not in records and (caller.admin or user == caller.name):
+                records[user] = replace(default, user=user, updated_at=0.0)
+        if caller.name not in records and not caller.admin:
+            records[caller.name] = replace(default, user=caller.name, updated_at=0.0)
+        return [
+            replace(
+                q, storage=self.storage(q.user), storage_used=None if q.user == DEFAULT_USER else self.usage(q.user)
+            )
+            for q in sorted(records.values(), key=lambda q: q.user)
         ]
+
+    def storage(self, user: str) -> int:
+        """The bytes ``user`` may keep: their quota's, else ``*``'s, else ``DEFAULT_STORAGE_SHARE``
+        of the state dir's filesystem."""
+        if self._storage is None:
+            rows = self.store.query("SELECT user, storage FROM quotas WHERE storage IS NOT NULL")
+            self._storage = {r["user"]: r["storage"] for r in rows}
+        if user in self._storage:
+            return self._storage[user]
+        if DEFAULT_USER in self._storage:
+            return self._storage[DEFAULT_USER]
+        return int(shutil.disk_usage(self.root).total * DEFAULT_STORAGE_SHARE)
 
     def all(self) -> dict[str, Quota]:
         """user → quota, for the scheduler."""

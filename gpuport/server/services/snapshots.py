@@ -38,7 +38,7 @@ from gpuport.defaults import (
     MAX_PATH_BYTES,
     MAX_SNAPSHOT_FILES,
 )
-from gpuport.protocol.errors import InvalidRequest, NotFound
+from gpuport.protocol.errors import InvalidRequest, NotFound, ResourceUnavailable
 from gpuport.protocol.paths import check_entries, check_path, snapshot_id
 from gpuport.protocol.units import format_size
 from gpuport.server.services.auth import Identity
@@ -67,6 +67,14 @@ class SnapshotRecord:
     created_at: float
     files: int
     bytes: int
+
+
+class OverBudget(ResourceUnavailable):
+    """Files to keep add up to more than the bytes their owner may still keep."""
+
+    def __init__(self, total: int) -> None:
+        super().__init__(f"{total} bytes is more than the storage left")
+        self.total = total  # bytes counted when the budget was passed
 
 
 def check_snapshot_name(name: str) -> str:
@@ -167,11 +175,55 @@ class SnapshotService:
         return sorted(blob for blob in sizes if blob not in held)
 
     def hold(self, owner: str, blobs: Iterable[str]) -> None:
-        """Record that ``owner`` has these blobs (they sent the bytes, or their job made them)."""
+        """Record that ``owner`` has these blobs (they sent the bytes, or their job made them), and
+        since now: the storage sweep spares a blob held lately, for the snapshot about to use it."""
+        sizes = self.blobs.sizes(blobs)
+        now = time.time()
         with self.store.transaction() as db:
             db.executemany(
-                "INSERT OR IGNORE INTO blob_holders (owner, blob) VALUES (?, ?)", ((owner, b) for b in blobs)
+                "INSERT INTO blob_holders (owner, blob, size, held_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (owner, blob) DO UPDATE SET size = excluded.size, held_at = excluded.held_at",
+                ((owner, blob, size or 0, now) for blob, size in sizes.items()),
             )
+
+    def new_bytes(self, owner: str, sizes: dict[str, int]) -> int:
+        """The bytes of the blobs in ``sizes`` (blob → size) that ``owner`` does not hold yet: what
+        holding them would add to their use."""
+        held = set(sizes) - set(self.missing(Identity(owner, False), {b: 0 for b in sizes}))
+        return sum(size for blob, size in sizes.items() if blob not in held)
+
+    def remove(self, caller: Identity, name: str = "", sid: str = "") -> SnapshotRecord:
+        """Drop the caller's snapshot named ``name`` (its name, and the snapshot unless another name,
+        job, session or deployment of theirs uses it), or the snapshot ``sid`` (with every name
+        pointing at it): its blobs are then collected by the storage sweep unless something else of
+        the caller's holds them. Raises ``NotFound``, ``InvalidRequest`` (a snapshot still in use)."""
+        record = self.resolve(caller, sid, name, owner=caller.name)
+        with self.store.transaction() as db:
+            if name:
+                db.execute("DELETE FROM snapshot_names WHERE owner = ? AND name = ?", (caller.name, name))
+            else:
+                db.execute("DELETE FROM snapshot_names WHERE owner = ? AND snapshot_id = ?", (caller.name, record.id))
+            named = db.execute(
+                "SELECT 1 FROM snapshot_names WHERE owner = ? AND snapshot_id = ?", (caller.name, record.id)
+            ).fetchone()
+            used = db.execute(
+                "SELECT 1 FROM jobs WHERE owner = ? AND state IN ('queued', 'running') "
+                "AND (snapshot_id = ? OR spec LIKE ?) UNION ALL "
+                "SELECT 1 FROM deployments WHERE owner = ? AND ended_at IS NULL AND snapshot_id = ?",
+                (caller.name, record.id, f"%{record.id}%", caller.name, record.id),
+            ).fetchone()
+            if used is not None and not name:
+                raise InvalidRequest(
+                    f"snapshot {record.id[:12]} is in use by a queued or running job or a deployment — "
+                    "remove it once they end"
+                )
+            if named is None and used is None:
+                db.execute("DELETE FROM snapshots WHERE id = ? AND owner = ?", (record.id, caller.name))
+                db.execute(
+                    "UPDATE jobs SET output_snapshot_id = '' WHERE owner = ? AND output_snapshot_id = ?",
+                    (caller.name, record.id),
+                )
+        return record
 
     def _insert(self, owner: str, sid: str, entries: list[Entry]) -> None:
         manifest = json.dumps([[e.path, e.blob, e.size, e.mode, e.link] for e in entries], separators=(",", ":"))
@@ -183,14 +235,26 @@ class SnapshotService:
                 (sid, owner, time.time(), len(entries), sum(e.size for e in entries), manifest),
             )
 
-    def ingest_folder(self, owner: str, files: Iterable[tuple[str, BinaryIO]]) -> SnapshotRecord:
+    def ingest_folder(
+        self, owner: str, files: Iterable[tuple[str, BinaryIO]], budget: int | None = None
+    ) -> SnapshotRecord:
         """Make a snapshot from files on the server's disk (a job's outputs): (snapshot path, open
         file) pairs, each read and closed here. A file read from elsewhere (another node) gives its
-        mode as ``file_mode``."""
+        mode as ``file_mode``. Past ``budget`` bytes (None: no limit), counted by each file's size
+        before it is read (a sparse file at its full size), ``OverBudget``: nothing is recorded."""
         entries = []
+        total = 0
         for path, file in files:
             with file:
+                if budget is not None and hasattr(file, "fileno"):
+                    total += os.fstat(file.fileno()).st_size
+                    if total > budget:
+                        raise OverBudget(total)
                 blob, size = self.blobs.ingest(file)
+                if budget is not None and not hasattr(file, "fileno"):  # its size known only once read
+                    total += size
+                    if total > budget:
+                        raise OverBudget(total)
                 mode = getattr(file, "file_mode", None)
                 if mode is None:
                     mode = os.fstat(file.fileno()).st_mode

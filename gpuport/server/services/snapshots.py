@@ -246,12 +246,13 @@ class SnapshotService:
         total = 0
         for path, file in files:
             with file:
-                if budget is not None and hasattr(file, "fileno"):
-                    total += os.fstat(file.fileno()).st_size
+                known = _size_of(file)
+                if budget is not None and known is not None:
+                    total += known
                     if total > budget:
                         raise OverBudget(total)
                 blob, size = self.blobs.ingest(file)
-                if budget is not None and not hasattr(file, "fileno"):  # its size known only once read
+                if budget is not None and known is None:  # its size known only once read (another node's)
                     total += size
                     if total > budget:
                         raise OverBudget(total)
@@ -515,6 +516,15 @@ class _Bounded:
                 "or push the folder with `gpuport push DIR`"
             )
         return data
+
+
+def _size_of(file: BinaryIO) -> int | None:
+    """The size of an open file on this machine (a sparse one's whole size); None for one read from
+    elsewhere, which has no descriptor (``io.RawIOBase.fileno`` raises ``UnsupportedOperation``)."""
+    try:
+        return os.fstat(file.fileno()).st_size
+    except (OSError, ValueError):
+        return None
 
 
 def unpack_archive(blobs: BlobStore, archive: Path, kind: str) -> list[Entry]:

@@ -400,18 +400,11 @@ class DataPort:
 
     def _download(self, conn: socket.socket, staged: Staged) -> None:
         """Send a staged result's bytes, straight from its memory; then free it."""
-        views = staged.views()
-        try:
-            for _, view in views:
+        with staged.read_once() as views:
+            for view in views:
                 for at in range(0, len(view), _SLICE):
                     conn.sendall(view[at : at + _SLICE])
                 self.transfers.add("data_port", "out", len(view))
-        finally:
-            for mapped, view in views:
-                view.release()
-                if mapped is not None:
-                    mapped.close()
-            staged.close()
 
     def _blobs(self, conn: socket.socket, name: str, peer: object) -> None:
         """Receive blobs (see the module's doc) until the sender's end, placing each once it checks out."""

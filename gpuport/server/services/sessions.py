@@ -189,6 +189,20 @@ class Staged:
             out.append((mapped, memoryview(mapped)[offset : offset + size]))
         return out
 
+    @contextlib.contextmanager
+    def read_once(self) -> Iterator[list[memoryview]]:
+        """Each part's bytes (``views``), for sending it once: the views and the maps made for them
+        are released afterwards, and this value closed."""
+        views = self.views()
+        try:
+            yield [view for _, view in views]
+        finally:
+            for mapped, view in views:
+                view.release()
+                if mapped is not None:
+                    mapped.close()
+            self.close()
+
     def inodes(self) -> set[int]:
         out = set()
         for fd, _, _ in self.parts:
@@ -994,17 +1008,10 @@ class SessionService:
         staged = self.staging.take(key[:64])
         if staged is None or staged.session_id != live.id:
             raise NotFound(f"no result {key[:64]!r} to download for this session (it expires after {_STAGED_TTL:g}s)")
-        views = staged.views()
-        try:
-            for _, view in views:
+        with staged.read_once() as views:
+            for view in views:
                 for at in range(0, len(view), SESSION_INLINE_BYTES):
                     yield bytes(view[at : at + SESSION_INLINE_BYTES])
-        finally:
-            for mapped, view in views:
-                view.release()
-                if mapped is not None:
-                    mapped.close()
-            staged.close()
 
     # ---- output -----------------------------------------------------------------------------------
 

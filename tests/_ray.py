@@ -102,6 +102,17 @@ class RayCluster:
             node.kill()
 
 
+def _read_when_written(path: Path) -> str:
+    """Ray writes the head's address after it prints that it started (a CI run read it first once)."""
+    deadline = time.monotonic() + NODE_START_TIMEOUT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if text := path.read_text().strip():
+                return text
+        time.sleep(0.1)
+    raise RuntimeError(f"ray start did not write {path} in {NODE_START_TIMEOUT}s")
+
+
 def start_cluster(
     base: Path, names: tuple[str, ...] = ("node-a", "node-b"), *, authenticated: bool = True
 ) -> RayCluster:
@@ -110,7 +121,7 @@ def start_cluster(
     try:
         head = cluster.start_node(names[0], "127.0.0.2", head=True)
         cluster.wait_ready(head)
-        cluster.address = (head.root / "ray_current_cluster").read_text().strip()
+        cluster.address = _read_when_written(head.root / "ray_current_cluster")
         others = [cluster.start_node(name, f"127.0.0.{3 + i}") for i, name in enumerate(names[1:])]
         for node in others:
             cluster.wait_ready(node)

@@ -9,6 +9,12 @@ A job's group holds every process of the job (bubblewrap, the job, all it forks)
   machine's memory less the floor, so that together they cannot take the server's memory either.
 - processes and threads: the pids controller's count, at most the owner's quota (``gpuport quota
   set USER --processes N``; by default ``DEFAULT_PROCESSES_PER_JOB``). A fork past it fails (EAGAIN).
+- CPU, where the ``cpu`` controller is there too: divided between users, not processes. Each user's
+  jobs share one group of that user's (``u-<name>``), and every user's group weighs the same: one
+  user's six jobs get together what another user's one job gets, when both want more than there is.
+  An idle machine's CPUs are anyone's. On cgroup v1 the supervisor and all it starts (bubblewrap,
+  slirp4netns, the job) run in the user's group from the supervisor's first step; on v2 the job's
+  group is made inside its user's (``.../gpuport/<key>/u-<name>/<job id>``), the supervisor stays out.
 
 Three kinds of machine:
 
@@ -20,7 +26,8 @@ Three kinds of machine:
   older systemd would not start again once its group has children: its server goes without.) A
   job's group kills all its processes on an OOM (``memory.oom.group``).
 - cgroup v1 with the ``memory`` and ``pids`` controllers mounted (as in many containers): the job's
-  groups are ``<the server's group>/gpuport/<key>/<job id>`` in each hierarchy; the supervisor is
+  groups are ``<the server's group>/gpuport/<key>/<job id>`` in each hierarchy (and the user's in the
+  ``cpu`` one: ``.../gpuport/<key>/u-<name>``); the supervisor is
   woken by an OOM in the job's group (an eventfd on ``memory.oom_control``) and kills the job.
 - neither, or none writable (a server that is not root, v2 without delegation): no group; the
   banner says why, and the watchdog polls each limited job's resident memory as before.
@@ -104,6 +111,7 @@ class Cgroups:
     parents: tuple[str, ...] = ()  # the folder job groups are made in, one per hierarchy (v1) or one (v2)
     homes: tuple[str, ...] = ()  # the server's own groups, where a supervisor goes back to, the same way
     room: int = 0  # bytes all jobs may use together: the machine's memory less the floor (0: no limit)
+    cpu_parent: str = ""  # where the users' cpu groups are made ("": no cpu controller)
 
     @property
     def memory(self) -> bool:
@@ -124,19 +132,31 @@ class Cgroups:
         else:
             parts = ["memory polled (no memory controller)"]
         parts.append("its processes to the quota" if self.pids else "processes not capped (no pids controller)")
+        parts.append("CPU shared equally by users" if self.cpu_parent else "CPU not divided (no cpu controller)")
         return f"cgroup v{self.version}: {', '.join(parts)}"
 
     def default_memory(self) -> int:
         """The memory limit of a job that asks for none (0: none)."""
         return self.room
 
-    def make(self, job_id: str, memory: int, processes: int) -> dict | None:
-        """Make job ``job_id``'s group(s) with its limits (``memory`` 0: the default); returns what
-        its supervisor needs (the spec's ``cgroup``), or None without cgroups. Raises ``OSError``."""
+    def make(self, job_id: str, memory: int, processes: int, owner: str = "") -> dict | None:
+        """Make job ``job_id``'s group(s) with its limits (``memory`` 0: the default), and its owner's
+        cpu group where there is none yet; returns what its supervisor needs (the spec's ``cgroup``),
+        or None without cgroups. Raises ``OSError``."""
         if not self.version:
             return None
         limit = memory or self.room
-        dirs = [os.path.join(parent, job_id) for parent in self.parents]
+        cpu = ""
+        if self.cpu_parent:
+            cpu = os.path.join(self.cpu_parent, user_group(owner))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(cpu)
+                if self.version == 2:  # the job's group in it gets all three
+                    _enable(cpu, ("cpu", *_WANTED))
+        if self.version == 2 and cpu:
+            dirs = [os.path.join(cpu, job_id)]
+        else:
+            dirs = [os.path.join(parent, job_id) for parent in self.parents]
         for folder in dirs:
             with contextlib.suppress(FileExistsError):  # a job started again on this node
                 os.mkdir(folder)
@@ -174,6 +194,7 @@ class Cgroups:
         )
         return {
             "version": self.version,
+            "cpu": cpu if self.version == 1 else "",  # v1: the supervisor's own, from its start
             "dirs": dirs,
             "homes": list(self.homes),
             "memory": memory_dir,
@@ -187,8 +208,19 @@ class Cgroups:
         """The folder of a job's group in the hierarchy of ``controller`` (None: none here)."""
         if controller not in self.controllers:
             return None
-        parent = self.parents[0] if self.version == 2 else self.parents[self.controllers.index(controller)]
-        return os.path.join(parent, job_id)
+        if self.version == 2:
+            return self._v2_group(job_id)
+        return os.path.join(self.parents[self.controllers.index(controller)], job_id)
+
+    def _v2_group(self, job_id: str) -> str:
+        """v2: the job's group, in its owner's group where CPU is divided (found by looking)."""
+        if self.cpu_parent:
+            with contextlib.suppress(OSError), os.scandir(self.cpu_parent) as users:
+                for user in users:
+                    folder = os.path.join(user.path, job_id)
+                    if user.name.startswith("u-") and os.path.isdir(folder):
+                        return folder
+        return os.path.join(self.parents[0], job_id)
 
     def memory_used(self, job_id: str) -> int | None:
         """Bytes the job's group is charged now (its processes' memory and page cache); None: unknown."""
@@ -201,16 +233,50 @@ class Cgroups:
 
     def release(self) -> None:
         """Remove this server's parent groups once no job's group is left in them (at its stop)."""
-        for parent in self.parents:
-            for folder in (parent, os.path.dirname(parent)):  # gpuport/ too, unless another server's are in it
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
+        for parent in dict.fromkeys((self.cpu_parent, *self.parents)):
+            if not parent:
+                continue
+            _remove_empty(parent)
+            with contextlib.suppress(OSError):  # gpuport/ too, unless another server's are in it
+                os.rmdir(os.path.dirname(parent))
 
     def remove(self, job_id: str) -> None:
         """Remove a job's groups, killing what is left in them (its supervisor does so first; this is
-        for one that was killed itself)."""
+        for one that was killed itself). A user's cpu group stays: another job of theirs may be in it."""
+        if self.version == 2:
+            remove_group(self._v2_group(job_id))
+            return
         for parent in self.parents:
             remove_group(os.path.join(parent, job_id))
+
+
+def user_group(owner: str) -> str:
+    """The name of a user's cpu group: ``u-`` and the name (lower case, as names are unique regardless
+    of case), or its hash where the name has characters a folder's name should not."""
+    name = owner.lower()
+    if not name or len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
+        name = "h" + hashlib.sha256(owner.encode()).hexdigest()[:16]
+    return f"u-{name}"
+
+
+def _remove_empty(parent: str, itself: bool = True) -> None:
+    """Remove the empty groups under ``parent`` (users' groups and the jobs' in them, whose supervisor
+    was killed), then (``itself``) ``parent`` when it is empty. Never kills: a busy group stays."""
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        for entry in list(entries):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.name.startswith("u-"):
+                with contextlib.suppress(OSError), os.scandir(entry.path) as jobs:
+                    for job in list(jobs):
+                        if job.is_dir(follow_symlinks=False):
+                            with contextlib.suppress(OSError):
+                                os.rmdir(job.path)
+            with contextlib.suppress(OSError):  # busy: a job that still runs
+                os.rmdir(entry.path)
+    if itself:
+        with contextlib.suppress(OSError):
+            os.rmdir(parent)
 
 
 def remove_group(folder: str, timeout: float = _REMOVE_TIMEOUT) -> bool:
@@ -278,13 +344,14 @@ def _detect_v2(key: str, room: int, mounts: list, own: dict[str, str]) -> Cgroup
             _write(os.path.join(folder, "server", "cgroup.procs"), str(os.getpid()))
         home = os.path.join(base, "server")
         parent = os.path.join(base, "gpuport", key)
+        wanted = ("cpu", *_WANTED) if "cpu" in offered else _WANTED
         for level in (base, os.path.dirname(parent), parent):
             os.makedirs(level, exist_ok=True)
-            _enable(level, _WANTED)
+            _enable(level, wanted)
         _write(os.path.join(parent, "memory.max"), str(room) if room else "max")
     except OSError as e:
         return f"cannot manage cgroup v2 at {base}: {e.strerror} (a systemd service needs Delegate=yes)"
-    return Cgroups(2, "", _WANTED, (parent,), (home,), room)
+    return Cgroups(2, "", _WANTED, (parent,), (home,), room, parent if "cpu" in wanted else "")
 
 
 def _detect_v1(key: str, room: int, mounts: list, own: dict[str, str]) -> Cgroups | str:
@@ -317,7 +384,15 @@ def _detect_v1(key: str, room: int, mounts: list, own: dict[str, str]) -> Cgroup
         homes.append(home)
     if not controllers:
         return "; ".join(why)
-    return Cgroups(1, "", tuple(controllers), tuple(parents), tuple(homes), room)
+    cpu_parent = ""
+    mount = next((m for m in mounts if m[2] == "cgroup" and "cpu" in m[3]), None)
+    if mount is not None and "cpu" in own:
+        home = _folder(mount[0], mount[1], own["cpu"])
+        if home is not None:
+            with contextlib.suppress(OSError):  # CPU then goes undivided, as before; the banner says so
+                os.makedirs(os.path.join(home, "gpuport", key), exist_ok=True)
+                cpu_parent = os.path.join(home, "gpuport", key)
+    return Cgroups(1, "", tuple(controllers), tuple(parents), tuple(homes), room, cpu_parent)
 
 
 def detect(key: str, room: int) -> Cgroups:
@@ -331,12 +406,9 @@ def detect(key: str, room: int) -> Cgroups:
         if isinstance(v1, str):
             return Cgroups(0, f"{found}; {v1}" if "no cgroup v2" not in found else v1)
         found = v1
-    for parent in found.parents:  # the empty groups of jobs whose supervisor was killed (a lost node)
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(parent):
-                if entry.is_dir(follow_symlinks=False):
-                    with contextlib.suppress(OSError):  # busy: a job that still runs
-                        os.rmdir(entry.path)
+    for parent in dict.fromkeys((found.cpu_parent, *found.parents)):  # groups of jobs whose supervisor was killed
+        if parent:
+            _remove_empty(parent, itself=False)
     return found
 
 

@@ -44,6 +44,13 @@ EVENT_SECONDS = 2.0
 # Logins one user holds at once; past it their oldest goes: a flood of logins cannot grow memory for
 # ever, nor log anyone else out.
 _MAX_LOGINS_PER_USER = 100
+# Logins from one address: a burst of _LOGIN_BURST at once, then _LOGIN_RATE a second; a login past
+# that waits its turn (its connection with it), and past _LOGIN_WAITING waiting ones it is refused.
+# A person logs in a few times a day; a flood of logins, answered as fast as they came, took the
+# server's event loop from every other user's calls.
+_LOGIN_BURST = 50
+_LOGIN_RATE = 20.0
+_LOGIN_WAITING = 100
 # Scripts, styles and connections from this server only; no inline script or style; not in a frame.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -99,6 +106,36 @@ class Logins:
         theirs.pop(login_id or "", None)
         if not theirs:
             self._of.pop(login.user, None)
+
+
+class LoginPace:
+    """Logins paced per source address (a token bucket): ``admit`` waits until the address has a
+    login left, or returns how many seconds to wait before trying again when too many already wait."""
+
+    def __init__(self, burst: int = _LOGIN_BURST, rate: float = _LOGIN_RATE, waiting: int = _LOGIN_WAITING) -> None:
+        self.burst, self.rate, self.waiting = burst, rate, waiting
+        self._next: dict[str, float] = {}  # address → when its bucket is next full again (monotonic)
+        self._waiting: dict[str, int] = {}
+
+    async def admit(self, address: str) -> float:
+        """0 once this login may go ahead; else the seconds to come back after (it was refused)."""
+        now = time.monotonic()
+        if len(self._next) > 10_000:  # addresses whose bucket is full again are forgotten
+            self._next = {a: t for a, t in self._next.items() if t > now}
+        full = max(self._next.get(address, now), now)  # the bucket is full at ``full``; each login adds 1/rate
+        wait = full + 1 / self.rate - now - self.burst / self.rate
+        if wait > 0 and self._waiting.get(address, 0) >= self.waiting:
+            return wait
+        self._next[address] = full + 1 / self.rate
+        if wait > 0:
+            self._waiting[address] = self._waiting.get(address, 0) + 1
+            try:
+                await asyncio.sleep(wait)
+            finally:
+                self._waiting[address] -= 1
+                if not self._waiting[address]:
+                    del self._waiting[address]
+        return 0.0
 
 
 class LoginBody(BaseModel):
@@ -242,6 +279,7 @@ def _sse(data: Any, event: str = "") -> bytes:
 
 def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
     api.state.logins = Logins()
+    api.state.login_pace = LoginPace()
     hidden = {"include_in_schema": False}
 
     @api.get("/", **hidden)

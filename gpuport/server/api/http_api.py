@@ -30,6 +30,7 @@ from gpuport.protocol.errors import (
     GpuportError,
     InvalidRequest,
     NotFound,
+    Overloaded,
     PermissionDenied,
     ServerError,
     status_for,
@@ -257,12 +258,24 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        # The dashboard's login carries its token in a small body: bounded tighter, with no token
+        # before it, and paced per source address before anything of it is read.
+        logging_in = scope["method"] == "POST" and scope["path"] == LOGIN_PATH
+        if logging_in:
+            address = (scope.get("client") or ("?",))[0]
+            again = await scope["app"].state.login_pace.admit(address)
+            if again:
+                log.warning("refused a login from %s: too many logins from there", address)
+                response = _error_response(
+                    Overloaded(f"too many logins from {address} at once: try again in {again:.0f} s")
+                )
+                response.headers["retry-after"] = str(max(1, round(again)))
+                response.headers["connection"] = "close"
+                return await response(scope, receive, send)
         length = headers.get(b"content-length", b"")
         if not (b"transfer-encoding" in headers or (length and length != b"0")):
             return await self.app(scope, receive, send)  # no body
         streamed = scope["method"] == "POST" and scope["path"] == _ARCHIVE_PATH  # read by its route, bounded
-        # The dashboard's login carries its token in a small body: bounded tighter, with no token before it.
-        logging_in = scope["method"] == "POST" and scope["path"] == LOGIN_PATH
         limit = LOGIN_BODY_BYTES if logging_in else MAX_REST_BODY_BYTES
         error: GpuportError | None = None
         try:

@@ -154,7 +154,7 @@ class JobFolders:
             "sandbox": None,
             "network": None,
             "pidns_file": None,
-            "cgroup": self.cgroups.make(job.job_id, job.memory, job.processes),
+            "cgroup": self.cgroups.make(job.job_id, job.memory, job.processes, job.owner),
         }
         if job.rank_env and job.nprocs > 1:
             spec["rank_env"], spec["rank_base"] = job.rank_env, job.rank_base

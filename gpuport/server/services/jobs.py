@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import signal
@@ -211,6 +212,14 @@ def tf_roles(counts: dict[str, int]) -> list[tuple[str, int]] | None:
 
 
 _FLOOR_RECHECK = 2.0  # seconds between looks at free memory while work waits for it
+# A user's jobs being set up at once on this server (a sandbox's namespaces, its network, the first
+# process): half the CPUs, at least one. A job's start waits for an earlier one of its owner's to be
+# set up, not for other users': six launches of one user at once cost another user's launch what
+# one would. What is set up is mostly the kernel's work (new namespaces), which CPU shares do not
+# divide. The wait ends when the job's supervisor says it started, or after _SETUP_WAIT seconds.
+LAUNCHES_PER_USER = max(1, (os.cpu_count() or 1) // 2)
+_SETUP_WAIT = 10.0
+_SETUP_POLL = 0.005
 _MEMORY_READ_FOR = 0.2  # seconds a look at free memory stands for the passes that follow it
 
 
@@ -275,6 +284,7 @@ class JobService:
         self.executor.on_change = self._nodes_changed  # a node that joins may let jobs start
         self.memory_floor = memory_floor  # bytes free below which work that reserves no memory waits
         self._floor_check: asyncio.TimerHandle | None = None
+        self._launching: dict[str, asyncio.Semaphore] = {}  # owner → their jobs being set up now
         self._memory_read = (-1e9, 0)  # (when, bytes available) of the last look at free memory
 
     @property
@@ -838,7 +848,10 @@ class JobService:
             if flags is not None and flags["cancel_requested"]:
                 self._end(job_id, JobState.CANCELLED, None, "cancelled before it started")
                 return
-            await asyncio.to_thread(self.executor.start, job, self._exit_callback(job_id))
+            gate = self._launching.setdefault(job.owner, asyncio.Semaphore(LAUNCHES_PER_USER))
+            async with gate:
+                await asyncio.to_thread(self.executor.start, job, self._exit_callback(job_id))
+                await self._set_up(job_id)
         except Exception as e:
             log.exception("job %s: preparing or starting it on %s failed", job_id, row["node"] or "this machine")
             self._end(job_id, JobState.FAILED, None, f"the server could not prepare the job: {e}")
@@ -846,6 +859,16 @@ class JobService:
         flags = self.store.query_one("SELECT cancel_requested FROM jobs WHERE id = ?", (job_id,))
         if flags is not None and flags["cancel_requested"]:  # asked while it was being started
             self.executor.cancel(job_id)
+
+    async def _set_up(self, job_id: str) -> None:
+        """Until the job's supervisor has set it up and started it (or it ended), at most _SETUP_WAIT."""
+        if self.executor.kind != "local":  # elsewhere: on other machines, their CPUs and kernels
+            return
+        deadline = time.monotonic() + _SETUP_WAIT
+        while time.monotonic() < deadline:
+            if self.executor.was_started(job_id) or not self.executor.is_running(job_id):
+                return
+            await asyncio.sleep(_SETUP_POLL)
 
     def _launch_of(self, row: Any) -> JobLaunch:
         """The job as its executor starts it: its command, environment, files and processes."""

@@ -38,6 +38,8 @@ class GpuInfo:
     memory_total: int
     memory_used: int
     utilization: int | None  # percent, None when unknown
+    power: float | None = None  # watts drawn, None when unknown
+    temperature: int | None = None  # degrees C, None when unknown
     processes: list[GpuProcess] = field(default_factory=list)
     jobs: list[str] = field(default_factory=list)
     node: str = ""  # the node it is on, set by the executor that read it
@@ -184,6 +186,14 @@ class NvmlInventory(Inventory):
             except nvml.NVMLError:
                 utilization = None
             try:
+                power: float | None = nvml.nvmlDeviceGetPowerUsage(handle) / 1000  # milliwatts
+            except nvml.NVMLError:
+                power = None
+            try:
+                temperature: int | None = nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+            except nvml.NVMLError:
+                temperature = None
+            try:
                 running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             except nvml.NVMLError:
                 running = []
@@ -197,6 +207,8 @@ class NvmlInventory(Inventory):
                     memory_total=int(memory.total),
                     memory_used=int(memory.used),
                     utilization=utilization,
+                    power=power,
+                    temperature=temperature,
                     processes=[GpuProcess(p.pid, int(p.usedGpuMemory or 0)) for p in running],
                 )
             )

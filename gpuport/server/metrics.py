@@ -2,11 +2,15 @@
 
 One collector reads the job table, the GPU inventory, the batchers' timings and the transfer
 counters when Prometheus asks, so nothing is counted twice and nothing runs between scrapes.
-Names follow Prometheus's conventions (base units, ``_total`` for counters); labels say whose.
+Names follow Prometheus's conventions (base units, ``_total`` for counters); labels say whose, and
+none is called ``job`` (Prometheus's own label for the scrape job: it would rename ours
+``exported_job``). GPUs are also reported as NVIDIA's DCGM exporter names them, and served models
+as Triton does (``nv_inference_*``), so the stock dashboards for those read a gpuport server too.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -16,16 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpuport._version import __version__
 from gpuport.server.services.auth import Identity
+from gpuport.server.services.jobs import JobState
 from gpuport.server.serving.batcher import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from gpuport.server.app import ServerApp
+    from gpuport.server.app import GpuListing, ServerApp
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds a job waited in the queue: from a blink to an hour.
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 _SERVER = Identity("metrics", admin=True)  # the collector reads as the server does: everything
+# What waits in the queue: every kind is reported, with 0 when none waits, so no series vanishes.
+QUEUE_KINDS = ("job", "session", "model")
+_MIB = 2**20
 
 
 class Transfers:
@@ -49,10 +58,19 @@ class Transfers:
 class _Collector(Collector):
     def __init__(self, app: ServerApp) -> None:
         self.app = app
+        self._lock = threading.Lock()
+        self._gpu_seconds: dict[str, float] = {}  # the most each user's counter has said
 
     def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily(
+            "gpuport_build_info", "The server's version (the value is always 1)", labels=["version"]
+        )
+        build.add_metric([__version__], 1)
+        yield build
+        listing = self.app.gpus(_SERVER)
         yield from self._jobs()
-        yield from self._gpus()
+        yield self._gpu_time({(gpu.node, gpu.index): gpu.memory_total for gpu in listing.gpus})
+        yield from self._gpus(listing)
         yield from self._models()
         transfers = CounterMetricFamily(
             "gpuport_transfer_bytes", "Bytes moved by the server, by path and direction", labels=["path", "direction"]
@@ -66,27 +84,39 @@ class _Collector(Collector):
         jobs = GaugeMetricFamily(
             "gpuport_jobs", "Jobs by state and user (every job the server has recorded)", labels=["state", "user"]
         )
+        ended = CounterMetricFamily(
+            "gpuport_jobs_ended",
+            "Jobs that ended, by how (succeeded, failed, cancelled...) and user",
+            labels=["state", "user"],
+        )
         for row in store.query("SELECT state, owner, COUNT(*) AS n FROM jobs WHERE kind = 'job' GROUP BY state, owner"):
             jobs.add_metric([row["state"], row["owner"]], row["n"])
+            if JobState(row["state"]).is_terminal():
+                ended.add_metric([row["state"], row["owner"]], row["n"])
         yield jobs
+        yield ended
         sessions = GaugeMetricFamily("gpuport_sessions", "Live sessions by state and user", labels=["state", "user"])
         live = "kind = 'session' AND state IN ('queued', 'running')"
         for row in store.query(f"SELECT state, owner, COUNT(*) AS n FROM jobs WHERE {live} GROUP BY state, owner"):
             sessions.add_metric([row["state"], row["owner"]], row["n"])
         yield sessions
         now = time.time()
-        queued = store.query(
-            "SELECT kind, COUNT(*) AS n, MIN(created_at) AS oldest FROM jobs WHERE state = 'queued' GROUP BY kind"
-        )
+        queued = {
+            row["kind"]: row
+            for row in store.query(
+                "SELECT kind, COUNT(*) AS n, MIN(created_at) AS oldest FROM jobs WHERE state = 'queued' GROUP BY kind"
+            )
+        }
         length = GaugeMetricFamily(
             "gpuport_queue_length", "Work waiting to start, by kind (job, session, model)", labels=["kind"]
         )
         oldest = GaugeMetricFamily(
             "gpuport_queue_oldest_wait_seconds", "How long the oldest waiting work has waited", labels=["kind"]
         )
-        for row in queued:
-            length.add_metric([row["kind"]], row["n"])
-            oldest.add_metric([row["kind"]], max(0.0, now - row["oldest"]))
+        for kind in sorted({*QUEUE_KINDS, *queued}):
+            row = queued.get(kind)
+            length.add_metric([kind], row["n"] if row else 0)
+            oldest.add_metric([kind], max(0.0, now - row["oldest"]) if row else 0.0)
         yield length
         yield oldest
         buckets = ", ".join(
@@ -104,8 +134,31 @@ class _Collector(Collector):
         )
         yield wait
 
-    def _gpus(self) -> Iterator[Metric]:
-        listing = self.app.gpus(_SERVER)
+    def _gpu_time(self, sizes: dict[tuple[str, int], int]) -> Metric:
+        """GPU-seconds each user's work has held (jobs, session workers, model replicas): whole GPUs,
+        and a slice as its part of the GPU it is on, from its start to its end (or now)."""
+        largest = max(sizes.values(), default=0)
+        held: dict[str, float] = {}
+        for row in self.app.store.query(
+            "SELECT owner, node, json_extract(gpu_indices, '$[0]') AS gpu, "
+            "SUM(gpus * nodes * (COALESCE(ended_at, ?1) - started_at)) AS whole, "
+            "SUM(gpu_memory * nodes * (COALESCE(ended_at, ?1) - started_at)) AS sliced "
+            "FROM jobs WHERE started_at IS NOT NULL AND (gpus > 0 OR gpu_memory > 0) GROUP BY 1, 2, 3",
+            (time.time(),),
+        ):
+            size = sizes.get((row["node"], row["gpu"])) or largest
+            seconds = max(0.0, row["whole"] or 0.0) + (max(0.0, row["sliced"] or 0.0) / size if size else 0.0)
+            held[row["owner"]] = held.get(row["owner"], 0.0) + seconds
+        counter = CounterMetricFamily("gpuport_gpu_seconds", "GPU-seconds held, by user", labels=["user"])
+        with self._lock:
+            # A running job counts until now, and once recorded as ended until its exit, which came
+            # a moment earlier: never say less than before, or Prometheus would see a reset.
+            for user in sorted(held):
+                self._gpu_seconds[user] = max(self._gpu_seconds.get(user, 0.0), held[user])
+                counter.add_metric([user], self._gpu_seconds[user])
+        return counter
+
+    def _gpus(self, listing: GpuListing) -> Iterator[Metric]:
         labels = ["gpu", "node", "uuid", "name"]
         utilization = GaugeMetricFamily(
             "gpuport_gpu_utilization_percent", "GPU utilization (NVML), percent", labels=labels
@@ -115,25 +168,41 @@ class _Collector(Collector):
         held = GaugeMetricFamily(
             "gpuport_job_gpu_share",
             "The part of each GPU a running job holds: 1 whole, a slice's memory over the GPU's",
-            labels=["job", "user", "gpu", "node"],
+            labels=["job_id", "user", "gpu", "node"],
         )
         job_used = GaugeMetricFamily(
             "gpuport_job_gpu_memory_used_bytes",
             "GPU memory a running job's processes use",
-            labels=["job", "user", "gpu", "node"],
+            labels=["job_id", "user", "gpu", "node"],
         )
+        # The DCGM exporter's names, units (MiB, W, degrees C) and labels, for NVIDIA's dashboards.
+        dcgm_labels = ["gpu", "UUID", "device", "modelName", "Hostname"]
+        dcgm_util = GaugeMetricFamily("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", labels=dcgm_labels)
+        dcgm_used = GaugeMetricFamily("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", labels=dcgm_labels)
+        dcgm_free = GaugeMetricFamily("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", labels=dcgm_labels)
+        dcgm_power = GaugeMetricFamily("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", labels=dcgm_labels)
+        dcgm_temp = GaugeMetricFamily("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", labels=dcgm_labels)
         for place, gpu in enumerate(listing.gpus):
             values = [str(gpu.index), gpu.node, gpu.uuid, gpu.name]
+            dcgm = [str(gpu.index), gpu.uuid, f"nvidia{gpu.index}", gpu.name, gpu.node]
             if gpu.utilization is not None:
                 utilization.add_metric(values, gpu.utilization)
+                dcgm_util.add_metric(dcgm, gpu.utilization)
             used.add_metric(values, gpu.memory_used)
             total.add_metric(values, gpu.memory_total)
+            dcgm_used.add_metric(dcgm, gpu.memory_used / _MIB)
+            dcgm_free.add_metric(dcgm, max(0, gpu.memory_total - gpu.memory_used) / _MIB)
+            if gpu.power is not None:
+                dcgm_power.add_metric(dcgm, gpu.power)
+            if gpu.temperature is not None:
+                dcgm_temp.add_metric(dcgm, gpu.temperature)
             for allocation in listing.allocations.get(place, []):
                 job = [allocation.job_id, allocation.owner, str(gpu.index), gpu.node]
                 share = allocation.memory / gpu.memory_total if allocation.memory and gpu.memory_total else 1.0
                 held.add_metric(job, share)
                 job_used.add_metric(job, allocation.memory_used)
         yield from (utilization, used, total, held, job_used)
+        yield from (dcgm_util, dcgm_used, dcgm_free, dcgm_power, dcgm_temp)
 
     def _models(self) -> Iterator[Metric]:
         labels = ["model", "version"]
@@ -179,13 +248,58 @@ def _batch_bounds(max_batch_size: int) -> list[int]:
     return [*bounds, max(1, max_batch_size)]
 
 
+class _TritonCollector(Collector):
+    """Served models as Triton's ``/metrics`` names them: counters without ``_total``, durations in
+    microseconds, labelled ``model`` and ``version``."""
+
+    FAMILIES = (  # name, help; the values follow in this order
+        ("nv_inference_request_success", "Number of successful inference requests, all batch sizes"),
+        ("nv_inference_request_failure", "Number of failed inference requests, all batch sizes"),
+        ("nv_inference_count", "Number of inferences performed (rows, a batch's each counted)"),
+        ("nv_inference_exec_count", "Number of model executions performed (batches)"),
+        ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds"),
+        ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds"),
+        ("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds"),
+        ("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds"),
+        ("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds"),
+    )
+
+    def __init__(self, app: ServerApp) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        # Gauges here, made counters as rendered (``Metrics.render``): prometheus_client would add _total.
+        families = [GaugeMetricFamily(name, doc, labels=["model", "version"]) for name, doc in self.FAMILIES]
+        for record, timings in self.app.serving.statistics():
+            sizes = timings.batches.items()
+            values = (
+                timings.success.count,
+                timings.fail.count,
+                sum(size * infer.count for size, (_, infer, _) in sizes),
+                sum(infer.count for _, (_, infer, _) in sizes),
+                timings.success.ns / 1000,
+                timings.queue.ns / 1000,
+                timings.compute_input.ns / 1000,
+                timings.compute_infer.ns / 1000,
+                timings.compute_output.ns / 1000,
+            )
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([record.name, str(record.version)], value)
+        yield from families
+
+
+_TYPE_GAUGE = re.compile(rb"^(# TYPE \S+) gauge$", re.MULTILINE)
+
+
 class Metrics:
     """The registry ``GET /metrics`` renders: the server's collector and nothing else (not the
-    process-wide default registry)."""
+    process-wide default registry), then Triton's counters."""
 
     def __init__(self, app: ServerApp) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(app))
+        self.triton = CollectorRegistry(auto_describe=False)
+        self.triton.register(_TritonCollector(app))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + _TYPE_GAUGE.sub(rb"\1 counter", generate_latest(self.triton))

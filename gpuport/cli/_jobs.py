@@ -87,10 +87,11 @@ class _LogFollower(threading.Thread):
     command). Closing the client's channel cancels the stream.
     """
 
-    def __init__(self, job: Job, follow: bool = True) -> None:
+    def __init__(self, job: Job, follow: bool = True, tail: int | None = None) -> None:
         super().__init__(name=f"log of {job.id}", daemon=True)
         self.job = job
         self.follow = follow
+        self.tail = tail
         self.error: BaseException | None = None
         self.finished = False
         self._muted = False
@@ -99,7 +100,7 @@ class _LogFollower(threading.Thread):
     def run(self) -> None:
         sink = sys.stdout.buffer
         try:
-            for _, data in self.job.log_chunks(0, follow=self.follow):
+            for _, data in self.job.log_chunks(0, follow=self.follow, tail=self.tail):
                 with self._writing:
                     if self._muted:
                         return
@@ -142,8 +143,11 @@ def _summary(info: JobInfo) -> str:
 def _download(job: Job, dest: Path, path: str | None = None) -> None:
     with _progress("downloading") as progress:
         files = job.download(dest, path, progress=progress)
+    now = "" if job.info.ended else f" as they are now: job {job.id} is still {job.info.state}"
     if files:
-        err.print(f"outputs: {escape(str(dest))}/ ({len(files)} file{'s' if len(files) != 1 else ''})")
+        err.print(f"outputs: {escape(str(dest))}/ ({len(files)} file{'s' if len(files) != 1 else ''}){now}")
+    elif now:
+        err.print(f"job {job.id} is {job.info.state} and has no outputs yet")
 
 
 def _roles(text: str | None) -> dict[str, int] | None:
@@ -169,7 +173,9 @@ def _roles(text: str | None) -> dict[str, int] | None:
     "--nprocs", default=1, show_default=True, type=int, help="Processes to start (TF_CONFIG, RANK, WORLD_SIZE set)."
 )
 @click.option("--tf-roles", metavar="ROLES", help="TF_CONFIG roles of the processes: chief=1,worker=2,ps=1.")
-@click.option("--name", help="A name to find the job by.")
+@click.option(
+    "--name", help="A name to find the job by (logs, wait...); one queued or running job of yours has it at a time."
+)
 @click.option(
     "--env", "-e", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable (repeatable)."
 )
@@ -356,11 +362,22 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
 @click.option(
     "--all", "-a", "all_", is_flag=True, help="Every job, not only active and recent ones (admins: every user's)."
 )
+@click.option("--name", help="Only jobs of this name.")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    metavar="STATE",
+    help="Only jobs in this state (repeatable): queued, running, succeeded, failed, cancelled, timeout, killed, lost.",
+)
+@click.option("--user", help="Only this user's jobs (another user's: admins only).")
 @json_option
 @click.pass_context
-def jobs_command(ctx: click.Context, all_: bool, as_json: bool) -> None:
+def jobs_command(
+    ctx: click.Context, all_: bool, name: str | None, states: tuple[str, ...], user: str | None, as_json: bool
+) -> None:
     """List your jobs: queued, running, and those of the last day (newest first)."""
-    infos = [j.info for j in client(ctx).jobs(all=all_)]
+    infos = [j.info for j in client(ctx).jobs(all=all_, name=name, state=states, user=user)]
     if as_json:
         print_json(infos)
     elif not infos:
@@ -400,10 +417,11 @@ def queue_command(ctx: click.Context, as_json: bool) -> None:
 @click.command("logs")
 @click.argument("job_id", metavar="JOB")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+@click.option("--tail", "-n", type=click.IntRange(0), metavar="N", help="Only the last N lines (with -f: then follow).")
 @click.pass_context
-def logs_command(ctx: click.Context, job_id: str, follow: bool) -> None:
-    """Print a job's log (stdout and stderr, in order)."""
-    follower = _LogFollower(client(ctx).job(job_id), follow)
+def logs_command(ctx: click.Context, job_id: str, follow: bool, tail: int | None) -> None:
+    """Print a job's log (stdout and stderr, in order). JOB is its id or its name."""
+    follower = _LogFollower(client(ctx).job(job_id), follow, tail)
     follower.start()
     try:
         follower.wait()
@@ -417,7 +435,7 @@ def logs_command(ctx: click.Context, job_id: str, follow: bool) -> None:
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit status 124).")
 @click.pass_context
 def wait_command(ctx: click.Context, job_id: str, timeout: float | None) -> None:
-    """Wait for a job to end; exit with its exit code."""
+    """Wait for a job (its id or name) to end; exit with its exit code."""
     job = client(ctx).job(job_id)
     try:
         info = job.wait(timeout).info
@@ -432,7 +450,8 @@ def wait_command(ctx: click.Context, job_id: str, timeout: float | None) -> None
 @click.argument("job_id", metavar="JOB")
 @click.pass_context
 def cancel_command(ctx: click.Context, job_id: str) -> None:
-    """Cancel a job: a queued one at once, a running one with SIGTERM, then SIGKILL after a grace period."""
+    """Cancel a job (its id or name): a queued one at once, a running one with SIGTERM, then SIGKILL
+    after a grace period."""
     info = client(ctx).job(job_id).cancel()
     if info.state == "cancelled":
         err.print(f"job {info.id} cancelled")
@@ -446,9 +465,10 @@ def cancel_command(ctx: click.Context, job_id: str) -> None:
 @click.option("--output-dir", "-o", type=click.Path(file_okay=False, path_type=Path), help="Where to put the files.")
 @click.pass_context
 def download_command(ctx: click.Context, job_id: str, path: str | None, output_dir: Path | None) -> None:
-    """Download a finished job's outputs (or only those at PATH) into ./gpuport-outputs/JOB/.
+    """Download a job's outputs (or only those at PATH) into ./gpuport-outputs/JOB/. JOB is its id or name.
 
-    Files already there with the same content are not fetched again.
+    A running job's outputs are copied as they are now: a file it is still writing may come cut
+    short. Files already there with the same content are not fetched again.
     """
     job = client(ctx).job(job_id)
     dest = output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id

@@ -223,16 +223,34 @@ class Client:
         return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
 
     def job(self, job_id: str) -> Job:
-        """The job with this id (yours, or anyone's for an admin). Raises ``NotFound``."""
+        """The job with this id (yours, or anyone's for an admin), or your job of this name: the one
+        queued or running, else the newest. Raises ``NotFound``.
+
+        >>> gpu.job("train").logs(follow=True)
+        """
         return Job(
             self.transport,
             JobInfo._from_message(self.transport.call(self.transport.jobs.Get, pb.JobRef(job_id=job_id))),
         )
 
-    def jobs(self, *, all: bool = False) -> list[Job]:
+    def jobs(
+        self,
+        *,
+        all: bool = False,
+        name: str | None = None,
+        state: str | Sequence[str] | None = None,
+        user: str | None = None,
+    ) -> list[Job]:
         """Your queued and running jobs and those of the last day, newest first; with ``all``, every
-        one (every user's, for an admin): every queued and running job, and the 500 newest ended."""
-        reply = self.transport.call(self.transport.jobs.List, pb.ListJobsRequest(all=all))
+        one (every user's, for an admin): every queued and running job, and the 500 newest ended.
+
+        Only those named ``name``, in ``state`` (one, or several: queued, running, succeeded,
+        failed, cancelled, timeout, killed, lost) or of ``user`` (another's: admins only), where
+        given. Raises ``InvalidRequest`` (an unknown state) or ``PermissionDenied``.
+        """
+        states = [state] if isinstance(state, str) else list(state or ())
+        request = pb.ListJobsRequest(all=all, name=name or "", states=states, user=user or "")
+        reply = self.transport.call(self.transport.jobs.List, request)
         return [Job(self.transport, JobInfo._from_message(j)) for j in reply.jobs]
 
     def queue(self) -> list[JobInfo]:

@@ -170,35 +170,41 @@ class Job:
         self.info = JobInfo._from_message(self._transport.call(self._transport.jobs.Cancel, pb.JobRef(job_id=self.id)))
         return self.info
 
-    def log_chunks(self, offset: int = 0, *, follow: bool = False) -> Iterator[tuple[int, bytes]]:
-        """(offset, bytes) of the log from ``offset``. With ``follow``, until the job ends.
+    def log_chunks(
+        self, offset: int = 0, *, follow: bool = False, tail: int | None = None
+    ) -> Iterator[tuple[int, bytes]]:
+        """(offset, bytes) of the log from ``offset``, or from the start of its last ``tail`` lines
+        (found by the server from the log's end). With ``follow``, until the job ends.
 
         A dropped stream is resumed from the last byte received (for up to a minute of retries), so
         no byte is lost or repeated.
         """
         reconnecting_since = None
         while True:
-            request = pb.LogsRequest(job_id=self.id, offset=offset, follow=follow)
+            request = pb.LogsRequest(job_id=self.id, offset=offset, follow=follow, tail=tail)
             try:
                 for chunk in self._transport.stream(self._transport.jobs.Logs, request):
-                    if chunk.offset < offset:  # further on: past a part cut from a log that passed its limit
+                    if chunk.offset < offset and tail is None:  # further on: past a part cut from a long log
                         raise ServerError(f"log of {self.id}: got bytes from offset {chunk.offset}, expected {offset}")
+                    tail = None  # the first chunk says where the tail starts: resumed from offsets after it
                     reconnecting_since = None
                     offset = chunk.offset + len(chunk.data)
-                    yield chunk.offset, chunk.data
+                    if chunk.data:
+                        yield chunk.offset, chunk.data
                 return
             except ConnectionFailed:
                 reconnecting_since = _keep_trying(reconnecting_since) if follow else None
                 if reconnecting_since is None:
                     raise
 
-    def logs(self, follow: bool = False, *, offset: int = 0) -> Iterator[str]:
-        """The job's log (stdout and stderr, in order) as lines without their newline.
+    def logs(self, follow: bool = False, *, offset: int = 0, tail: int | None = None) -> Iterator[str]:
+        """The job's log (stdout and stderr, in order) as lines without their newline; with
+        ``tail``, its last ``tail`` lines only (read from its end, however long the log).
 
         With ``follow``, lines arrive as the job prints them, until it ends.
         """
         pending = b""
-        for _, data in self.log_chunks(offset, follow=follow):
+        for _, data in self.log_chunks(offset, follow=follow, tail=tail):
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -213,18 +219,19 @@ class Job:
     def download(self, dest: str | Path, path: str | None = None, *, progress: Progress | None = None) -> list[Path]:
         """Fetch the job's outputs (or those at ``path``) into folder ``dest``; return the files written.
 
-        Files already in ``dest`` with the same content are not fetched again. Raises
-        ``InvalidRequest`` while the job runs, or when ``path`` matches no output.
+        A running job's are what its output paths hold now: a file it is writing may come cut
+        short. Files already in ``dest`` with the same content are not fetched again. Raises
+        ``Conflict`` while the job is queued, ``InvalidRequest`` when ``path`` matches no output.
         """
+        snapshot = self.info.output_snapshot_id
         if not self.info.ended:
-            self.refresh()
-        if not self.info.ended:
-            raise InvalidRequest(f"job {self.id} is {self.info.state}; its outputs are collected when it ends")
-        if not self.info.output_snapshot_id:
+            reply = self._transport.call(self._transport.jobs.Outputs, pb.JobRef(job_id=self.id))
+            self.info, snapshot = JobInfo._from_message(reply.job), reply.snapshot_id
+        if not snapshot:
             if path is not None:
-                raise InvalidRequest(f"job {self.id} has no outputs")
+                raise InvalidRequest(f"job {self.id} has no outputs" + ("" if self.info.ended else " yet"))
             return []
-        return self._transport.download(self.info.output_snapshot_id, Path(dest), path, progress)
+        return self._transport.download(snapshot, Path(dest), path, progress)
 
     def __repr__(self) -> str:
         return f"<gpuport.Job {self.id} {self.info.state}>"

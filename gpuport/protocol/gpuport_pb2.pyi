@@ -414,10 +414,16 @@ class JobRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("all",)
+    __slots__ = ("all", "name", "states", "user")
     ALL_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
     all: bool
-    def __init__(self, all: _Optional[bool] = ...) -> None: ...
+    name: str
+    states: _containers.RepeatedScalarFieldContainer[str]
+    user: str
+    def __init__(self, all: _Optional[bool] = ..., name: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ..., user: _Optional[str] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)
@@ -426,14 +432,16 @@ class JobList(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("job_id", "offset", "follow")
+    __slots__ = ("job_id", "offset", "follow", "tail")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     offset: int
     follow: bool
-    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    tail: int
+    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ...) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -442,6 +450,16 @@ class LogChunk(_message.Message):
     offset: int
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class JobOutputs(_message.Message):
+    __slots__ = ("job", "snapshot_id", "missing")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    job: JobInfo
+    snapshot_id: str
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., snapshot_id: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("job_id", "timeout")

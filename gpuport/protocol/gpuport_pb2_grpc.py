@@ -809,6 +809,11 @@ class JobsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobList.FromString,
                 _registered_method=True)
+        self.Outputs = channel.unary_unary(
+                '/gpuport.v1.Jobs/Outputs',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobOutputs.FromString,
+                _registered_method=True)
 
 
 class JobsServicer:
@@ -857,6 +862,13 @@ class JobsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Outputs(self, request, context):
+        """what a running job's outputs hold now; an ended job's
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -894,6 +906,11 @@ def add_JobsServicer_to_server(servicer, server):
                     servicer.Queue,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobList.SerializeToString,
+            ),
+            'Outputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobOutputs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1085,6 +1102,33 @@ class Jobs:
             '/gpuport.v1.Jobs/Queue',
             gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Outputs',
+            gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.JobOutputs.FromString,
             options,
             channel_credentials,
             insecure,

@@ -198,6 +198,14 @@ MIGRATIONS: list[str] = [
         FROM snapshots s, json_each(s.manifest) e WHERE json_extract(e.value, '$[1]') != '' GROUP BY 1, 2
     ) m WHERE m.owner = blob_holders.owner AND m.blob = blob_holders.blob;
     """,
+    # 18: jobs found by name (a name is unique among its owner's queued and running jobs, checked in
+    # the submit's transaction: a unique index would not build where older servers let names repeat),
+    # and the snapshot of a running job's outputs taken last (``gpuport download`` on it), dropped
+    # once the job has ended
+    """
+    CREATE INDEX jobs_owner_name ON jobs(owner, name);
+    ALTER TABLE jobs ADD COLUMN live_outputs TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 

@@ -388,11 +388,15 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
 
     @rpc
     async def List(self, request: pb.ListJobsRequest, caller: Identity) -> pb.JobList:
-        return pb.JobList(jobs=[job_message(j) for j in self.app.jobs.list_for(caller, all=request.all)])
+        jobs = self.app.jobs.list_for(
+            caller, all=request.all, name=request.name, states=list(request.states), user=request.user
+        )
+        return pb.JobList(jobs=[job_message(j) for j in jobs])
 
     @stream_rpc
     async def Logs(self, request: pb.LogsRequest, caller: Identity) -> AsyncIterator[pb.LogChunk]:
-        async for offset, data in self.app.jobs.logs(caller, request.job_id, request.offset, request.follow):
+        tail = request.tail if request.HasField("tail") else None
+        async for offset, data in self.app.jobs.logs(caller, request.job_id, request.offset, request.follow, tail):
             yield pb.LogChunk(offset=offset, data=data)
 
     @rpc
@@ -407,6 +411,11 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
     @rpc
     async def Queue(self, request: pb.Empty, caller: Identity) -> pb.JobList:
         return pb.JobList(jobs=[job_message(j) for j in self.app.jobs.queue(caller)])
+
+    @rpc
+    async def Outputs(self, request: pb.JobRef, caller: Identity) -> pb.JobOutputs:
+        job, snapshot, missing = await self.app.jobs.outputs(caller, request.job_id)
+        return pb.JobOutputs(job=job_message(job), snapshot_id=snapshot, missing=missing)
 
 
 def quota_message(record: QuotaRecord) -> pb.QuotaInfo:

@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -448,9 +448,20 @@ def build_http_app(app: ServerApp) -> Predictions:
             _check_script(app, identity, request, request.command[1])
         return job_json(app.jobs.submit(identity, request))
 
-    @api.get("/v1/jobs", summary="Your active and recent jobs (all=true: every one; admins: every user's)")
-    async def list_jobs(identity: Caller, all: bool = False) -> list[dict[str, Any]]:
-        return [job_json(j) for j in app.jobs.list_for(identity, all=all)]
+    @api.get(
+        "/v1/jobs",
+        summary="Your active and recent jobs (all=true: every one; admins: every user's); "
+        "name, state (repeatable) and user (admins: another's) filter them",
+    )
+    async def list_jobs(
+        identity: Caller,
+        all: bool = False,
+        name: str = "",
+        state: Annotated[list[str] | None, Query()] = None,
+        user: str = "",
+    ) -> list[dict[str, Any]]:
+        jobs = app.jobs.list_for(identity, all=all, name=name, states=state or (), user=user)
+        return [job_json(j) for j in jobs]
 
     @api.get("/v1/jobs/{job_id}", summary="One job")
     async def get_job(job_id: str, identity: Caller) -> dict[str, Any]:
@@ -460,8 +471,10 @@ def build_http_app(app: ServerApp) -> Predictions:
         "/v1/jobs/{job_id}/logs",
         summary="The log from a byte offset; call again with next_offset until `complete` is true",
     )
-    async def job_logs(job_id: str, identity: Caller, offset: int = 0, limit: int = LOG_CHUNK_BYTES) -> dict[str, Any]:
-        job, offset, data = app.jobs.read_log(identity, job_id, offset, limit)
+    async def job_logs(
+        job_id: str, identity: Caller, offset: int = 0, limit: int = LOG_CHUNK_BYTES, tail: int | None = None
+    ) -> dict[str, Any]:
+        job, offset, data = app.jobs.read_log(identity, job_id, offset, limit, tail)
         text, used = _decode_whole(data, final=job.state.is_terminal() and len(data) < limit)
         next_offset = offset + used
         return {

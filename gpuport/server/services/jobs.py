@@ -89,6 +89,7 @@ _TF_ROLES = ("chief", "worker", "ps")  # in rank order
 _PRIORITIES = range(-100, 101)
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
 _LIST_LIMIT = 500
+_JOB_ID = re.compile(r"j-[0-9a-f]{8}")  # as submit makes them; anything else names a job
 
 
 class JobState(str, Enum):
@@ -309,6 +310,8 @@ class JobService:
             raise InvalidRequest(f"the command is larger than the limit of {format_size(MAX_SPEC_BYTES)}")
         if request.name and (len(request.name) > MAX_NAME_LENGTH or not request.name.isprintable()):
             raise InvalidRequest(f"job name {request.name[:80]!r}: use up to {MAX_NAME_LENGTH} printable characters")
+        if _JOB_ID.fullmatch(request.name):
+            raise InvalidRequest(f"job name {request.name!r} looks like a job id; pick a name that does not")
         for key, value in request.env.items():
             if not _ENV_NAME.fullmatch(key):
                 raise InvalidRequest(f"environment variable name {key[:80]!r} is not valid (letters, digits, '_')")
@@ -450,6 +453,18 @@ class JobService:
                     "to start, cancel some (`gpuport cancel JOB`), or ask an admin to raise it "
                     f"(`gpuport quota set {caller.name} --queued N`)"
                 )
+            if request.name and request.kind == "job":  # checked in the insert's transaction: one submit wins
+                holder = db.execute(
+                    "SELECT id, state FROM jobs WHERE owner = ? AND name = ? AND kind = 'job' "
+                    "AND state IN ('queued', 'running')",
+                    (caller.name, request.name),
+                ).fetchone()
+                if holder is not None:
+                    raise Conflict(
+                        f"job {holder['id']} of {caller.name} is named {request.name!r} and is {holder['state']}: "
+                        "give this job another name, or wait for that one to end or cancel it "
+                        f"(`gpuport cancel {holder['id']}`)"
+                    )
             while True:
                 job_id = "j-" + secrets.token_hex(4)
                 if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
@@ -544,33 +559,80 @@ class JobService:
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
-        """The job, if ``caller`` owns it or is an admin; ``NotFound`` otherwise (it does not say which)."""
+        """The job with this id, if ``caller`` owns it or is an admin; or the caller's job of this name
+        (where ``job_id`` is not an id): the one queued or running, else the newest. ``NotFound``
+        otherwise (it does not say whether another user's job has that id)."""
         row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id[:64],))
         if row is None or (row["owner"] != caller.name and not caller.admin):
-            raise NotFound(f"no job {job_id[:64]!r} — `gpuport jobs --all` lists yours")
+            if _JOB_ID.fullmatch(job_id):
+                raise NotFound(f"no job {job_id[:64]!r} — `gpuport jobs --all` lists yours")
+            row = self.store.query_one(
+                "SELECT * FROM jobs WHERE owner = ? AND name = ? AND kind = 'job' "
+                "ORDER BY state IN ('queued', 'running') DESC, seq DESC LIMIT 1",
+                (caller.name, job_id[:MAX_NAME_LENGTH]),
+            )
+            if row is None:
+                raise NotFound(
+                    f"no job named {job_id[:MAX_NAME_LENGTH]!r} and no job with that id — "
+                    "`gpuport jobs --all` lists yours with their ids and names"
+                )
         return self._record(row)
 
-    def list_for(self, caller: Identity, *, all: bool = False) -> list[JobRecord]:
+    def list_for(
+        self,
+        caller: Identity,
+        *,
+        all: bool = False,
+        name: str = "",
+        states: list[str] | tuple[str, ...] = (),
+        user: str = "",
+    ) -> list[JobRecord]:
         """The caller's active jobs and those ended in the last day, newest first; with ``all``, every
         one (every user's, for an admin). Every queued and running job, whatever their number (queued
-        jobs are capped per user), then at most _LIST_LIMIT ended ones, the newest."""
+        jobs are capped per user), then at most _LIST_LIMIT ended ones, the newest.
+
+        Only those named ``name``, in one of ``states``, or of ``user`` (another's: admins only) where
+        given. Raises ``InvalidRequest`` (an unknown state) or ``PermissionDenied``.
+        """
+        wanted = set()
+        for state in states:
+            try:
+                wanted.add(JobState(state))
+            except ValueError:
+                raise InvalidRequest(
+                    f"unknown job state {state[:80]!r}: the states are {', '.join(s.value for s in JobState)}"
+                ) from None
+        if user and user != caller.name and not caller.admin:
+            raise PermissionDenied(
+                f"only an admin can list another user's jobs; you are {caller.name} (leave out the user to list yours)"
+            )
         where: list[str] = ["kind = 'job'"]  # sessions' workers are listed as sessions
         params: list[object] = []
-        if not (all and caller.admin):
+        if user or not (all and caller.admin):
             where.append("owner = ?")
-            params.append(caller.name)
-        where_ended = [*where, "state NOT IN ('queued', 'running')"]
-        ended_params = list(params)
-        if not all:
-            where_ended.append("created_at > ?")
-            ended_params.append(time.time() - _RECENT_SECONDS)
-        active = self.store.query(
-            f"SELECT * FROM jobs WHERE {' AND '.join(where)} AND state IN ('queued', 'running')", params
-        )
-        ended = self.store.query(
-            f"SELECT * FROM jobs WHERE {' AND '.join(where_ended)} ORDER BY seq DESC LIMIT {_LIST_LIMIT}",
-            ended_params,
-        )
+            params.append(user or caller.name)
+        if name:
+            where.append("name = ?")
+            params.append(name)
+        active_states = [s.value for s in JobState if not s.is_terminal() and (not wanted or s in wanted)]
+        ended_states = [s.value for s in JobState if s.is_terminal() and (not wanted or s in wanted)]
+        active: list[Any] = []
+        ended: list[Any] = []
+        if active_states:
+            active = self.store.query(
+                f"SELECT * FROM jobs WHERE {' AND '.join(where)} AND state IN ({', '.join('?' * len(active_states))})",
+                [*params, *active_states],
+            )
+        if ended_states:
+            where_ended = [*where, f"state IN ({', '.join('?' * len(ended_states))})"]
+            ended_params = [*params, *ended_states]
+            if not all:
+                where_ended.append("created_at > ?")
+                ended_params.append(time.time() - _RECENT_SECONDS)
+            ended = self.store.query(
+                f"SELECT * FROM jobs WHERE {' AND '.join(where_ended)} ORDER BY seq DESC LIMIT {_LIST_LIMIT}",
+                ended_params,
+            )
         rows = sorted([*active, *ended], key=lambda r: r["seq"], reverse=True)
         return [self._record(r) for r in rows]
 
@@ -634,15 +696,22 @@ class JobService:
                 await asyncio.wait_for(self._ended_event(job.id).wait(), timeout)
         return self._load(job.id)
 
-    def read_log(self, caller: Identity, job_id: str, offset: int, limit: int) -> tuple[JobRecord, int, bytes]:
+    def read_log(
+        self, caller: Identity, job_id: str, offset: int, limit: int, tail: int | None = None
+    ) -> tuple[JobRecord, int, bytes]:
         """The job (as it was before the read), and up to ``limit`` bytes of its log from ``offset``
-        with the offset they start at: further on, where ``offset`` lies in a part cut from a log
-        that passed its limit (the bytes then start with the note of what was cut)."""
+        (or from the start of its last ``tail`` lines) with the offset they start at: further on,
+        where ``offset`` lies in a part cut from a log that passed its limit (the bytes then start
+        with the note of what was cut)."""
         job = self.get(caller, job_id)
         if offset < 0:
             raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
+        if tail is not None and tail < 0:
+            raise InvalidRequest(f"the lines to show from the log's end must be 0 or more, not {tail}")
         if job.state is JobState.QUEUED:
-            return job, offset, b""
+            return job, 0 if tail is not None else offset, b""
+        if tail is not None:
+            offset = self.tail_offset(job.id, tail)
         data = self.executor.read_log(job.id, offset, max(0, min(limit, LOG_CHUNK_BYTES)))
         if not data:
             start = self.executor.log_data_offset(job.id, offset)
@@ -650,11 +719,49 @@ class JobService:
                 return job, start, self.executor.read_log(job.id, start, max(0, min(limit, LOG_CHUNK_BYTES)))
         return job, offset, data
 
-    async def logs(self, caller: Identity, job_id: str, offset: int, follow: bool) -> AsyncIterator[tuple[int, bytes]]:
-        """(offset, bytes) chunks of the job's log from ``offset``; with ``follow``, until the job has ended."""
+    def tail_offset(self, job_id: str, lines: int) -> int:
+        """Where the last ``lines`` lines of the job's log start, found by reading back from its end
+        (a log may be hundreds of MiB): never before a part cut from a log that passed its limit
+        (the note of what was cut starts the tail then). Reads files: call it from a thread."""
+        end = self.executor.log_size(job_id)
+        if end == 0 or lines == 0:
+            return end
+        last = self.executor.read_log(job_id, end - 1, 1)
+        newlines = lines + (last == b"\n")  # a last line without its newline counts too
+        pos = end
+        while pos > 0:
+            start = max(0, pos - LOG_CHUNK_BYTES)
+            data = self.executor.read_log(job_id, start, pos - start)
+            if len(data) < pos - start:  # a hole (the part cut) ends in this stretch: read from its end
+                start = self.executor.log_data_offset(job_id, start + len(data))
+                data = self.executor.read_log(job_id, start, pos - start) if start < pos else b""
+                pos = 0  # and no further back
+            cut = len(data)
+            while newlines and (cut := data.rfind(b"\n", 0, cut)) >= 0:
+                newlines -= 1
+                if not newlines:
+                    return start + cut + 1
+            pos = min(pos, start)
+        return start
+
+    async def logs(
+        self, caller: Identity, job_id: str, offset: int, follow: bool, tail: int | None = None
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        """(offset, bytes) chunks of the job's log from ``offset``; with ``follow``, until the job has ended.
+
+        With ``tail``, from the start of its last ``tail`` lines instead: the first chunk then says
+        where, with no bytes where there are none yet (a follower resumes from there).
+        """
         job = self.get(caller, job_id)
         if offset < 0:
             raise InvalidRequest(f"log offset must be 0 or more, not {offset}")
+        if tail is not None:
+            if tail < 0:
+                raise InvalidRequest(f"the lines to show from the log's end must be 0 or more, not {tail}")
+            offset = 0
+            if job.state is not JobState.QUEUED:
+                offset = await asyncio.to_thread(self.tail_offset, job.id, tail)
+            yield offset, b""
         ended = asyncio.Event() if job.state.is_terminal() else self._ended_event(job.id)
         if job.state.is_terminal():
             ended.set()
@@ -675,6 +782,46 @@ class JobService:
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ended.wait(), LOG_POLL_INTERVAL)
+
+    async def outputs(self, caller: Identity, job_id: str) -> tuple[JobRecord, str, list[str]]:
+        """The job, its outputs as a snapshot id ('' for none) and the declared paths not found.
+
+        An ended job's are those collected when it ended. A running job's are collected now, as
+        they are (a file being written may be cut short), through the same checks as at its end;
+        the snapshot is kept until the job ends or its outputs are collected again. Raises
+        ``Conflict`` for a queued job, ``ResourceUnavailable`` past the owner's storage quota.
+        """
+        job = self.get(caller, job_id)
+        if job.state is JobState.QUEUED:
+            raise Conflict(f"job {job.id} is queued: it has no outputs until it runs")
+        if job.state.is_terminal():
+            return job, job.output_snapshot_id, []
+        row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job.id,))
+        assert row is not None
+        try:
+            snapshot, missing = await asyncio.to_thread(self._collect_outputs, row)
+        except (OSError, ResourceUnavailable):
+            job = self._load(job.id)
+            if job.state.is_terminal():  # it ended meanwhile, and its folders went
+                return job, job.output_snapshot_id, []
+            raise
+        with self.store.transaction() as db:
+            before = db.execute("SELECT live_outputs FROM jobs WHERE id = ?", (job.id,)).fetchone()
+            running = db.execute(
+                "UPDATE jobs SET live_outputs = ? WHERE id = ? AND state = 'running'", (snapshot, job.id)
+            ).rowcount
+        if not running:  # it ended meanwhile: its final outputs instead
+            self._discard(job.owner, snapshot)
+            job = self._load(job.id)
+            return job, job.output_snapshot_id, []
+        if before["live_outputs"] != snapshot:
+            self._discard(job.owner, before["live_outputs"])
+        return self._load(job.id), snapshot, missing
+
+    def _discard(self, owner: str, snapshot: str) -> None:
+        """Drop a snapshot of a running job's outputs once nothing else uses it."""
+        if snapshot:
+            self.snapshots.discard(owner, snapshot)
 
     # ---- life cycle -----------------------------------------------------------------------------
 
@@ -989,10 +1136,14 @@ class JobService:
         """Queue a job again whose node was lost (its retries allow it), keeping its place in the queue."""
         spec["lost"] = tried
         message = f"queued again after {why} (retry {tried} of {spec['retries']})"
+        live = self.store.query_one("SELECT live_outputs FROM jobs WHERE id = ?", (row["id"],))
         self._move(
             row["id"], JobState.RUNNING, JobState.QUEUED,
             gpu_indices="[]", node="", placement="", started_at=None, spec=json.dumps(spec), message=message,
+            live_outputs="",
         )  # fmt: skip
+        if live is not None:  # it starts over: what it wrote before is gone
+            self._discard(row["owner"], live["live_outputs"])
         log.warning("job %s: %s", row["id"], message)
         resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"], row["nodes"])
         self._queued[row["id"]] = Pending(
@@ -1010,6 +1161,7 @@ class JobService:
         outputs: str = "",
         ended_at: float | None = None,
     ) -> None:
+        live = self.store.query_one("SELECT owner, live_outputs FROM jobs WHERE id = ?", (job_id,))
         self._move(
             job_id,
             JobState.RUNNING,
@@ -1018,7 +1170,10 @@ class JobService:
             message=message,
             output_snapshot_id=outputs,
             ended_at=ended_at or time.time(),
+            live_outputs="",
         )
+        if live is not None and live["live_outputs"] != outputs:
+            self._discard(live["owner"], live["live_outputs"])
         log.info("job %s %s: %s", job_id, state.value, message)
         self._announce_end(job_id)
         self._schedule_soon()

@@ -225,6 +225,21 @@ class SnapshotService:
                 )
         return record
 
+    def discard(self, owner: str, sid: str) -> None:
+        """Drop ``owner``'s snapshot ``sid``, made for a moment (a running job's outputs as they were),
+        unless a name, a job or a deployment of theirs uses it; the storage sweep then frees its blobs."""
+        with self.store.transaction() as db:
+            used = db.execute(
+                "SELECT 1 FROM snapshot_names WHERE owner = ? AND snapshot_id = ? UNION ALL "
+                "SELECT 1 FROM jobs WHERE owner = ? AND (output_snapshot_id = ? OR live_outputs = ?) UNION ALL "
+                "SELECT 1 FROM jobs WHERE owner = ? AND state IN ('queued', 'running') "
+                "AND (snapshot_id = ? OR spec LIKE ?) UNION ALL "
+                "SELECT 1 FROM deployments WHERE owner = ? AND ended_at IS NULL AND snapshot_id = ?",
+                (owner, sid, owner, sid, sid, owner, sid, f"%{sid}%", owner, sid),
+            ).fetchone()
+            if used is None:
+                db.execute("DELETE FROM snapshots WHERE id = ? AND owner = ?", (sid, owner))
+
     def _insert(self, owner: str, sid: str, entries: list[Entry]) -> None:
         manifest = json.dumps([[e.path, e.blob, e.size, e.mode, e.link] for e in entries], separators=(",", ":"))
         self.hold(owner, {e.blob for e in entries if e.blob})

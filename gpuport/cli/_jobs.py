@@ -281,11 +281,11 @@ def run_command(
     try:
         follower.wait()
     except KeyboardInterrupt:
-        err.print(
-            f"\ndetached from job {job.id}, which keeps running — "
-            f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
-        )
-        try:
+        try:  # from before the prompt is out: a second Ctrl-C at once, while it is written, cancels too
+            err.print(
+                f"\ndetached from job {job.id}, which keeps running — "
+                f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
+            )
             time.sleep(DEFAULT_DETACH_WINDOW)
         except KeyboardInterrupt:
             job.cancel()

@@ -42,7 +42,12 @@ def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
             bar = Progress(
-                TextColumn(verb), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True
+                TextColumn(verb),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                console=err.console,
+                transient=True,
             )
             bar.start()
             task = bar.add_task(verb, total=total)

@@ -336,6 +336,39 @@ def test_cli_moves_files_over_4_mib_with_a_progress_bar_on_a_terminal(
     assert again.code == 0 and "(1 file)" in again.stderr, again.output
     assert _sha256(tmp_path / "dl" / "weights.bin") == written
     assert again.drew_progress("downloading") is on_terminal
+    # A folder where the file goes: the download fails after the bar has been drawn, and says why.
+    (tmp_path / "blocked" / "weights.bin").mkdir(parents=True)
+    blocked = cli("download", job_id, "-o", str(tmp_path / "blocked"), stdio=stdio, **env)  # type: ignore[operator]
+    assert blocked.code == 1 and "error: [Errno 21] Is a directory" in blocked.stderr, blocked.output
+    assert "Traceback" not in blocked.output and blocked.drew_progress("downloading") is on_terminal
+
+
+# A command that fails as a bug would, as 0.1's progress bar did: rich's Progress handed the CLI's
+# stand-in for a console, which is no context manager, fails to draw on a terminal once it has put
+# its own stand-ins for stdout and stderr in place (piped, it draws nothing, and the command fails after).
+BUGGY_COMMAND = textwrap.dedent(
+    """
+    import sys
+    from rich.progress import Progress
+    from gpuport.cli._output import err
+    from gpuport.cli.main import cli
+
+    @cli.command("buggy")
+    def buggy() -> None:
+        Progress(console=err, transient=True).start()
+        raise RuntimeError("something unforeseen")
+
+    cli(sys.argv[1:], prog_name="gpuport")
+    """
+)
+
+
+def test_cli_says_an_unexpected_error_with_its_traceback_never_silently(stdio: str) -> None:
+    with Command(["buggy"], os.environ, stdio=stdio, python=("-c", BUGGY_COMMAND)) as command:
+        assert command.wait(60) == 1
+    said = command.text
+    assert "Traceback" in said and "in buggy" in said, command.raw
+    assert "error: unexpected " in said and " — a bug in gpuport" in said, command.raw
 
 
 def _start_cli_run(server: RunningServer, project: Path, client_config: Path, stdio: str) -> Command:

@@ -28,6 +28,7 @@ import pytest
 import gpuport
 from gpuport.server.daemon import parse_banner
 from gpuport.server.isolation import Sandbox, detect
+from tests._terminal import drew_progress, run_on_terminal
 
 # Each CLI process of the tests runs its command itself; the helper that makes the CLI's commands
 # start fast (gpuport/cli/_agent.py) has tests of its own (test_cli_start.py), each with a private one.
@@ -225,10 +226,22 @@ class CliResult:
     code: int
     stdout: str
     stderr: str
+    raw: str = ""  # on a terminal: what it wrote, control sequences (a progress bar's drawing) and all
 
     @property
     def output(self) -> str:
-        return self.stdout + self.stderr
+        """Everything it wrote (on a terminal, stdout and stderr are both that one text)."""
+        return self.stdout if self.raw else self.stdout + self.stderr
+
+    def drew_progress(self, verb: str) -> bool:
+        """Whether it drew a progress bar saying ``verb`` (``uploading``, ``downloading``)."""
+        return drew_progress(self.raw, verb)
+
+
+@pytest.fixture(params=["piped", "terminal"])
+def stdio(request: pytest.FixtureRequest) -> str:
+    """Where a CLI command's stdin, stdout and stderr go: pipes, or a pseudo-terminal (100x30)."""
+    return request.param  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -236,11 +249,23 @@ def cli(client_config: Path) -> object:
     """Run `gpuport ARGS...` as a subprocess with this test's config dir; returns a CliResult."""
 
     def run(
-        *args: str, input: str | None = None, cwd: Path | None = None, on: Sequence[str] = (), **env: str
+        *args: str,
+        input: str | None = None,
+        cwd: Path | None = None,
+        on: Sequence[str] = (),
+        stdio: str = "piped",
+        **env: str,
     ) -> CliResult:
-        """``on``: a command prefix to run it with (``ip netns exec HOST``: on a test host)."""
+        """``on``: a command prefix to run it with (``ip netns exec HOST``: on a test host).
+        ``stdio="terminal"``: on a pseudo-terminal of 100x30 instead of pipes (no ``input`` then);
+        ``stdout`` and ``stderr`` of the result are then both what the terminal showed."""
         full_env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
         full_env.update(GPUPORT_CONFIG_DIR=str(client_config), COLUMNS="200", **env)
+        if stdio == "terminal":
+            assert input is None and not on, "a command on a terminal reads nothing typed, and runs here"
+            code, text, raw = run_on_terminal(args, full_env, cwd)
+            return CliResult(code, text, text, raw)
+        assert stdio == "piped", stdio
         done = subprocess.run(
             [*on, sys.executable, "-m", "gpuport", *args],
             capture_output=True,

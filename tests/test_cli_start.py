@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 import gpuport
+from tests._terminal import Command, drew_progress
 from tests.conftest import RunningServer, client_env, wait_for
 
 HEAVY = ("grpc", "google.protobuf", "cloudpickle", "asyncio", "numpy", "rich", "gpuport.client._client")
@@ -204,6 +205,19 @@ def test_the_helper_takes_each_commands_folder_environment_and_exit_status(
     assert wrong.returncode == alone.returncode == 1 and wrong.stderr == alone.stderr and "token" in wrong.stderr
     missing = helper.run("logs", "j-00000000")
     assert missing.returncode == 1 and "no job" in missing.stderr
+
+
+def test_a_push_over_4_mib_through_the_helper_draws_its_bar_on_a_terminal(
+    helper: Helper, tmp_path: Path, stdio: str
+) -> None:
+    helper.start()
+    project = tmp_path / "big"
+    project.mkdir()
+    (project / "table.bin").write_bytes(os.urandom(20_000_000))
+    with Command(["push", ".", "--name", f"helper-big-{stdio}"], helper.env, project, stdio) as push:
+        assert push.wait(120) == 0, push.raw
+    assert f"pushed . as helper-big-{stdio}: 1 files, 19.1MiB (uploaded 1 files, 19.1MiB)" in push.text, push.raw
+    assert drew_progress(push.raw, "uploading") is (stdio == "terminal")
 
 
 def test_ctrl_c_stops_a_command_running_in_the_helper(helper: Helper, server: RunningServer, admin: object) -> None:

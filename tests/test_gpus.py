@@ -45,13 +45,16 @@ def test_status_through_both_doors(server: RunningServer, door: str) -> None:
     assert status["cpus"] >= 1 and status["memory_total"] > status["memory_available"] > 0
 
 
-def test_cli_gpus_and_status(server: RunningServer, cli) -> None:
+def test_cli_gpus_and_status(server: RunningServer, cli, stdio: str) -> None:
     env = {"GPUPORT_URL": server.url, "GPUPORT_TOKEN": server.admin_token, "GPUPORT_FINGERPRINT": server.fingerprint}
-    table = cli("gpus", **env)
+    table = cli("gpus", stdio=stdio, **env)
     assert table.code == 0, table.output
     assert "Fake GPU" in table.stdout and "0B / 16GiB" in table.stdout
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:2] == ["GPU", "NAME"] and lines[0].rstrip().endswith("JOBS (OWNER, SLICE, MEMORY USED)")
+    assert [line.split()[0] for line in lines[1:]] == ["0", "1"]  # one line a GPU, on 100 columns too
     assert [g["index"] for g in json.loads(cli("gpus", "--json", **env).stdout)] == [0, 1]
-    status = cli("status", **env)
+    status = cli("status", stdio=stdio, **env)
     assert status.code == 0 and "you      admin (admin)" in status.stdout and "GPUs     2 (fake)" in status.stdout
     assert json.loads(cli("status", "--json", **env).stdout)["inventory"] == "fake"
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
+from tests._terminal import Command
 from tests.conftest import RunningServer, client_env, touch_in_job, wait_for
 
 TRAIN = textwrap.dedent(
@@ -212,7 +213,7 @@ def test_wait_timeout_and_a_command_that_does_not_exist(admin: gpuport.Client) -
 
 
 def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
-    cli: object, server: RunningServer, project: Path
+    cli: object, server: RunningServer, project: Path, stdio: str
 ) -> None:
     result = cli(
         "run",
@@ -226,6 +227,7 @@ def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
         "python",
         "train.py",
         cwd=project,
+        stdio=stdio,
         **client_env(server),
     )  # type: ignore[operator]
     assert result.code == 4, result.output
@@ -236,89 +238,189 @@ def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
     assert (outputs / "metrics.json").exists()
     assert f"job {job_id} failed" in result.stderr
     # The outputs folder is never synced back up with the next run.
-    again = cli("run", "--", "ls", cwd=project, **client_env(server))  # type: ignore[operator]
-    assert again.code == 0 and "gpuport-outputs" not in again.stdout
+    again = cli("run", "--", "ls", cwd=project, stdio=stdio, **client_env(server))  # type: ignore[operator]
+    assert again.code == 0 and "train.py" in again.stdout and "gpuport-outputs" not in again.stdout
+
+
+def _job_id(text: str) -> str:
+    found = re.search(r"\bj-[0-9a-f]{8}\b", text)
+    assert found, text
+    return found[0]
 
 
 def test_cli_detach_jobs_logs_wait_download_cancel(
-    cli: object, server: RunningServer, project: Path, tmp_path: Path
+    cli: object, server: RunningServer, project: Path, tmp_path: Path, stdio: str
 ) -> None:
     env = client_env(server)
     run = cli(
-        "run", "--detach", "--name", "detached", "--output", "model", "--", "python", "train.py", cwd=project, **env
+        "run",
+        "--detach",
+        "--name",
+        "detached",
+        "--output",
+        "model",
+        "--",
+        "python",
+        "train.py",
+        cwd=project,
+        stdio=stdio,
+        **env,
     )  # type: ignore[operator]
     assert run.code == 0, run.output
-    job_id = run.stdout.strip()
-    assert cli("wait", job_id, **env).code == 0  # type: ignore[operator]
+    job_id = run.stdout.splitlines()[0]  # the id alone on its line, first
+    assert job_id == _job_id(run.stdout) and f"gpuport logs -f {job_id}" in run.stderr
+    assert cli("wait", job_id, stdio=stdio, **env).code == 0  # type: ignore[operator]
     listing = cli("jobs", "--json", **env)  # type: ignore[operator]
     mine = [j for j in json.loads(listing.stdout) if j["id"] == job_id][0]
     assert (mine["name"], mine["state"], mine["exit_code"]) == ("detached", "succeeded", 0)
-    assert "detached" in cli("jobs", **env).stdout  # type: ignore[operator]
-    logs = cli("logs", job_id, **env)  # type: ignore[operator]
+    table = cli("jobs", stdio=stdio, **env)  # type: ignore[operator]
+    assert table.code == 0 and "JOB" in table.stdout.splitlines()[0], table.output
+    row = next(line for line in table.stdout.splitlines() if job_id in line)  # an id is never cut
+    assert "detached" in row and "succeeded" in row
+    if stdio == "terminal":  # the table fits the terminal's 100 columns
+        assert max(len(line) for line in table.stdout.splitlines()) <= 100
+    logs = cli("logs", job_id, stdio=stdio, **env)  # type: ignore[operator]
     assert logs.stdout.splitlines()[1:] == ["to stderr", "back to stdout"]
-    download = cli("download", job_id, "model", "-o", str(tmp_path / "dl"), **env)  # type: ignore[operator]
+    download = cli("download", job_id, "model", "-o", str(tmp_path / "dl"), stdio=stdio, **env)  # type: ignore[operator]
     assert download.code == 0 and (tmp_path / "dl" / "model" / "weights.bin").exists()
-    sleeper = cli("run", "-d", "--", "sleep", "30", cwd=project, **env).stdout.strip()  # type: ignore[operator]
-    assert cli("cancel", sleeper, **env).code == 0  # type: ignore[operator]
-    assert cli("wait", sleeper, **env).code == 128 + signal.SIGTERM  # type: ignore[operator]
-    pushed = cli("push", str(project), "--name", "cli-proj", **env)  # type: ignore[operator]
-    assert pushed.code == 0 and "as cli-proj" in pushed.stderr
-    assert "cli-proj" in cli("snapshots", **env).stdout  # type: ignore[operator]
+    sleeper = _job_id(cli("run", "-d", "--", "sleep", "30", cwd=project, stdio=stdio, **env).stdout)  # type: ignore[operator]
+    assert cli("cancel", sleeper, stdio=stdio, **env).code == 0  # type: ignore[operator]
+    assert cli("wait", sleeper, stdio=stdio, **env).code == 128 + signal.SIGTERM  # type: ignore[operator]
+    pushed = cli("push", str(project), "--name", f"cli-proj-{stdio}", stdio=stdio, **env)  # type: ignore[operator]
+    assert pushed.code == 0 and f"as cli-proj-{stdio}" in pushed.stderr
+    snapshots = cli("snapshots", stdio=stdio, **env)  # type: ignore[operator]
+    assert snapshots.code == 0 and f"cli-proj-{stdio}" in snapshots.stdout and "NAME" in snapshots.stdout
 
 
-def _start_cli_run(server: RunningServer, project: Path, client_config: Path) -> subprocess.Popen[str]:
+# A job that checks the 20 MB file synced with it and writes 20 MB of outputs.
+BIG_JOB = textwrap.dedent(
+    """
+    import hashlib, os
+    print("input", hashlib.sha256(open("input.bin", "rb").read()).hexdigest())
+    data = os.urandom(20_000_000)
+    with open(os.path.join(os.environ["GPUPORT_OUTPUT_DIR"], "weights.bin"), "wb") as f:
+        f.write(data)
+    print("output", hashlib.sha256(data).hexdigest())
+    """
+)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_cli_moves_files_over_4_mib_with_a_progress_bar_on_a_terminal(
+    cli: object, server: RunningServer, project: Path, tmp_path: Path, stdio: str
+) -> None:
+    """push, run (its upload and its outputs) and download of 20 MB each: a bar on a terminal, none piped."""
+    env = client_env(server)
+    on_terminal = stdio == "terminal"
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "table.bin").write_bytes(os.urandom(20_000_000))
+    pushed = cli("push", str(data), "--name", f"big-{stdio}", stdio=stdio, **env)  # type: ignore[operator]
+    assert pushed.code == 0 and "(uploaded 1 files, 19.1MiB)" in pushed.stderr, pushed.output
+    assert pushed.drew_progress("uploading") is on_terminal, pushed.raw
+
+    (project / "input.bin").write_bytes(os.urandom(20_000_000))  # new: the run uploads it
+    (project / "job.py").write_text(BIG_JOB)
+    run = cli("run", "--", "python", "job.py", cwd=project, stdio=stdio, **env)  # type: ignore[operator]
+    assert run.code == 0, run.output
+    assert f"input {_sha256(project / 'input.bin')}" in run.stdout
+    assert run.drew_progress("uploading") is on_terminal and run.drew_progress("downloading") is on_terminal
+    job_id = _job_id(run.stderr)
+    written = run.stdout.split("output ")[1].split()[0]
+    assert _sha256(project / "gpuport-outputs" / job_id / "weights.bin") == written
+
+    again = cli("download", job_id, "-o", str(tmp_path / "dl"), stdio=stdio, **env)  # type: ignore[operator]
+    assert again.code == 0 and "(1 file)" in again.stderr, again.output
+    assert _sha256(tmp_path / "dl" / "weights.bin") == written
+    assert again.drew_progress("downloading") is on_terminal
+    # A folder where the file goes: the download fails after the bar has been drawn, and says why.
+    (tmp_path / "blocked" / "weights.bin").mkdir(parents=True)
+    blocked = cli("download", job_id, "-o", str(tmp_path / "blocked"), stdio=stdio, **env)  # type: ignore[operator]
+    assert blocked.code == 1 and "error: [Errno 21] Is a directory" in blocked.stderr, blocked.output
+    assert "Traceback" not in blocked.output and blocked.drew_progress("downloading") is on_terminal
+
+
+# A command that fails as a bug would, as 0.1's progress bar did: rich's Progress handed the CLI's
+# stand-in for a console, which is no context manager, fails to draw on a terminal once it has put
+# its own stand-ins for stdout and stderr in place (piped, it draws nothing, and the command fails after).
+BUGGY_COMMAND = textwrap.dedent(
+    """
+    import sys
+    from rich.progress import Progress
+    from gpuport.cli._output import err
+    from gpuport.cli.main import cli
+
+    @cli.command("buggy")
+    def buggy() -> None:
+        Progress(console=err, transient=True).start()
+        raise RuntimeError("something unforeseen")
+
+    cli(sys.argv[1:], prog_name="gpuport")
+    """
+)
+
+
+def test_cli_says_an_unexpected_error_with_its_traceback_never_silently(stdio: str) -> None:
+    with Command(["buggy"], os.environ, stdio=stdio, python=("-c", BUGGY_COMMAND)) as command:
+        assert command.wait(60) == 1
+    said = command.text
+    assert "Traceback" in said and "in buggy" in said, command.raw
+    assert "error: unexpected " in said and " — a bug in gpuport" in said, command.raw
+
+
+def _start_cli_run(server: RunningServer, project: Path, client_config: Path, stdio: str) -> Command:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
     # In its own process, as the other tests' commands (conftest): the helper's own tests pass Ctrl-C through it.
     env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config), GPUPORT_AGENT="0")
     script = "import time\nprint('started', flush=True)\ntime.sleep(60)"
-    # Ctrl-C handling switched on explicitly: a test run started in the background inherits SIGINT
-    # ignored (the shell's rule for background jobs), and Python would keep ignoring it.
-    cli = (
-        "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "sys.argv[0] = 'gpuport'; runpy.run_module('gpuport', run_name='__main__')"
-    )
-    return subprocess.Popen(
-        [sys.executable, "-c", cli, "run", "--", "python", "-c", script],
-        cwd=project,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return Command(["run", "--", "python", "-c", script], env, project, stdio)
 
 
 def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
-    server: RunningServer, admin: gpuport.Client, project: Path, client_config: Path
+    server: RunningServer, admin: gpuport.Client, project: Path, client_config: Path, stdio: str
 ) -> None:
-    run = _start_cli_run(server, project, client_config)
-    try:
-        assert run.stdout is not None and run.stdout.readline() == "started\n"
-        run.send_signal(signal.SIGINT)
-        _, stderr = run.communicate(timeout=30)
-    finally:
-        _reap(run)
-    assert run.returncode == 0, stderr
-    job_id = stderr.split("gpuport logs -f ")[1].split("`")[0]
-    assert "re-attach" in stderr and admin.job(job_id).status == "running"
+    with _start_cli_run(server, project, client_config, stdio) as run:
+        run.read_until("started\n")
+        run.ctrl_c()
+        assert run.wait(30) == 0, run.raw
+    job_id = run.text.split("gpuport logs -f ")[1].split("`")[0]
+    assert "re-attach" in run.text and admin.job(job_id).status == "running"
     admin.job(job_id).cancel()
 
-    run = _start_cli_run(server, project, client_config)
+    with _start_cli_run(server, project, client_config, stdio) as run:
+        run.read_until("started\n")
+        run.ctrl_c()
+        run.read_until("press Ctrl-C again")
+        run.ctrl_c()
+        assert run.wait(30) == 128 + signal.SIGTERM, run.raw
+    assert "cancelled" in run.text
+
+
+def test_cli_logs_follow_streams_until_the_job_ends_and_ctrl_c_stops_it(
+    server: RunningServer, admin: gpuport.Client, client_config: Path, stdio: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+    env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config), GPUPORT_AGENT="0")
+    script = "import os, time\nprint('up', flush=True)\nwhile not os.path.exists('go'): time.sleep(0.02)\nprint('done')"
+    job = admin.submit(["python", "-c", script], workdir=None)
+    with Command(["logs", "-f", job.id], env, stdio=stdio) as follower:
+        follower.read_until("up\n")
+        touch_in_job(server.state_dir, job.id, "go")
+        assert follower.wait(60) == 0, follower.raw
+    assert follower.text.splitlines() == ["up", "done"]
+
+    job = admin.submit(["python", "-c", "import time\nprint('up', flush=True)\ntime.sleep(60)"], workdir=None)
     try:
-        assert run.stdout is not None and run.stdout.readline() == "started\n"
-        run.send_signal(signal.SIGINT)
-        assert run.stderr is not None
-        wait_for(lambda: "press Ctrl-C again" in run.stderr.readline(), what="the detach prompt")  # type: ignore[union-attr]
-        run.send_signal(signal.SIGINT)
-        _, stderr = run.communicate(timeout=30)
+        with Command(["logs", "-f", job.id], env, stdio=stdio) as follower:
+            follower.read_until("up\n")
+            follower.ctrl_c()
+            assert follower.wait(30) == 130, follower.raw
+        assert admin.job(job.id).status == "running"  # logs -f only stops following
     finally:
-        _reap(run)
-    assert "cancelled" in stderr and run.returncode == 128 + signal.SIGTERM
-
-
-def _reap(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.communicate()
+        job.cancel()
 
 
 def test_python_output_is_live_and_in_order_without_flushes(server: RunningServer, admin: gpuport.Client) -> None:

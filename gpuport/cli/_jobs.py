@@ -42,7 +42,12 @@ def _progress(verb: str) -> Iterator[Callable[[int, int], None]]:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
             bar = Progress(
-                TextColumn(verb), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=err, transient=True
+                TextColumn(verb),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                console=err.console,
+                transient=True,
             )
             bar.start()
             task = bar.add_task(verb, total=total)
@@ -287,11 +292,11 @@ def run_command(
     try:
         follower.wait()
     except KeyboardInterrupt:
-        err.print(
-            f"\ndetached from job {job.id}, which keeps running — "
-            f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
-        )
-        try:
+        try:  # from before the prompt is out: a second Ctrl-C at once, while it is written, cancels too
+            err.print(
+                f"\ndetached from job {job.id}, which keeps running — "
+                f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
+            )
             time.sleep(DEFAULT_DETACH_WINDOW)
         except KeyboardInterrupt:
             job.cancel()

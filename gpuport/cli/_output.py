@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from gpuport.protocol.units import format_duration, format_size
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.table import Table
 
     from gpuport.client import GPU
@@ -23,12 +24,18 @@ class _Console:
         self._options = options
         self._console: Any = None
 
-    def __getattr__(self, name: str) -> Any:
+    @property
+    def console(self) -> Console:
+        """The rich ``Console`` itself, for what needs one and not a stand-in: a ``Progress`` enters
+        it as a context manager, which ``__getattr__`` cannot pass on."""
         if self._console is None:
             from rich.console import Console
 
             self._console = Console(**self._options)
-        return getattr(self._console, name)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console, name)
 
 
 out: Any = _Console(highlight=False, soft_wrap=True)

@@ -33,7 +33,11 @@ from gpuport.protocol.units import format_size, parse_duration, parse_size
 
 
 class _Gpuport(click.Group):
-    """Turns every GpuportError into one line on stderr and exit status 1: no traceback for users."""
+    """Turns every GpuportError into one line on stderr and exit status 1: no traceback for users.
+
+    An OSError (a file here, the terminal) is one line too. Any other exception is a bug of the
+    CLI's: never silent, it is said with its traceback, and exit status 1. Click's own (usage
+    errors, exits, Abort) go on to click."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -41,6 +45,34 @@ class _Gpuport(click.Group):
         except GpuportError as e:
             print_error(str(e))
             ctx.exit(1)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except OSError as e:  # this machine's files or terminal: said as the system says it
+            _restore_stdio()
+            print_error(str(e))
+            ctx.exit(1)
+        except Exception as e:  # noqa: BLE001 - any other is a bug: said, never silent
+            _report_bug(e)
+            ctx.exit(1)
+
+
+def _restore_stdio() -> None:
+    """Put the real stdout and stderr back: a live display (a progress bar) that failed may have left
+    its own stand-ins in place, which would swallow every word said after it."""
+    if sys.__stdout__ is not None and sys.__stderr__ is not None:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+
+
+def _report_bug(error: Exception) -> None:
+    """Say an unexpected error, with its traceback, on the real stderr."""
+    import traceback
+
+    _restore_stdio()
+    traceback.print_exception(error)
+    print_error(
+        f"unexpected {type(error).__name__}: {error} — a bug in gpuport {gpuport.__version__}; "
+        "please report it with the traceback above"
+    )
 
 
 @click.group(cls=_Gpuport)

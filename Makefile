@@ -71,6 +71,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_queue.py
 	$(PY) bench/bench_scheduler.py
 	$(PY) bench/bench_submits.py
+	$(PY) bench/bench_arrays.py
 	$(PY) bench/bench_sessions.py
 	$(PY) bench/bench_serving.py
 	$(PY) bench/bench_isolation.py

@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 
     from gpuport.client import (
         GPU,
+        ArrayInfo,
         Client,
         GpuAllocation,
         GpuProcess,
         Job,
+        JobArray,
         JobInfo,
         ModelInfo,
         NewToken,
@@ -51,7 +53,9 @@ __all__ = [
     "login",
     "Client",
     "Job",
+    "JobArray",
     "JobInfo",
+    "ArrayInfo",
     "ModelInfo",
     "Snapshot",
     "GPU",

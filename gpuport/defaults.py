@@ -80,6 +80,10 @@ DEFAULT_JOBS_PER_USER = 16
 # Jobs one user may have queued (waiting) at once, unless an admin sets otherwise for them or '*'
 # (`gpuport quota set USER --queued N`): a submit past it is refused, and nothing is stored.
 DEFAULT_QUEUED_PER_USER = 1_000
+# Most tasks one job array or sweep may have (each is a job; the queued cap applies to them as well).
+MAX_ARRAY_TASKS = 10_000
+# Highest index of a job array's task (Slurm's MaxArraySize is 1001 by default; ours is wider).
+MAX_ARRAY_INDEX = 999_999
 # Processes and threads each job may run at once, where the kernel counts them (cgroups' pids
 # controller): the quota of '*' a new state dir starts with (`gpuport quota set '*' --processes N`).
 DEFAULT_PROCESSES_PER_JOB = 4096
@@ -112,6 +116,11 @@ ENV_OUTPUT_DIR = "GPUPORT_OUTPUT_DIR"
 ENV_DATASETS_DIR = "GPUPORT_DATASETS_DIR"
 # The name of the node the job runs on, as `gpuport gpus` shows it (this machine's hostname on one machine).
 ENV_NODE = "GPUPORT_NODE"
+# A job array's task: its index and its array's id and task count; and the same under Slurm's names,
+# so that scripts written for `sbatch --array` run unchanged.
+ENV_ARRAY_INDEX = "GPUPORT_ARRAY_INDEX"
+ENV_ARRAY_ID = "GPUPORT_ARRAY_ID"
+ENV_ARRAY_COUNT = "GPUPORT_ARRAY_COUNT"
 
 # ---- GPU sharing ----
 # What a job holding a slice of a GPU gets: the bytes each of its processes may use on its GPU, and

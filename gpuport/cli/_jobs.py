@@ -9,20 +9,26 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import click
 
 from gpuport.cli._common import client, json_option
 from gpuport.cli._output import ago, err, escape, new_table, out, print_json
 from gpuport.defaults import DEFAULT_DETACH_WINDOW, DEFAULT_OUTPUT_DIR
-from gpuport.protocol.errors import InvalidRequest, WaitTimeout
+from gpuport.protocol.arrays import format_indices
+from gpuport.protocol.errors import InvalidRequest, NotFound, WaitTimeout
 from gpuport.protocol.units import format_duration, format_size
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from gpuport.client import Job, JobInfo
+    from gpuport.client import Client, Job, JobArray, JobInfo
+
+# Tasks of an array whose logs `gpuport run --array` streams at once; the others' come once a stream is free.
+_ARRAY_STREAMS = 32
+# Seconds between looks at an array's tasks while `gpuport run --array` streams them.
+_ARRAY_POLL = 0.3
 
 # Transfers smaller than this finish before a progress bar would be worth drawing.
 _PROGRESS_FROM_BYTES = 4 * 1024 * 1024
@@ -168,6 +174,174 @@ def _roles(text: str | None) -> dict[str, int] | None:
     return roles
 
 
+def _sweep(pairs: tuple[str, ...]) -> dict[str, list[str]] | None:
+    """``lr=1e-3,1e-4`` (each) → {"lr": ["1e-3", "1e-4"]}."""
+    sweep: dict[str, list[str]] = {}
+    for pair in pairs:
+        key, sep, values = pair.partition("=")
+        if not sep or not key.strip() or not values:
+            raise InvalidRequest(f"--sweep {pair!r}: write it as NAME=V1,V2 (e.g. --sweep lr=1e-3,1e-4)")
+        if key.strip() in sweep:
+            raise InvalidRequest(f"--sweep {key.strip()} is given twice: give all its values in one, NAME=V1,V2")
+        sweep[key.strip()] = values.split(",")
+    return sweep or None
+
+
+def _is_array(target: object) -> TypeGuard[JobArray]:
+    from gpuport.client import JobArray  # here: the module is loaded by commands that talk to a server only
+
+    return isinstance(target, JobArray)
+
+
+def _array_or_job(gpu: Client, ref: str) -> JobArray | Job:
+    """The job array ``ref`` names, else the job."""
+    try:
+        return gpu.array(ref)
+    except NotFound:
+        return gpu.job(ref)
+
+
+def _array_status(info: Any) -> int:
+    """0 when every task succeeded; else the exit status of the first that did not (by index), at least 1."""
+    for task in info.tasks:
+        if task.state != "succeeded":
+            return max(1, _exit_status(task))
+    return 0
+
+
+def _array_summary(info: Any) -> str:
+    counts = info.counts()
+    said = ", ".join(f"{counts[s]} {s}" for s in sorted(counts, key=lambda s: (s != "succeeded", s)))
+    failed = [t for t in info.tasks if t.state != "succeeded"]
+    style = "green" if not failed else "red"
+    text = f"[{style}]array {info.id}[/]: {len(info.tasks)} tasks, {said}"
+    if failed:
+        text += f"; not succeeded: {format_indices(t.array_index for t in failed)}"
+        first = failed[0]
+        text += f" (task {first.array_index}: {escape(first.message)})"
+    return text
+
+
+class _ArrayFollower(threading.Thread):
+    """Streams the log of every task of an array to stdout, each line prefixed with its task's index
+    (``[7] ...``), as ``--nprocs`` prefixes ranks: tasks are followed once they start, up to
+    _ARRAY_STREAMS at a time. Like ``_LogFollower``, the main thread only sleeps meanwhile."""
+
+    def __init__(self, array: JobArray) -> None:
+        super().__init__(name=f"logs of {array.id}", daemon=True)
+        self.array = array
+        self.error: BaseException | None = None
+        self.finished = False
+        self._muted = False
+        self._writing = threading.Lock()
+
+    def run(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        followed: set[str] = set()
+        try:
+            with ThreadPoolExecutor(_ARRAY_STREAMS, thread_name_prefix="task log") as pool:
+                futures = []
+                while True:
+                    info = self.array.refresh()
+                    for task in self.array.tasks:
+                        # A task cancelled before it started has no log to stream.
+                        if task.id not in followed and task.info.started_at is not None:
+                            followed.add(task.id)
+                            futures.append(pool.submit(self._follow, task))
+                    if info.ended or self._muted:
+                        break
+                    time.sleep(_ARRAY_POLL)
+                for future in futures:
+                    future.result()
+        except BaseException as e:  # handed to the main thread by wait()
+            self.error = e
+        finally:
+            self.finished = True
+
+    def _follow(self, task: Job) -> None:
+        sink = sys.stdout.buffer
+        prefix = f"[{task.info.array_index}] ".encode()
+        pending = b""
+        for _, data in task.log_chunks(0, follow=True):
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                self._write(b"".join(prefix + line + b"\n" for line in lines), sink)
+            if self._muted:
+                return
+        if pending:
+            self._write(prefix + pending + b"\n", sink)
+
+    def _write(self, data: bytes, sink: Any) -> None:
+        with self._writing:
+            if not self._muted:
+                sink.write(data)
+                sink.flush()
+
+    def mute(self) -> None:
+        with self._writing:
+            self._muted = True
+
+    def wait(self) -> None:
+        while not self.finished:
+            time.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+
+
+def _download_array(array: JobArray, dest: Path, path: str | None = None) -> None:
+    with _progress("downloading") as progress:
+        files = array.download(dest, path, progress=progress)
+    now = "" if array.info.ended else " as they are now: some tasks have not ended"
+    if files:
+        err.print(
+            f"outputs: {escape(str(dest))}/INDEX/ ({len(files)} file{'s' if len(files) != 1 else ''} "
+            f"of {len({f.relative_to(dest).parts[0] for f in files})} tasks){now}"
+        )
+    else:
+        err.print(f"array {array.id} has no outputs" + (" yet" if now else ""))
+
+
+def _run_array(ctx: click.Context, array: JobArray, detach: bool, output_dir: Path | None) -> None:
+    """``gpuport run --array``/``--sweep``: stream every task's lines, fetch outputs, summarize."""
+    info = array.info
+    cap = f", at most {info.max_running} at once" if info.max_running else ""
+    if detach:
+        out.print(array.id)
+        err.print(
+            f"{len(info.tasks)} tasks{cap}; see them with `gpuport jobs`, outputs with `gpuport download {array.id}`"
+        )
+        return
+    err.print(f"[dim]array {array.id}: {len(info.tasks)} tasks ({array.id}_INDEX){cap}[/]")
+    follower = _ArrayFollower(array)
+    follower.start()
+    try:
+        follower.wait()
+    except KeyboardInterrupt:
+        err.print(
+            f"\ndetached from array {array.id}, whose tasks go on — "
+            f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel them all"
+        )
+        try:
+            time.sleep(DEFAULT_DETACH_WINDOW)
+        except KeyboardInterrupt:
+            follower.mute()
+            array.cancel()
+            err.print(f"cancelling array {array.id}...")
+            info = array.wait().info
+            err.print(_array_summary(info))
+            ctx.exit(_array_status(info))
+        follower.mute()
+        err.print(f"see it with `gpuport jobs`; outputs with `gpuport download {array.id}`")
+        ctx.exit(0)
+    info = array.wait().info
+    if any(t.output_snapshot_id for t in info.tasks):
+        _download_array(array, output_dir or Path(DEFAULT_OUTPUT_DIR) / array.id)
+    err.print(_array_summary(info))
+    ctx.exit(_array_status(info))
+
+
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--gpus", default=0, show_default=True, type=int, help="Whole GPUs to give the job.")
 @click.option("--gpu-memory", metavar="SIZE", help="A slice of one GPU instead (8GiB), enforced.")
@@ -214,6 +388,24 @@ def _roles(text: str | None) -> dict[str, int] | None:
     show_default=True,
     help="On a server in front of a cluster: times the job is queued again when its node is lost.",
 )
+@click.option(
+    "--array",
+    metavar="SPEC",
+    help="Run a job array, as Slurm's: 0-99, 1,3,5, 0-15:4; %N at the end runs at most N at once (0-99%8).",
+)
+@click.option(
+    "--sweep",
+    "sweeps",
+    multiple=True,
+    metavar="NAME=V1,V2",
+    help="Run every combination of these values (repeatable); each task gets --NAME VALUE appended.",
+)
+@click.option(
+    "--after",
+    multiple=True,
+    metavar="JOB[:ok|:any]",
+    help="Wait until JOB (an id, name or array) succeeded (ok, default) or ended (any); repeatable.",
+)
 @click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
@@ -238,6 +430,9 @@ def run_command(
     nprocs_per_node: int,
     gpus_per_node: int | None,
     retries: int,
+    array: str | None,
+    sweeps: tuple[str, ...],
+    after: tuple[str, ...],
     detach: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -253,6 +448,16 @@ def run_command(
 
     With --nprocs N the job runs N processes, with TF_CONFIG (or --tf-roles) and
     MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and their log lines prefixed with the rank.
+
+    \b
+        gpuport run --array 0-99%8 -- python train.py
+        gpuport run --sweep lr=1e-3,1e-4 --sweep batch=32,64 -- python train.py
+
+    --array runs one job per index, with GPUPORT_ARRAY_INDEX and SLURM_ARRAY_TASK_ID set (Slurm
+    scripts run unchanged); --sweep one per combination, with --lr 1e-3 --batch 32 appended and
+    GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH set (with a sweep, --array %N alone caps it). Their lines
+    come prefixed with the task's index, outputs land in ./gpuport-outputs/<array-id>/<index>/, and
+    the exit status is 0 only when every task succeeded. --after makes the job (or each task) wait.
     """
     roles = _roles(tf_roles)
     if roles and nprocs == 1:
@@ -278,8 +483,14 @@ def run_command(
             retries=retries,
             nodes=nodes,
             nprocs_per_node=nprocs_per_node,
+            after=after,
+            array=array,
+            sweep=_sweep(sweeps),
             progress=progress,
         )
+    if _is_array(job):
+        _run_array(ctx, job, detach, output_dir)
+        return
     if detach:
         out.print(job.id)
         err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
@@ -334,6 +545,28 @@ def resources(j: JobInfo) -> str:
     return ", ".join(parts) or "-"
 
 
+def _grouped(jobs: list[JobInfo]) -> list[JobInfo | list[JobInfo]]:
+    """The jobs as listed, each array's tasks as one list in the place of its first."""
+    rows: list[JobInfo | list[JobInfo]] = []
+    arrays: dict[str, list[JobInfo]] = {}
+    for j in jobs:
+        if not j.array_id:
+            rows.append(j)
+        elif j.array_id in arrays:
+            arrays[j.array_id].append(j)
+        else:
+            arrays[j.array_id] = [j]
+            rows.append(arrays[j.array_id])
+    return rows
+
+
+def _states(tasks: list[JobInfo]) -> str:
+    """Tasks by state in a few words: ``3 running, 5 queued, 92 succeeded``."""
+    order = ("running", "queued", "succeeded", "failed", "cancelled", "timeout", "killed", "lost")
+    counts = {s: sum(t.state == s for t in tasks) for s in order}
+    return ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+
+
 def _jobs_table(jobs: list[JobInfo]) -> Table:
     table = new_table()
     nodes = len({j.node for j in jobs if j.node}) > 1  # a cluster's: each job's node is said
@@ -342,7 +575,24 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
             table.add_column(column, no_wrap=True, min_width=10)  # an id is never cut: it is what you type next
         elif column != "NODE" or nodes:
             table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
-    for j in jobs:
+    for row in _grouped(jobs):
+        if isinstance(row, list):  # an array's tasks: one line
+            first = row[0]
+            command = " ".join(first.command)
+            table.add_row(
+                f"{first.array_id}[{format_indices(t.array_index for t in row if t.array_index is not None)}]",
+                escape(first.name) or "-",
+                escape(first.owner),
+                _states(row),
+                *(["-"] if nodes else []),
+                resources(first),
+                f"{ago(min(t.created_at for t in row))} ago",
+                "-",
+                "-",
+                escape(command if len(command) <= 60 else command[:57] + "..."),
+            )
+            continue
+        j = row
         ran = "-"
         if j.started_at:
             ran = format_duration((j.ended_at or time.time()) - j.started_at)
@@ -440,8 +690,17 @@ def logs_command(ctx: click.Context, job_id: str, follow: bool, tail: int | None
 @click.option("--timeout", type=float, help="Give up after this many seconds (exit status 124).")
 @click.pass_context
 def wait_command(ctx: click.Context, job_id: str, timeout: float | None) -> None:
-    """Wait for a job (its id or name) to end; exit with its exit code."""
-    job = client(ctx).job(job_id)
+    """Wait for a job (its id or name) to end; exit with its exit code. For an array: every task,
+    exiting 0 only when all succeeded."""
+    job = _array_or_job(client(ctx), job_id)
+    if _is_array(job):
+        try:
+            array_info = job.wait(timeout).info
+        except WaitTimeout as e:
+            err.print(escape(str(e)))
+            ctx.exit(124)
+        err.print(_array_summary(array_info))
+        ctx.exit(_array_status(array_info))
     try:
         info = job.wait(timeout).info
     except WaitTimeout as e:
@@ -456,8 +715,16 @@ def wait_command(ctx: click.Context, job_id: str, timeout: float | None) -> None
 @click.pass_context
 def cancel_command(ctx: click.Context, job_id: str) -> None:
     """Cancel a job (its id or name): a queued one at once, a running one with SIGTERM, then SIGKILL
-    after a grace period."""
-    info = client(ctx).job(job_id).cancel()
+    after a grace period. An array's id or name cancels every task of it that has not ended."""
+    target = _array_or_job(client(ctx), job_id)
+    if _is_array(target):
+        counts = target.cancel().counts()
+        err.print(
+            f"array {target.id}: {counts.get('cancelled', 0)} tasks cancelled, "
+            f"{counts.get('running', 0)} stopping (SIGTERM now, SIGKILL after the grace period)"
+        )
+        return
+    info = target.cancel()
     if info.state == "cancelled":
         err.print(f"job {info.id} cancelled")
     else:
@@ -473,9 +740,13 @@ def download_command(ctx: click.Context, job_id: str, path: str | None, output_d
     """Download a job's outputs (or only those at PATH) into ./gpuport-outputs/JOB/. JOB is its id or name.
 
     A running job's outputs are copied as they are now: a file it is still writing may come cut
-    short. Files already there with the same content are not fetched again.
+    short. Files already there with the same content are not fetched again. An array's go to
+    ./gpuport-outputs/ARRAY/INDEX/, a folder per task.
     """
-    job = client(ctx).job(job_id)
+    job = _array_or_job(client(ctx), job_id)
+    if _is_array(job):
+        _download_array(job, output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id, path)
+        return
     dest = output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id
     if not job.info.output_snapshot_id and job.info.ended:
         err.print(f"job {job.id} has no outputs")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from gpuport.client._client import Client, connect
     from gpuport.client._config import config_path, load_profiles, remove_profile
-    from gpuport.client._jobs import Job, JobInfo
+    from gpuport.client._jobs import ArrayInfo, Job, JobArray, JobInfo
     from gpuport.client._login import login
     from gpuport.client._models import ModelInfo, TensorSpec
     from gpuport.client._sessions import Ref, RemoteFunction, Session, SessionInfo
@@ -34,7 +34,9 @@ _WHERE = {
     "config_path": "_config",
     "load_profiles": "_config",
     "remove_profile": "_config",
+    "ArrayInfo": "_jobs",
     "Job": "_jobs",
+    "JobArray": "_jobs",
     "JobInfo": "_jobs",
     "login": "_login",
     "ModelInfo": "_models",
@@ -55,10 +57,12 @@ _WHERE = {
 
 __all__ = [
     "GPU",
+    "ArrayInfo",
     "Client",
     "GpuAllocation",
     "GpuProcess",
     "Job",
+    "JobArray",
     "JobInfo",
     "ModelInfo",
     "NewToken",

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from gpuport.client._config import Settings, resolve_settings
-from gpuport.client._jobs import Job, JobInfo
+from gpuport.client._jobs import ArrayInfo, Job, JobArray, JobInfo
 from gpuport.client._models import ModelInfo
 from gpuport.client._transport import Progress, Transport
 from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
@@ -149,6 +150,36 @@ class Client:
 
     # ---- jobs ---------------------------------------------------------------------------------------
 
+    @overload
+    def submit(
+        self,
+        cmd: str | Sequence[str],
+        workdir: str | os.PathLike[str] | None = ".",
+        gpus: int = 0,
+        env: dict[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
+        name: str | None = None,
+        *,
+        array: None = None,
+        sweep: None = None,
+        **options: Any,
+    ) -> Job: ...
+
+    @overload
+    def submit(
+        self,
+        cmd: str | Sequence[str],
+        workdir: str | os.PathLike[str] | None = ".",
+        gpus: int = 0,
+        env: dict[str, str] | None = None,
+        outputs: Sequence[str] | None = None,
+        name: str | None = None,
+        *,
+        array: str | None = None,
+        sweep: Mapping[str, Sequence[Any]] | None = None,
+        **options: Any,
+    ) -> JobArray: ...
+
     def submit(
         self,
         cmd: str | Sequence[str],
@@ -170,8 +201,11 @@ class Client:
         retries: int = 0,
         nodes: int = 1,
         nprocs_per_node: int = 1,
+        after: str | Sequence[str] = (),
+        array: str | None = None,
+        sweep: Mapping[str, Sequence[Any]] | None = None,
         progress: Progress | None = None,
-    ) -> Job:
+    ) -> Job | JobArray:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
 
         ``cmd`` is an argv list, or a string run by ``/bin/sh -c``. ``outputs`` are paths in the
@@ -191,9 +225,22 @@ class Client:
         ``cpus`` and ``memory`` are then per node, and the ranks find each other through TF_CONFIG and
         MASTER_ADDR/MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK.
 
-        Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name ...),
-        ``ResourceUnavailable`` (more than the server has, or than your quota allows), ``NotFound``
-        (unknown project), ``PermissionDenied`` (a priority above 0 without an admin token).
+        ``after`` ("JOB", "JOB:ok", "JOB:any", or several): the job waits until those jobs (ids,
+        names or arrays of yours) have succeeded (ok, the default) or ended (any); under ok, one
+        that fails cancels it, saying why.
+
+        ``array`` (Slurm's syntax: "0-99", "1,3,5", "0-15:4", "%8" at the end for at most 8
+        running at once) or ``sweep`` ({"lr": [1e-3, 1e-4], "batch": [32, 64]}: every combination)
+        submit a ``JobArray`` instead, one task per index or point, with the workdir synced once.
+        Each task gets GPUPORT_ARRAY_INDEX and SLURM_ARRAY_TASK_ID (and GPUPORT_ARRAY_ID,
+        SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_COUNT); a sweep's task its point appended to ``cmd`` as
+        ``--lr 0.001 --batch 32`` and in GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH. With a sweep,
+        ``array`` may be "%N" alone.
+
+        Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name, malformed
+        array ...), ``ResourceUnavailable`` (more than the server has, or than your quota allows:
+        an array over your queued cap is refused whole), ``NotFound`` (unknown project, or job to
+        wait for), ``PermissionDenied`` (a priority above 0 without an admin token).
         """
         spec = pb.JobSpec(
             gpus=gpus,
@@ -211,6 +258,7 @@ class Client:
             retries=retries,
             nodes=nodes,
             nprocs_per_node=nprocs_per_node,
+            after=[after] if isinstance(after, str) else list(after),
         )
         if isinstance(cmd, str):
             spec.shell = cmd
@@ -220,7 +268,25 @@ class Client:
             spec.project = project
         elif workdir is not None:
             spec.snapshot_id = self.transport.sync(Path(workdir), "", progress).id
+        if array is not None or sweep:
+            parameters = [
+                pb.SweepParameter(name=key, values=[v if isinstance(v, str) else json.dumps(v) for v in values])
+                for key, values in (sweep or {}).items()
+            ]
+            request = pb.ArraySpec(job=spec, array=array or "", sweep=parameters)
+            reply = self.transport.call(self.transport.jobs.SubmitArray, request)
+            return JobArray(self.transport, ArrayInfo._from_message(reply))
         return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
+
+    def array(self, array_id: str) -> JobArray:
+        """The job array or sweep with this id, or yours of this name (the one with tasks queued
+        or running, else the newest). Raises ``NotFound``.
+
+        >>> gpu.array("sweep1").counts()
+        {'running': 8, 'queued': 90, 'succeeded': 2}
+        """
+        reply = self.transport.call(self.transport.jobs.GetArray, pb.JobRef(job_id=array_id))
+        return JobArray(self.transport, ArrayInfo._from_message(reply))
 
     def job(self, job_id: str) -> Job:
         """The job with this id (yours, or anyone's for an admin), or your job of this name: the one

@@ -1,10 +1,12 @@
-"""``Job``: a handle on a job submitted with ``Client.submit``: its state, logs, outputs."""
+"""``Job``: a handle on a job submitted with ``Client.submit``: its state, logs, outputs. ``JobArray``:
+one on a job array or sweep, whose tasks are ``Job``s."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +57,8 @@ class JobInfo:
     nprocs: int = 1
     position: int = 0
     node: str = ""  # where it runs or ran: a cluster's node, or the server's hostname
+    array_id: str = ""  # the job array it is a task of ("" : none)
+    array_index: int | None = None  # its index there
 
     @property
     def ended(self) -> bool:
@@ -86,6 +90,8 @@ class JobInfo:
             nprocs=m.nprocs or 1,
             position=m.position,
             node=m.node,
+            array_id=m.array_id,
+            array_index=m.array_index if m.array_id else None,
         )
 
 
@@ -235,3 +241,126 @@ class Job:
 
     def __repr__(self) -> str:
         return f"<gpuport.Job {self.id} {self.info.state}>"
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """A job array or sweep as the server described it at one moment: ``spec`` as given ("0-99%8"),
+    ``max_running`` its %N (0: no cap), ``sweep`` a sweep's parameters and values, ``tasks`` each
+    task's ``JobInfo`` in index order."""
+
+    id: str
+    name: str
+    owner: str
+    spec: str
+    max_running: int
+    created_at: float
+    sweep: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    tasks: tuple[JobInfo, ...] = ()
+
+    @property
+    def ended(self) -> bool:
+        return all(t.ended for t in self.tasks)
+
+    def counts(self) -> dict[str, int]:
+        """Tasks by state: {"succeeded": 98, "failed": 2}."""
+        return dict(Counter(t.state for t in self.tasks))
+
+    @classmethod
+    def _from_message(cls, m: pb.ArrayInfo) -> ArrayInfo:
+        return cls(
+            id=m.array_id,
+            name=m.name,
+            owner=m.owner,
+            spec=m.spec,
+            max_running=m.max_running,
+            created_at=m.created_at,
+            sweep={p.name: tuple(p.values) for p in m.sweep},
+            tasks=tuple(JobInfo._from_message(t) for t in m.tasks),
+        )
+
+
+class JobArray:
+    """A job array or sweep on the server: ``gpu.submit(..., array="0-99%8")`` (or ``sweep=``) and
+    ``gpu.array(id_or_name)`` return one. Its ``tasks`` are ``Job``s (ids ``<array id>_<index>``).
+
+    >>> grid = gpu.submit(["python", "train.py"], sweep={"lr": [1e-3, 1e-4], "batch": [32, 64]})
+    >>> grid.wait().counts()
+    {'succeeded': 4}
+    >>> grid.download("results/")          # results/0/, results/1/ ... one folder per task
+    """
+
+    def __init__(self, transport: Transport, info: ArrayInfo) -> None:
+        self._transport = transport
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def tasks(self) -> list[Job]:
+        """The tasks as ``Job`` handles, in index order (as last described: ``refresh`` asks again)."""
+        return [Job(self._transport, t) for t in self.info.tasks]
+
+    def task(self, index: int) -> Job:
+        """The task of this index. Raises ``KeyError`` when the array has none."""
+        for t in self.info.tasks:
+            if t.array_index == index:
+                return Job(self._transport, t)
+        raise KeyError(f"array {self.id} has no task {index}")
+
+    def refresh(self) -> ArrayInfo:
+        """Ask the server for the array's tasks and their states now."""
+        reply = self._transport.call(self._transport.jobs.GetArray, pb.JobRef(job_id=self.id))
+        self.info = ArrayInfo._from_message(reply)
+        return self.info
+
+    def counts(self) -> dict[str, int]:
+        """Tasks by state now."""
+        return (self.info if self.info.ended else self.refresh()).counts()
+
+    def wait(self, timeout: float | None = None) -> JobArray:
+        """Block until every task has ended; return the array. Raises ``WaitTimeout`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for task in self.tasks:
+            if not task.info.ended:
+                try:
+                    task.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except WaitTimeout:
+                    raise WaitTimeout(f"array {self.id} has tasks still running after {timeout:g}s") from None
+        self.refresh()
+        return self
+
+    def failed(self) -> list[JobInfo]:
+        """The tasks that ended other than ``succeeded``."""
+        return [t for t in self.info.tasks if t.ended and t.state != "succeeded"]
+
+    def cancel(self) -> ArrayInfo:
+        """Cancel every task that has not ended (queued ones at once, running ones with SIGTERM,
+        SIGKILL after a grace period). Raises ``Conflict`` when all have ended."""
+        reply = self._transport.call(self._transport.jobs.CancelArray, pb.JobRef(job_id=self.id))
+        self.info = ArrayInfo._from_message(reply)
+        return self.info
+
+    def download(self, dest: str | Path, path: str | None = None, *, progress: Progress | None = None) -> list[Path]:
+        """Fetch each task's outputs into ``dest/<index>/``; return the files written. Tasks
+        without outputs (queued, or that left none) are skipped."""
+        files: list[Path] = []
+        for task in self.tasks:
+            if task.info.state == "queued" or (task.info.ended and not task.info.output_snapshot_id):
+                continue
+            try:
+                files += task.download(Path(dest) / str(task.info.array_index), path, progress=progress)
+            except InvalidRequest:  # nothing at ``path`` in this task's outputs
+                if path is None:
+                    raise
+        return files
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{n} {state}" for state, n in sorted(self.info.counts().items()))
+        return f"<gpuport.JobArray {self.id} [{len(self.info.tasks)} tasks: {counts}]>"

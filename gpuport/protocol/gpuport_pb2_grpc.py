@@ -814,6 +814,21 @@ class JobsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobOutputs.FromString,
                 _registered_method=True)
+        self.SubmitArray = channel.unary_unary(
+                '/gpuport.v1.Jobs/SubmitArray',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ArraySpec.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
+                _registered_method=True)
+        self.GetArray = channel.unary_unary(
+                '/gpuport.v1.Jobs/GetArray',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
+                _registered_method=True)
+        self.CancelArray = channel.unary_unary(
+                '/gpuport.v1.Jobs/CancelArray',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
+                _registered_method=True)
 
 
 class JobsServicer:
@@ -869,6 +884,26 @@ class JobsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitArray(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetArray(self, request, context):
+        """by the array's id or name
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelArray(self, request, context):
+        """every task not ended yet
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -911,6 +946,21 @@ def add_JobsServicer_to_server(servicer, server):
                     servicer.Outputs,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobOutputs.SerializeToString,
+            ),
+            'SubmitArray': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitArray,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ArraySpec.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.SerializeToString,
+            ),
+            'GetArray': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetArray,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.SerializeToString,
+            ),
+            'CancelArray': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelArray,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1129,6 +1179,87 @@ class Jobs:
             '/gpuport.v1.Jobs/Outputs',
             gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.JobOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitArray(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/SubmitArray',
+            gpuport_dot_protocol_dot_gpuport__pb2.ArraySpec.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetArray(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/GetArray',
+            gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelArray(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/CancelArray',
+            gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,11 @@ The rules, in this order:
    50 queued jobs interleave with another user's single job instead of going ahead of it.
 4. **Quotas** (per user, set by an admin): concurrent GPUs and concurrent jobs. A job over its
    owner's quota waits, saying so, and reserves nothing.
-5. **A memory floor.** While the machine's free memory is below the server's floor (``low_memory``
+5. **Arrays and dependencies.** A task of a job array is an ordinary job of its owner (fair share
+   and quotas count it so); an array's ``%N`` (``caps``) lets at most N of its tasks run at once,
+   and a task over it waits, saying so, and reserves nothing. A job whose dependencies are not met
+   (``Pending.blocked`` says which) waits the same way.
+6. **A memory floor.** While the machine's free memory is below the server's floor (``low_memory``
    says so), a job that reserves no memory waits, and reserves nothing: work that asks for nothing
    cannot push the box into swap or the OOM killer. A job that reserves memory is counted as before.
 
@@ -192,6 +196,8 @@ class Pending:
     priority: int = 0
     seq: int = 0  # submission order
     reserved_at: float | None = None
+    group: str = ""  # the job array it is a task of
+    blocked: str = ""  # why it may not start yet whatever is free (a dependency not met); '' : it may
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,7 @@ class Holding:
     gpu_indices: tuple[int, ...]
     node: str = ""
     placement: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a gang's: (node, GPUs) per node rank
+    group: str = ""  # the job array it is a task of
 
 
 @dataclass(frozen=True)
@@ -237,7 +244,7 @@ class Queue:
         self.pop(job.job_id, None)
         request = self._requests.setdefault(job.request, job.request)
         if request is not job.request:
-            job = Pending(job.job_id, job.owner, request, job.priority, job.seq, job.reserved_at)
+            job = dataclasses.replace(job, request=request)
         self._jobs[job.job_id] = job
         self._kinds[job.request] += 1
         if job.reserved_at is not None:
@@ -273,6 +280,9 @@ class Queue:
 
     def __getitem__(self, job_id: str) -> Pending:
         return self._jobs[job_id]
+
+    def get(self, job_id: str) -> Pending | None:
+        return self._jobs.get(job_id)
 
     def __setitem__(self, job_id: str, job: Pending) -> None:
         assert job.job_id == job_id
@@ -519,6 +529,7 @@ def plan(
     quotas: Mapping[str, Quota] | None = None,
     low_memory: str = "",
     depth: int | None = None,
+    caps: Mapping[str, int] | None = None,
 ) -> list[Decision]:
     """Decide for the queued jobs, in queue order: start it now on these GPUs, or say why it waits.
 
@@ -526,8 +537,11 @@ def plan(
     ``low_memory``, when set, says why jobs that reserve no memory wait (the machine's free memory is
     below the floor). ``depth``: decide for at least this many jobs, then go on only while a job
     further back could still start (None: decide for every job). What starts is the same either way.
+    ``caps`` maps a job array to the most of its tasks that may run at once.
     """
     quotas = quotas or {}
+    caps = caps or {}
+    in_group: Counter[str] = Counter(h.group for h in running if h.group in caps)
     machine = Cluster.of(machine)
     queue = queued if isinstance(queued, Queue) else Queue(queued)
     usage, share_of = _usage(running, machine)
@@ -558,7 +572,10 @@ def plan(
             if not behind[job.request]:
                 changed += 1
         quota = quotas.get(job.owner, quotas.get("*"))
-        reason = _over_quota(job, free, quota, machine)
+        reason = job.blocked or _over_quota(job, free, quota, machine)
+        cap = caps.get(job.group, 0) if job.group else 0
+        if not reason and cap and in_group[job.group] >= cap:
+            reason = f"array {job.group} runs {in_group[job.group]} of its tasks, the most at once (%{cap})"
         if not reason and low_memory and not job.request.memory:
             reason = low_memory
         if not reason:
@@ -570,6 +587,8 @@ def plan(
                         pool.take(job.request, node, gpus)
                 free.held_gpus[job.owner] = free.held_gpus.get(job.owner, 0.0) + machine.gpu_share(job.request)
                 free.held_jobs[job.owner] = free.held_jobs.get(job.owner, 0) + 1
+                if cap:
+                    in_group[job.group] += 1
                 placement = tuple(fits) if job.request.nodes > 1 else ()
                 decisions.append(Decision(job.job_id, position, fits[0][1], node=fits[0][0], placement=placement))
                 why.clear()
@@ -589,6 +608,9 @@ def plan(
                 free.reserve(job.request)
                 why.clear()
                 changed += 1
+        if job.blocked:  # it waits for its dependencies, not behind other jobs: nor do others behind it
+            decisions.append(Decision(job.job_id, position, None, reason))
+            continue
         if waiting:
             reason += f", {waiting} job{'s' if waiting > 1 else ''} ahead"
         decisions.append(Decision(job.job_id, position, None, reason, reserves=job is reservation))

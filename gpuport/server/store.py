@@ -206,6 +206,25 @@ MIGRATIONS: list[str] = [
     CREATE INDEX jobs_owner_name ON jobs(owner, name);
     ALTER TABLE jobs ADD COLUMN live_outputs TEXT NOT NULL DEFAULT '';
     """,
+    # 19: job arrays and sweeps (each task a job of its own, with its array and index), and the jobs
+    # a job waits for (JSON [[job or array id, "ok" | "any"], ...]; '' : none)
+    """
+    CREATE TABLE arrays (
+        seq           INTEGER PRIMARY KEY,
+        id            TEXT NOT NULL UNIQUE,     -- j-<hex>, from the jobs' ids' space; its tasks are <id>_<index>
+        owner         TEXT NOT NULL,
+        name          TEXT NOT NULL DEFAULT '', -- its tasks' name too
+        spec          TEXT NOT NULL,            -- as given: Slurm's --array syntax, or %N with a sweep
+        max_running   INTEGER NOT NULL DEFAULT 0, -- %N: the most of its tasks running at once; 0: no cap
+        sweep         TEXT NOT NULL DEFAULT '', -- JSON {name: [values]} of a sweep; '' : an array
+        created_at    REAL NOT NULL
+    );
+    CREATE INDEX arrays_owner_name ON arrays(owner, name);
+    ALTER TABLE jobs ADD COLUMN array_id TEXT NOT NULL DEFAULT '';
+    ALTER TABLE jobs ADD COLUMN array_index INTEGER;
+    ALTER TABLE jobs ADD COLUMN depends_on TEXT NOT NULL DEFAULT '';
+    CREATE INDEX jobs_array ON jobs(array_id, array_index) WHERE array_id != '';
+    """,
 ]
 
 

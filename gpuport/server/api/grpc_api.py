@@ -30,7 +30,7 @@ from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
-from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
+from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
 from gpuport.server.services.quotas import QuotaRecord
 from gpuport.server.services.serving import DeploymentRecord, DeploySpec, message_for
 from gpuport.server.services.sessions import CallIn, CallOut, SessionRecord, SessionSpec, Value
@@ -340,6 +340,53 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         nprocs=job.nprocs,
         position=job.position,
         node=job.node,
+        array_id=job.array_id,
+        array_index=job.array_index or 0,
+    )
+
+
+def array_message(array: ArrayRecord) -> pb.ArrayInfo:
+    return pb.ArrayInfo(
+        array_id=array.id,
+        name=array.name,
+        owner=array.owner,
+        spec=array.spec,
+        max_running=array.max_running,
+        created_at=array.created_at,
+        sweep=[pb.SweepParameter(name=k, values=v) for k, v in array.sweep.items()],
+        tasks=[job_message(t) for t in array.tasks],
+    )
+
+
+def job_request(request: pb.JobSpec) -> JobRequest:
+    """A ``JobSpec`` from the wire as the job service takes it."""
+    hyperparameters = None
+    if request.hyperparameters_json:
+        try:
+            hyperparameters = json.loads(request.hyperparameters_json)
+        except ValueError as e:
+            raise InvalidRequest(f"hyperparameters are not valid JSON: {e}") from None
+    return JobRequest(
+        command=list(request.command),
+        shell=request.shell,
+        snapshot_id=request.snapshot_id,
+        project=request.project,
+        datasets=list(request.datasets),
+        gpus=request.gpus,
+        env=dict(request.env),
+        outputs=list(request.outputs),
+        name=request.name,
+        hyperparameters=hyperparameters,
+        time_limit=request.time_limit,
+        gpu_memory=request.gpu_memory,
+        cpus=request.cpus,
+        memory=request.memory,
+        priority=request.priority,
+        nprocs=request.nodes * (request.nprocs_per_node or 1) if request.nodes > 1 else request.nprocs or 1,
+        tf_roles=tf_roles(dict(request.tf_roles)),
+        retries=request.retries,
+        nodes=request.nodes or 1,
+        after=list(request.after),
     )
 
 
@@ -350,37 +397,7 @@ _MAX_WAIT = 300.0
 class JobsServicer(_Servicer, pb_grpc.JobsServicer):
     @rpc
     async def Submit(self, request: pb.JobSpec, caller: Identity) -> pb.JobInfo:
-        hyperparameters = None
-        if request.hyperparameters_json:
-            try:
-                hyperparameters = json.loads(request.hyperparameters_json)
-            except ValueError as e:
-                raise InvalidRequest(f"hyperparameters are not valid JSON: {e}") from None
-        job = self.app.jobs.submit(
-            caller,
-            JobRequest(
-                command=list(request.command),
-                shell=request.shell,
-                snapshot_id=request.snapshot_id,
-                project=request.project,
-                datasets=list(request.datasets),
-                gpus=request.gpus,
-                env=dict(request.env),
-                outputs=list(request.outputs),
-                name=request.name,
-                hyperparameters=hyperparameters,
-                time_limit=request.time_limit,
-                gpu_memory=request.gpu_memory,
-                cpus=request.cpus,
-                memory=request.memory,
-                priority=request.priority,
-                nprocs=request.nodes * (request.nprocs_per_node or 1) if request.nodes > 1 else request.nprocs or 1,
-                tf_roles=tf_roles(dict(request.tf_roles)),
-                retries=request.retries,
-                nodes=request.nodes or 1,
-            ),
-        )
-        return job_message(job)
+        return job_message(self.app.jobs.submit(caller, job_request(request)))
 
     @rpc
     async def Get(self, request: pb.JobRef, caller: Identity) -> pb.JobInfo:
@@ -416,6 +433,22 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
     async def Outputs(self, request: pb.JobRef, caller: Identity) -> pb.JobOutputs:
         job, snapshot, missing = await self.app.jobs.outputs(caller, request.job_id)
         return pb.JobOutputs(job=job_message(job), snapshot_id=snapshot, missing=missing)
+
+    @rpc
+    async def SubmitArray(self, request: pb.ArraySpec, caller: Identity) -> pb.ArrayInfo:
+        sweep = {p.name: list(p.values) for p in request.sweep}
+        if len(sweep) != len(request.sweep):
+            raise InvalidRequest("a sweep parameter is given twice: give each once, with all its values")
+        array = self.app.jobs.submit_array(caller, job_request(request.job), request.array, sweep)
+        return array_message(array)
+
+    @rpc
+    async def GetArray(self, request: pb.JobRef, caller: Identity) -> pb.ArrayInfo:
+        return array_message(self.app.jobs.array(caller, request.job_id))
+
+    @rpc
+    async def CancelArray(self, request: pb.JobRef, caller: Identity) -> pb.ArrayInfo:
+        return array_message(self.app.jobs.cancel_array(caller, request.job_id))
 
 
 def quota_message(record: QuotaRecord) -> pb.QuotaInfo:

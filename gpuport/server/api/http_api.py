@@ -46,7 +46,7 @@ from gpuport.server.app import ServerApp
 from gpuport.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.jobs import JobRecord, JobRequest, tf_roles
+from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
 from gpuport.server.services.snapshots import check_snapshot_name
 from gpuport.server.unpacker import unpack
 
@@ -91,6 +91,23 @@ class JobCreate(BaseModel):
     nodes: int = Field(1, description="A job over this many nodes of a cluster (gpus, cpus, memory are per node)")
     nprocs_per_node: int | None = Field(None, description="With nodes > 1: processes on each node (default 1)")
     gpus_per_node: int | None = Field(None, description="With nodes > 1: GPUs on each node (the same as gpus)")
+    after: list[str] = Field(
+        default_factory=list,
+        description="Jobs to wait for: JOB, JOB:ok (succeeded, the default) or JOB:any (ended); "
+        "JOB an id, a name or a job array; a job whose JOB:ok fails is cancelled",
+    )
+
+
+class ArrayCreate(JobCreate):
+    """A job array or a sweep for ``POST /v1/arrays``: a job's fields, and ``array`` (Slurm's
+    syntax) or ``sweep`` (every combination of its values is a task)."""
+
+    array: str = Field("", description='Slurm\'s --array: "0-99%8", "1,3,5", "0-15:4"; with a sweep only "%N"')
+    sweep: dict[str, list[str | int | float | bool]] = Field(
+        default_factory=dict,
+        description='Parameters and their values, e.g. {"lr": [0.001, 0.0001], "batch": [32, 64]}: each task '
+        "gets --lr VALUE --batch VALUE appended, and GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH",
+    )
 
 
 class QuotaSet(BaseModel):
@@ -158,6 +175,7 @@ def job_request(body: JobCreate) -> JobRequest:
         tf_roles=tf_roles(body.tf_roles),
         retries=body.retries,
         nodes=body.nodes,
+        after=body.after,
     )
 
 
@@ -193,6 +211,15 @@ def _outputs(app: ServerApp, caller: Identity, job_id: str) -> list[Any]:
 
 def job_json(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.id, **dataclasses.asdict(job), "state": job.state.value}
+
+
+def array_json(array: ArrayRecord) -> dict[str, Any]:
+    return {
+        "array_id": array.id,
+        **{k: v for k, v in dataclasses.asdict(array).items() if k != "tasks"},
+        "counts": dict(array.counts()),
+        "tasks": [job_json(t) for t in array.tasks],
+    }
 
 
 def _decode_whole(data: bytes, final: bool) -> tuple[str, int]:
@@ -447,6 +474,28 @@ def build_http_app(app: ServerApp) -> Predictions:
         if body.script is not None:
             _check_script(app, identity, request, request.command[1])
         return job_json(app.jobs.submit(identity, request))
+
+    @api.post(
+        "/v1/arrays",
+        status_code=201,
+        summary="Submit a job array (array: Slurm's syntax) or a sweep; the reply carries its array_id and tasks",
+    )
+    async def submit_array(body: ArrayCreate, identity: Caller) -> dict[str, Any]:
+        request = job_request(body)
+        if body.script is not None:
+            _check_script(app, identity, request, request.command[1])
+        sweep = {name: [_flag_value(v) for v in values] for name, values in body.sweep.items()}
+        return array_json(app.jobs.submit_array(identity, request, body.array, sweep))
+
+    @api.get(
+        "/v1/arrays/{array_id}", summary="A job array (by its id or name) with its tasks and their counts by state"
+    )
+    async def get_array(array_id: str, identity: Caller) -> dict[str, Any]:
+        return array_json(app.jobs.array(identity, array_id))
+
+    @api.post("/v1/arrays/{array_id}/cancel", summary="Cancel every task of a job array that has not ended")
+    async def cancel_array(array_id: str, identity: Caller) -> dict[str, Any]:
+        return array_json(app.jobs.cancel_array(identity, array_id))
 
     @api.get(
         "/v1/jobs",

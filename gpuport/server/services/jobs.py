@@ -8,6 +8,12 @@ cluster's nodes.
 
 A server that restarts (even after SIGKILL) finds each job where it was: running jobs are watched
 again, jobs that ended meanwhile get their recorded exit code, and queued jobs start.
+
+Arrays and sweeps: one submit queues many tasks, each an ordinary job of its owner (the fair queue,
+quotas and the queued cap count each), with the id ``<array id>_<index>``; the array's ``%N`` is the
+scheduler's to enforce. Dependencies (``after``): a queued job waits until the jobs or arrays it
+names have succeeded (``ok``) or ended (``any``); under ``ok``, one that fails cancels it, saying
+why. What a job waits for is stored with it, so a restarted server keeps the wait.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import signal
 import time
 from collections import Counter
@@ -35,6 +42,9 @@ from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
     DEFAULT_MEMORY_FLOOR_FRACTION,
     DEFAULT_MEMORY_FLOOR_MAX,
+    ENV_ARRAY_COUNT,
+    ENV_ARRAY_ID,
+    ENV_ARRAY_INDEX,
     ENV_GPU_MEMORY,
     ENV_GPU_MEMORY_FRACTION,
     ENV_JOB_ID,
@@ -44,6 +54,7 @@ from gpuport.defaults import (
     MAX_SPEC_BYTES,
     MAX_TIME_LIMIT,
 )
+from gpuport.protocol.arrays import parse_array, sweep_args, sweep_env_name, sweep_grid
 from gpuport.protocol.errors import (
     Conflict,
     InvalidRequest,
@@ -89,7 +100,18 @@ _TF_ROLES = ("chief", "worker", "ps")  # in rank order
 _PRIORITIES = range(-100, 101)
 _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and those of the last day
 _LIST_LIMIT = 500
-_JOB_ID = re.compile(r"j-[0-9a-f]{8}")  # as submit makes them; anything else names a job
+_JOB_ID = re.compile(r"j-[0-9a-f]{8}(?:_[0-9]+)?")  # as submit makes them (an array's task: _index); else a name
+_MAX_DEPENDENCIES = 64
+# The most bytes of command and spec the tasks of one array may store together (each task's copy).
+_MAX_ARRAY_SPEC_BYTES = 64 * 1024 * 1024
+_ACTIVE = "state IN ('queued', 'running')"
+_COLUMNS = (
+    "id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, outputs, spec, time_limit, "
+    "gpu_memory, cpus, memory, priority, nprocs, kind, nodes, depends_on"
+)
+_VALUES = "?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+_INSERT = f"INSERT INTO jobs ({_COLUMNS}) VALUES ({_VALUES})"
+_INSERT_TASK = f"INSERT INTO jobs ({_COLUMNS}, array_id, array_index) VALUES ({_VALUES}, ?, ?)"
 
 
 class JobState(str, Enum):
@@ -149,6 +171,7 @@ class JobRequest:
     tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles of the processes, in rank order
     retries: int = 0  # times it is queued again when its node is lost
     nodes: int = 1  # a gang over this many nodes of a cluster: nprocs spread evenly, gpus etc. per node
+    after: list[str] = field(default_factory=list)  # JOB[:ok|:any] each (or comma lists): what it waits for
     # Set by the server only (never from a request): a session's worker is a job of kind "session",
     # with settings of gpuport's own (GPUPORT_SESSION_DIR) in its environment.
     kind: str = "job"
@@ -185,6 +208,25 @@ class JobRecord:
     node: str = ""  # where it runs or ran (rank 0's, for a job over several nodes)
     nodes: int = 1
     placement: list[tuple[str, list[int]]] = field(default_factory=list)  # several nodes: (node, GPUs) each
+    array_id: str = ""  # the job array it is a task of
+    array_index: int | None = None
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """A job array or sweep: its tasks (jobs) in index order."""
+
+    id: str
+    owner: str
+    name: str
+    spec: str  # as given: "0-99%8"; a sweep's "%N" or ""
+    max_running: int  # 0: no cap
+    created_at: float
+    sweep: dict[str, list[str]]  # a sweep's parameters and values; {} for an array
+    tasks: list[JobRecord]
+
+    def counts(self) -> Counter[str]:
+        return Counter(t.state.value for t in self.tasks)
 
 
 def exit_message(code: int) -> str:
@@ -287,6 +329,8 @@ class JobService:
         self._floor_check: asyncio.TimerHandle | None = None
         self._launching: dict[str, asyncio.Semaphore] = {}  # owner → their jobs being set up now
         self._memory_read = (-1e9, 0)  # (when, bytes available) of the last look at free memory
+        self._caps: dict[str, int] = {}  # job array → the most of its tasks running at once (%N)
+        self._waiters: dict[str, set[str]] = {}  # job or array id → queued jobs waiting for it
 
     @property
     def cluster(self) -> Cluster:
@@ -440,67 +484,176 @@ class JobService:
             )
 
     def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
-        """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot) or ``ResourceUnavailable``."""
+        """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot, or a job it
+        is to wait for), ``Conflict`` (its name is taken; a job it is to wait for has already failed)
+        or ``ResourceUnavailable``."""
         argv, snapshot, outputs, spec = self._check(caller, request)
-        cap = self.quotas.queued_cap(caller.name)
+        after = self._dependencies(caller, request.after)
         with self.store.transaction() as db:
-            (queued,) = db.execute(
-                "SELECT COUNT(*) FROM jobs WHERE owner = ? AND state = 'queued'", (caller.name,)
-            ).fetchone()
-            if queued >= cap:
-                raise ResourceUnavailable(
-                    f"{caller.name} has {queued} jobs queued, the most allowed at once is {cap}: wait for some "
-                    "to start, cancel some (`gpuport cancel JOB`), or ask an admin to raise it "
-                    f"(`gpuport quota set {caller.name} --queued N`)"
-                )
-            if request.name and request.kind == "job":  # checked in the insert's transaction: one submit wins
-                holder = db.execute(
-                    "SELECT id, state FROM jobs WHERE owner = ? AND name = ? AND kind = 'job' "
-                    "AND state IN ('queued', 'running')",
-                    (caller.name, request.name),
-                ).fetchone()
-                if holder is not None:
-                    raise Conflict(
-                        f"job {holder['id']} of {caller.name} is named {request.name!r} and is {holder['state']}: "
-                        "give this job another name, or wait for that one to end or cancel it "
-                        f"(`gpuport cancel {holder['id']}`)"
-                    )
-            while True:
-                job_id = "j-" + secrets.token_hex(4)
-                if db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
-                    break
+            self._admit(db, caller, request, 1)
+            job_id = self._new_id(db)
             seq = db.execute(
-                "INSERT INTO jobs (id, owner, name, state, command, gpus, gpu_indices, created_at, snapshot_id, "
-                "outputs, spec, time_limit, gpu_memory, cpus, memory, priority, nprocs, kind, nodes) "
-                "VALUES (?, ?, ?, 'queued', ?, ?, '[]', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    job_id,
-                    caller.name,
-                    request.name,
-                    json.dumps(argv),
-                    request.gpus,
-                    time.time(),
-                    snapshot,
-                    json.dumps(outputs),
-                    json.dumps(spec),
-                    request.time_limit,
-                    request.gpu_memory,
-                    request.cpus,
-                    request.memory,
-                    request.priority,
-                    request.nprocs,
-                    request.kind,
-                    request.nodes,
-                ),
+                _INSERT, self._row(caller, request, job_id, argv, snapshot, outputs, spec, after)
             ).lastrowid
+        blocked = self._wait_for(job_id, after)
         resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
-        pending = Pending(job_id, caller.name, resources, request.priority, seq or 0)
-        settled = self._settled_for(pending)
+        pending = Pending(job_id, caller.name, resources, request.priority, seq or 0, blocked=blocked)
+        settled = not blocked and self._settled_for(pending)
         self._queued[job_id] = pending
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
         if not settled:  # at once, so that the reply says whether it started or why it waits
             self._schedule(explain=True)
         return self._load(job_id)
+
+    def submit_array(
+        self, caller: Identity, request: JobRequest, array: str = "", sweep: dict[str, list[str]] | None = None
+    ) -> ArrayRecord:
+        """Queue a job array (``array``: Slurm's syntax, "0-99%8") or a sweep (the grid of ``sweep``'s
+        values; ``array`` then only "%N" or ""), one job per task, in one transaction: all of them or,
+        on any error, none. Each task gets its index in GPUPORT_ARRAY_INDEX and SLURM_ARRAY_TASK_ID;
+        a sweep's task its point as ``--name value`` arguments and GPUPORT_SWEEP_<NAME> variables.
+        Raises what ``submit`` raises, and ``InvalidRequest`` for a malformed spec or too many tasks."""
+        if sweep:
+            grid: list[dict[str, str]] | None = sweep_grid(sweep)
+            _, cap = parse_array(array, cap_only=True)
+            indices = list(range(len(grid or ())))
+        elif array.strip():
+            grid = None
+            indices, cap = parse_array(array)
+        else:
+            raise InvalidRequest("a job array needs its indices (array='0-99%8') or a sweep (sweep={'lr': [...]})")
+        argv, snapshot, outputs, spec = self._check(caller, request)
+        after = self._dependencies(caller, request.after)
+        # Each task stores its own copy (a sweep's point twice: as arguments and as variables).
+        each = _spec_size(argv) + _spec_size(spec) + 2 * max((_spec_size(sweep_args(p)) for p in grid or ()), default=0)
+        if each * len(indices) > _MAX_ARRAY_SPEC_BYTES:
+            raise InvalidRequest(
+                f"{len(indices)} tasks of {format_size(each)} of command and environment each are more than the "
+                f"limit of {format_size(_MAX_ARRAY_SPEC_BYTES)} for one array: make the environment smaller, or "
+                "split the array"
+            )
+        now = time.time()
+        with self.store.transaction() as db:
+            self._admit(db, caller, request, len(indices))
+            array_id = self._new_id(db)
+            db.execute(
+                "INSERT INTO arrays (id, owner, name, spec, max_running, sweep, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (array_id, caller.name, request.name, array.strip(), cap, json.dumps(sweep) if sweep else "", now),
+            )
+            rows = []
+            for n, index in enumerate(indices):
+                task_env = {
+                    ENV_ARRAY_INDEX: str(index),
+                    ENV_ARRAY_ID: array_id,
+                    ENV_ARRAY_COUNT: str(len(indices)),
+                    "SLURM_ARRAY_TASK_ID": str(index),
+                    "SLURM_ARRAY_JOB_ID": array_id,
+                    "SLURM_ARRAY_TASK_COUNT": str(len(indices)),
+                    "SLURM_ARRAY_TASK_MIN": str(indices[0]),
+                    "SLURM_ARRAY_TASK_MAX": str(indices[-1]),
+                }
+                task_argv = argv
+                if grid is not None:
+                    point = grid[n]
+                    task_env.update((sweep_env_name(k), v) for k, v in point.items())
+                    if request.shell:  # appended to the command line: `sh -c LINE ARGS` would not pass them on
+                        task_argv = [*argv[:2], argv[2] + " " + shlex.join(sweep_args(point))]
+                    else:
+                        task_argv = [*argv, *sweep_args(point)]
+                task_spec = {**spec, "internal_env": {**spec["internal_env"], **task_env}}
+                if grid is not None:
+                    task_spec["sweep"] = grid[n]
+                job_id = f"{array_id}_{index}"
+                row = self._row(caller, request, job_id, task_argv, snapshot, outputs, task_spec, after)
+                rows.append((*row, array_id, index))
+            db.executemany(_INSERT_TASK, rows)
+            seqs = db.execute("SELECT id, seq FROM jobs WHERE array_id = ?", (array_id,)).fetchall()
+        if cap:
+            self._caps[array_id] = cap
+        resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
+        for r in seqs:
+            blocked = self._wait_for(r["id"], after)
+            self._queued[r["id"]] = Pending(
+                r["id"], caller.name, resources, request.priority, r["seq"], group=array_id, blocked=blocked
+            )
+        self._changes += 1
+        log.info("array %s of %d tasks queued for %s: %s", array_id, len(indices), caller.name, " ".join(argv)[:200])
+        self._schedule(explain=True)
+        return self._array_record(self._array_row(array_id))
+
+    def _new_id(self, db: Any) -> str:
+        """A new id of the jobs' space (a job's or an array's), in the submit's transaction."""
+        while True:
+            new = "j-" + secrets.token_hex(4)
+            taken = db.execute(
+                "SELECT 1 FROM jobs WHERE id = ? UNION ALL SELECT 1 FROM arrays WHERE id = ?", (new, new)
+            ).fetchone()
+            if taken is None:
+                return new
+
+    def _admit(self, db: Any, caller: Identity, request: JobRequest, count: int) -> None:
+        """Refuse, in the submit's transaction, ``count`` more queued jobs past the caller's queued
+        cap, or a name one of their queued or running jobs (or arrays) holds."""
+        cap = self.quotas.queued_cap(caller.name)
+        (queued,) = db.execute(
+            "SELECT COUNT(*) FROM jobs WHERE owner = ? AND state = 'queued'", (caller.name,)
+        ).fetchone()
+        if queued + count > cap:
+            if count == 1:
+                raise ResourceUnavailable(
+                    f"{caller.name} has {queued} jobs queued, the most allowed at once is {cap}: wait for some "
+                    "to start, cancel some (`gpuport cancel JOB`), or ask an admin to raise it "
+                    f"(`gpuport quota set {caller.name} --queued N`)"
+                )
+            raise ResourceUnavailable(
+                f"an array of {count} tasks would make {queued + count} jobs of {caller.name} queued; the most "
+                f"allowed at once is {cap} ({queued} queued now): nothing was queued — submit a smaller array, "
+                f"use fewer tasks at a time, or ask an admin to raise it (`gpuport quota set {caller.name} --queued N`)"
+            )
+        if request.name and request.kind == "job":  # checked in the insert's transaction: one submit wins
+            holder = db.execute(
+                f"SELECT id, state, array_id FROM jobs WHERE owner = ? AND name = ? AND kind = 'job' AND {_ACTIVE}",
+                (caller.name, request.name),
+            ).fetchone()
+            if holder is not None:
+                what = f"array {holder['array_id']}" if holder["array_id"] else f"job {holder['id']}"
+                raise Conflict(
+                    f"{what} of {caller.name} is named {request.name!r} and is {holder['state']}: "
+                    "give this job another name, or wait for that one to end or cancel it "
+                    f"(`gpuport cancel {holder['array_id'] or holder['id']}`)"
+                )
+
+    def _row(
+        self,
+        caller: Identity,
+        request: JobRequest,
+        job_id: str,
+        argv: list[str],
+        snapshot: str,
+        outputs: list[str],
+        spec: dict[str, Any],
+        after: list[tuple[str, str]],
+    ) -> tuple[Any, ...]:
+        return (
+            job_id,
+            caller.name,
+            request.name,
+            json.dumps(argv),
+            request.gpus,
+            time.time(),
+            snapshot,
+            json.dumps(outputs),
+            json.dumps(spec),
+            request.time_limit,
+            request.gpu_memory,
+            request.cpus,
+            request.memory,
+            request.priority,
+            request.nprocs,
+            request.kind,
+            request.nodes,
+            json.dumps(after) if after else "",
+        )
 
     def _settled_for(self, job: Pending) -> bool:
         """Whether a pass with ``job`` queued would decide what the last one did, and nothing for
@@ -556,27 +709,87 @@ class JobService:
             node=row["node"],
             nodes=row["nodes"],
             placement=[(node, gpus) for node, gpus in json.loads(row["placement"] or "[]")],
+            array_id=row["array_id"],
+            array_index=row["array_index"],
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
         """The job with this id, if ``caller`` owns it or is an admin; or the caller's job of this name
         (where ``job_id`` is not an id): the one queued or running, else the newest. ``NotFound``
-        otherwise (it does not say whether another user's job has that id)."""
-        row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id[:64],))
-        if row is None or (row["owner"] != caller.name and not caller.admin):
-            if _JOB_ID.fullmatch(job_id):
-                raise NotFound(f"no job {job_id[:64]!r} — `gpuport jobs --all` lists yours")
-            row = self.store.query_one(
-                "SELECT * FROM jobs WHERE owner = ? AND name = ? AND kind = 'job' "
-                "ORDER BY state IN ('queued', 'running') DESC, seq DESC LIMIT 1",
-                (caller.name, job_id[:MAX_NAME_LENGTH]),
+        otherwise (it does not say whether another user's job has that id), and for an array's id or
+        name (``array`` finds those)."""
+        kind, row = self._find(caller, job_id)
+        if kind == "array":
+            count = self.store.query_one("SELECT COUNT(*) FROM jobs WHERE array_id = ?", (row["id"],))[0]
+            raise NotFound(
+                f"{row['id']} is a job array of {count} tasks, not a job: its tasks are {row['id']}_INDEX "
+                "(`gpuport jobs` lists them)"
             )
-            if row is None:
-                raise NotFound(
-                    f"no job named {job_id[:MAX_NAME_LENGTH]!r} and no job with that id — "
-                    "`gpuport jobs --all` lists yours with their ids and names"
-                )
         return self._record(row)
+
+    def _find(self, caller: Identity, ref: str) -> tuple[str, Any]:
+        """("job", its row) or ("array", its row) for a job's or an array's id, or for a name: the
+        caller's job or array of that name that is queued or running, else the newest. ``NotFound``
+        otherwise."""
+        ref = ref[:64]
+        mine = "" if caller.admin else " AND owner = ?"
+        who = () if caller.admin else (caller.name,)
+        row = self.store.query_one(f"SELECT * FROM jobs WHERE id = ?{mine}", (ref, *who))
+        if row is not None:
+            return "job", row
+        row = self.store.query_one(f"SELECT * FROM arrays WHERE id = ?{mine}", (ref, *who))
+        if row is not None:
+            return "array", row
+        if _JOB_ID.fullmatch(ref):
+            raise NotFound(f"no job {ref!r} — `gpuport jobs --all` lists yours")
+        name = ref[:MAX_NAME_LENGTH]
+        job = self.store.query_one(
+            f"SELECT *, {_ACTIVE} AS active FROM jobs WHERE owner = ? AND name = ? AND kind = 'job' "
+            "AND array_id = '' ORDER BY active DESC, seq DESC LIMIT 1",
+            (caller.name, name),
+        )
+        array = self.store.query_one(
+            f"SELECT a.*, EXISTS (SELECT 1 FROM jobs WHERE array_id = a.id AND {_ACTIVE}) AS active FROM arrays a "
+            "WHERE owner = ? AND name = ? ORDER BY active DESC, seq DESC LIMIT 1",
+            (caller.name, name),
+        )
+        if job is None and array is None:
+            raise NotFound(
+                f"no job named {name!r} and no job with that id — "
+                "`gpuport jobs --all` lists yours with their ids and names"
+            )
+        if array is None or (
+            job is not None and (job["active"], job["created_at"]) > (array["active"], array["created_at"])
+        ):
+            return "job", job
+        return "array", array
+
+    def array(self, caller: Identity, ref: str) -> ArrayRecord:
+        """The job array with this id, or the caller's of this name (as ``get`` finds jobs); with
+        its tasks. ``NotFound`` otherwise, and where ``ref`` finds a job."""
+        kind, row = self._find(caller, ref)
+        if kind != "array":
+            raise NotFound(f"{row['id']} is a job, not a job array")
+        return self._array_record(row)
+
+    def _array_row(self, array_id: str) -> Any:
+        row = self.store.query_one("SELECT * FROM arrays WHERE id = ?", (array_id,))
+        if row is None:
+            raise NotFound(f"no job array {array_id!r}")
+        return row
+
+    def _array_record(self, row: Any) -> ArrayRecord:
+        tasks = self.store.query("SELECT * FROM jobs WHERE array_id = ? ORDER BY array_index", (row["id"],))
+        return ArrayRecord(
+            id=row["id"],
+            owner=row["owner"],
+            name=row["name"],
+            spec=row["spec"],
+            max_running=row["max_running"],
+            created_at=row["created_at"],
+            sweep=json.loads(row["sweep"]) if row["sweep"] else {},
+            tasks=[self._record(t) for t in tasks],
+        )
 
     def list_for(
         self,
@@ -639,8 +852,8 @@ class JobService:
     def running(self) -> list[Holding]:
         """The allocations of the running jobs, oldest first."""
         rows = self.store.query(
-            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node, nodes, placement FROM jobs "
-            "WHERE state = 'running' ORDER BY seq"
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node, nodes, placement, array_id "
+            "FROM jobs WHERE state = 'running' ORDER BY seq"
         )
         return [
             Holding(
@@ -650,6 +863,7 @@ class JobService:
                 tuple(json.loads(r["gpu_indices"])),
                 r["node"],
                 tuple((node, tuple(gpus)) for node, gpus in json.loads(r["placement"] or "[]")),
+                r["array_id"],
             )
             for r in rows
         ]
@@ -687,6 +901,154 @@ class JobService:
             self.executor.cancel(job.id)
         log.info("job %s: cancel asked by %s", job.id, caller.name)
         return self._load(job.id)
+
+    def cancel_array(self, caller: Identity, ref: str) -> ArrayRecord:
+        """Cancel every task of a job array that has not ended: the queued ones at once, the running
+        ones as ``cancel`` stops them. Raises ``Conflict`` when all have ended."""
+        array = self.array(caller, ref)
+        if all(t.state.is_terminal() for t in array.tasks):
+            raise Conflict(f"every task of array {array.id} has ended; there is nothing to cancel")
+        now = time.time()
+        self._changes += 1
+        with self.store.transaction() as db:
+            queued = [
+                r["id"] for r in db.execute("SELECT id FROM jobs WHERE array_id = ? AND state = 'queued'", (array.id,))
+            ]
+            db.execute(
+                "UPDATE jobs SET state = 'cancelled', ended_at = ?, message = 'cancelled with its array' "
+                "WHERE array_id = ? AND state = 'queued'",
+                (now, array.id),
+            )
+            running = [
+                r["id"] for r in db.execute("SELECT id FROM jobs WHERE array_id = ? AND state = 'running'", (array.id,))
+            ]
+            db.execute("UPDATE jobs SET cancel_requested = 1 WHERE array_id = ? AND state = 'running'", (array.id,))
+        for job_id in queued:
+            self._queued.pop(job_id, None)
+        for job_id in running:
+            self.executor.cancel(job_id)
+        for job_id in queued:
+            self._announce_end(job_id)
+        self._plan = None
+        self._schedule_soon()
+        log.info(
+            "array %s: cancel asked by %s (%d queued, %d running)", array.id, caller.name, len(queued), len(running)
+        )
+        return self._array_record(self._array_row(array.id))
+
+    # ---- dependencies ---------------------------------------------------------------------------
+
+    def _dependencies(self, caller: Identity, refs: list[str]) -> list[tuple[str, str]]:
+        """``JOB[:ok|:any]`` items (each may be a comma list; JOB an id, a name or an array) as
+        (job or array id, "ok" | "any"). Raises ``InvalidRequest``, ``NotFound`` (no such job of the
+        caller's), ``PermissionDenied`` (another user's) or ``Conflict`` (it has already failed: the
+        job could never run)."""
+        found: list[tuple[str, str]] = []
+        for item in (part.strip() for text in refs for part in text.split(",")):
+            if not item:
+                raise InvalidRequest(
+                    "--after: an empty item; give JOB, JOB:ok or JOB:any (JOB: an id, a name or an array)"
+                )
+            ref, mode = item, "ok"
+            for suffix in (":ok", ":any"):
+                if item.endswith(suffix):
+                    ref, mode = item[: -len(suffix)], suffix[1:]
+            try:
+                _, row = self._find(caller, ref)
+            except NotFound as e:
+                raise NotFound(f"--after {item[:80]}: {e}") from None
+            if row["owner"] != caller.name:
+                raise PermissionDenied(
+                    f"--after {item[:80]}: {row['id']} is {row['owner']}'s; a job may wait only for its own user's jobs"
+                )
+            if mode == "ok":
+                failed = self.store.query_one(
+                    "SELECT id, state FROM jobs WHERE (id = ? OR array_id = ?) AND state NOT IN "
+                    "('queued', 'running', 'succeeded') LIMIT 1",
+                    (row["id"], row["id"]),
+                )
+                if failed is not None:
+                    raise Conflict(
+                        f"--after {item[:80]}: {failed['id']} has already ended {failed['state']}, so this job "
+                        f"could never run; wait for it with {row['id']}:any, or leave it out"
+                    )
+            if (row["id"], mode) not in found:
+                found.append((row["id"], mode))
+        if len(found) > _MAX_DEPENDENCIES:
+            raise InvalidRequest(f"{len(found)} jobs to wait for; the most is {_MAX_DEPENDENCIES}")
+        return found
+
+    def _dependency_state(self, after: list[tuple[str, str]]) -> tuple[str, str]:
+        """("met", ""), ("waits", why) or ("failed", why) for the jobs and arrays ``after`` names."""
+        waits = []
+        for ref, mode in after:
+            rows = self.store.query("SELECT id, state FROM jobs WHERE id = ? OR array_id = ?", (ref, ref))
+            if mode == "ok":
+                failed = [r for r in rows if r["state"] not in ("queued", "running", "succeeded")]
+                if failed:
+                    what = f"{failed[0]['id']} ended {failed[0]['state']}"
+                    if len(failed) > 1:
+                        what += f" (and {len(failed) - 1} more of array {ref})"
+                    return (
+                        "failed",
+                        f"cancelled: {what}, and this job was to run only once {ref} succeeded (after {ref}:ok)",
+                    )
+            left = [r for r in rows if r["state"] in ("queued", "running")]
+            if left:
+                what = (
+                    ref
+                    if len(rows) == 1 and rows[0]["id"] == ref
+                    else f"array {ref} ({len(left)} of {len(rows)} tasks left)"
+                )
+                waits.append(f"waits for {what} to {'succeed' if mode == 'ok' else 'end'}")
+        return ("waits", "; ".join(waits)) if waits else ("met", "")
+
+    def _wait_for(self, job_id: str, after: list[tuple[str, str]]) -> str:
+        """Why queued job ``job_id`` may not start yet for its dependencies ('' : it may), watching
+        them until they are met. Checked when submitted: none has failed."""
+        if not after:
+            return ""
+        state, why = self._dependency_state(after)
+        if state == "met":
+            return ""
+        for ref, _ in after:
+            self._waiters.setdefault(ref, set()).add(job_id)
+        return why or "waits for its dependencies"
+
+    def _dependency_ended(self, job_id: str) -> None:
+        """A job has ended: look again at the queued jobs that wait for it or for its array."""
+        if not self._waiters:
+            return
+        row = self.store.query_one("SELECT array_id FROM jobs WHERE id = ?", (job_id,))
+        refs = [job_id, row["array_id"]] if row is not None and row["array_id"] else [job_id]
+        waiting = set().union(*(self._waiters.get(ref, ()) for ref in refs))
+        for waiter in sorted(waiting):
+            self._recheck(waiter)
+
+    def _recheck(self, job_id: str) -> None:
+        """Start, keep waiting or cancel (a dependency failed under ``ok``) queued job ``job_id``."""
+        row = self.store.query_one("SELECT state, depends_on FROM jobs WHERE id = ?", (job_id,))
+        after = [(ref, mode) for ref, mode in json.loads(row["depends_on"] or "[]")] if row is not None else []
+        pending = self._queued.get(job_id)
+        state, why = self._dependency_state(after) if pending is not None else ("gone", "")
+        if state in ("met", "failed", "gone"):
+            for ref, _ in after:
+                waiters = self._waiters.get(ref)
+                if waiters is not None:
+                    waiters.discard(job_id)
+                    if not waiters:
+                        del self._waiters[ref]
+        if pending is None:
+            return
+        self._plan, self._changes = None, self._changes + 1
+        if state == "failed":
+            log.info("job %s %s", job_id, why)
+            self._move(job_id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message=why)
+            self._queued.pop(job_id, None)
+            self._announce_end(job_id)
+        else:
+            self._queued[job_id] = dataclasses.replace(pending, blocked=why)
+        self._schedule_soon()
 
     async def wait(self, caller: Identity, job_id: str, timeout: float) -> JobRecord:
         """The job once it has ended, or as it is when ``timeout`` seconds have passed."""
@@ -836,6 +1198,7 @@ class JobService:
         event = self._ended.pop(job_id, None)
         if event is not None:
             event.set()
+        self._dependency_ended(job_id)
 
     def _move(self, job_id: str, old: JobState, new: JobState, **columns: Any) -> None:
         check_move(job_id, old, new)
@@ -870,9 +1233,16 @@ class JobService:
                     job_id, JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", node="", placement="", started_at=None
                 )
         rows = self.store.query(
-            "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at, nodes FROM jobs "
-            "WHERE state = 'queued'"
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at, nodes, array_id, "
+            "depends_on FROM jobs WHERE state = 'queued'"
         )
+        self._caps = {
+            r["id"]: r["max_running"]
+            for r in self.store.query(
+                f"SELECT id, max_running FROM arrays a WHERE max_running > 0 AND EXISTS "
+                f"(SELECT 1 FROM jobs WHERE array_id = a.id AND {_ACTIVE})"
+            )
+        }
         self._queued = Queue(
             Pending(
                 r["id"],
@@ -881,9 +1251,15 @@ class JobService:
                 r["priority"],
                 r["seq"],
                 r["reserved_at"],
+                r["array_id"],
+                "waits for its dependencies" if r["depends_on"] else "",  # looked at below, before any pass
             )
             for r in rows
         )
+        for r in rows:  # what they wait for may have ended while no server was watching
+            if r["depends_on"]:
+                self._wait_for(r["id"], [(ref, mode) for ref, mode in json.loads(r["depends_on"])])
+                self._recheck(r["id"])
         self._schedule()
 
     def reschedule(self) -> None:
@@ -925,7 +1301,7 @@ class JobService:
             self._plan = None if queued else {}
             return
         quotas = self.quotas.all()
-        decisions = plan(queued, running, cluster, quotas, low_memory, depth=LOOK_AHEAD) if queued else []
+        decisions = plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps) if queued else []
         self._plan = {d.job_id: d for d in decisions}
         if all(
             d.gpu_indices is None and (not d.reserves or queued[d.job_id].reserved_at is not None) for d in decisions
@@ -1147,7 +1523,7 @@ class JobService:
         log.warning("job %s: %s", row["id"], message)
         resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"], row["nodes"])
         self._queued[row["id"]] = Pending(
-            row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"]
+            row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"], row["array_id"]
         )
         self.executor.tidy(row["id"])
         self.reschedule()

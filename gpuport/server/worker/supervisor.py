@@ -553,7 +553,10 @@ def main(job_dir: str) -> int:
     return 0
 
 
-_SANDBOX_TRIES = 5  # bubblewrap 0.8 now and then fails to set up a new namespace's loopback
+# bubblewrap 0.8 now and then fails to set up a new namespace's loopback, the more often the more
+# namespaces are made at once: tries, waiting a little longer before each (at most 1 s, with jitter,
+# so that launches that failed together do not try again together): up to about 5 s in all.
+_SANDBOX_TRIES = 9
 
 
 def _run_sandboxed(job_dir: str, spec: dict) -> dict:
@@ -573,7 +576,7 @@ def _run_sandboxed(job_dir: str, spec: dict) -> dict:
             else:
                 status["cancelled"] = True
             break
-        time.sleep(0.05 * (attempt + 1))
+        time.sleep(min(1.0, 0.05 * 2**attempt) * (0.5 + os.urandom(1)[0] / 255))
     _Groups(spec.get("cgroup")).remove()
     return status
 

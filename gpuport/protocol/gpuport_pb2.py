@@ -4,181 +4,180 @@
 # source: gpuport/protocol/gpuport.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
+
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC,
-    7,
-    35,
-    1,
-    '',
-    'gpuport/protocol/gpuport.proto'
+    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "gpuport/protocol/gpuport.proto"
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-
-
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egpuport/protocol/gpuport.proto\x12\ngpuport.v1\"\x07\n\x05\x45mpty\"[\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\x03 \x01(\t\"\x9b\x01\n\nHelloReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\x12\r\n\x05\x61\x64min\x18\x05 \x01(\x08\x12\x1b\n\x13\x63loudpickle_version\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\x05\">\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x13\n\x0bmemory_used\x18\x02 \x01(\x03\x12\x0e\n\x06job_id\x18\x03 \x01(\t\"S\n\rGpuAllocation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06memory\x18\x03 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x04 \x01(\x03\"\xe7\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x03\x12\x13\n\x0butilization\x18\x06 \x01(\x05\x12)\n\tprocesses\x18\x07 \x03(\x0b\x32\x16.gpuport.v1.GpuProcess\x12\x0c\n\x04jobs\x18\x08 \x03(\t\x12.\n\x0b\x61llocations\x18\t \x03(\x0b\x32\x19.gpuport.v1.GpuAllocation\x12\x0c\n\x04node\x18\n \x01(\t\"I\n\x07GpuList\x12\x11\n\tinventory\x18\x01 \x01(\t\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x1d\n\x04gpus\x18\x03 \x03(\x0b\x32\x0f.gpuport.v1.Gpu\"\xe1\x01\n\x0bStatusReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x03\x12\x18\n\x10memory_available\x18\x06 \x01(\x03\x12!\n\x04gpus\x18\x07 \x01(\x0b\x32\x13.gpuport.v1.GpuList\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\x12\x16\n\x0epython_version\x18\n \x01(\t\"`\n\tTokenInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\x12\n\nrevoked_at\x18\x04 \x01(\x01\x12\x0e\n\x06scrape\x18\x05 \x01(\x08\"V\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x13\n\x0b\x63lient_cert\x18\x03 \x01(\x08\x12\x0e\n\x06scrape\x18\x04 \x01(\x08\"\x95\x01\n\x10\x43reateTokenReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.gpuport.v1.TokenInfo\x12\r\n\x05token\x18\x02 \x01(\t\x12\x10\n\x08\x63\x65rt_pem\x18\x03 \x01(\t\x12\x0f\n\x07key_pem\x18\x04 \x01(\t\x12\x17\n\x0fserver_cert_pem\x18\x05 \x01(\t\x12\x11\n\tcert_port\x18\x06 \x01(\r\",\n\x11ListTokensRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08\"2\n\tTokenList\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.TokenInfo\"4\n\x12RevokeTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65nd_work\x18\x02 \x01(\x08\"U\n\rManifestEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62lob\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0c\n\x04link\x18\x05 \x01(\t\"Q\n\x15\x43reateSnapshotRequest\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\x12\x0c\n\x04name\x18\x02 \x01(\t\"8\n\x13NameSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"Y\n\x13\x43reateSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"0\n\x0bSnapshotRef\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x8b\x01\n\x08Snapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\r\n\x05\x66iles\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12*\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\"7\n\x0cSnapshotList\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.Snapshot\"D\n\x08\x42lobPart\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"0\n\tBlobBatch\x12#\n\x05parts\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.BlobPart\"+\n\x0bUploadReply\x12\r\n\x05\x62lobs\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"5\n\x0f\x44ownloadRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t\"(\n\x08\x42lobList\x12\r\n\x05\x62lobs\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x03\"\x88\x04\n\x07JobSpec\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\r\n\x05shell\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0f\n\x07project\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12)\n\x03\x65nv\x18\x07 \x03(\x0b\x32\x1c.gpuport.v1.JobSpec.EnvEntry\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\n \x01(\t\x12\x12\n\ntime_limit\x18\x0b \x01(\x01\x12\x12\n\ngpu_memory\x18\x0c \x01(\x03\x12\x0c\n\x04\x63pus\x18\r \x01(\x01\x12\x0e\n\x06memory\x18\x0e \x01(\x03\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x0e\n\x06nprocs\x18\x10 \x01(\x05\x12\x32\n\x08tf_roles\x18\x11 \x03(\x0b\x32 .gpuport.v1.JobSpec.TfRolesEntry\x12\x0f\n\x07retries\x18\x12 \x01(\x05\x12\r\n\x05nodes\x18\x13 \x01(\x05\x12\x17\n\x0fnprocs_per_node\x18\x14 \x01(\x05\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cTfRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xcb\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x07 \x03(\x05\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x10\n\x08\x65nded_at\x18\n \x01(\x01\x12\x15\n\rhas_exit_code\x18\x0b \x01(\x08\x12\x11\n\texit_code\x18\x0c \x01(\x05\x12\x0f\n\x07message\x18\r \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x0e \x01(\t\x12\x1a\n\x12output_snapshot_id\x18\x0f \x01(\t\x12\x0f\n\x07outputs\x18\x10 \x03(\t\x12\x11\n\tlog_bytes\x18\x11 \x01(\x03\x12\x12\n\ntime_limit\x18\x12 \x01(\x01\x12\x12\n\ngpu_memory\x18\x13 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x14 \x01(\x01\x12\x0e\n\x06memory\x18\x15 \x01(\x03\x12\x10\n\x08priority\x18\x16 \x01(\x05\x12\x0e\n\x06nprocs\x18\x17 \x01(\x05\x12\x10\n\x08position\x18\x18 \x01(\x05\x12\x0c\n\x04node\x18\x19 \x01(\t\"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"J\n\x0fListJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06states\x18\x03 \x03(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\",\n\x07JobList\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.gpuport.v1.JobInfo\"Y\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x11\n\x04tail\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_tail\"(\n\x08LogChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"T\n\nJobOutputs\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.gpuport.v1.JobInfo\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x0f\n\x07missing\x18\x03 \x03(\t\".\n\x0bWaitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"\xf9\x01\n\tQuotaInfo\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\x04gpus\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04jobs\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nupdated_at\x18\x04 \x01(\x01\x12\x13\n\x06queued\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\tprocesses\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x14\n\x07storage\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x19\n\x0cstorage_used\x18\x08 \x01(\x03H\x05\x88\x01\x01\x42\x07\n\x05_gpusB\x07\n\x05_jobsB\t\n\x07_queuedB\x0c\n\n_processesB\n\n\x08_storageB\x0f\n\r_storage_used\"2\n\tQuotaList\x12%\n\x06quotas\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.QuotaInfo\"\x18\n\x08QuotaRef\x12\x0c\n\x04user\x18\x01 \x01(\t\"\x93\x02\n\x0bSessionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\x12\x12\n\ngpu_memory\x18\x03 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x01\x12\x0e\n\x06memory\x18\x05 \x01(\x03\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x14\n\x0cidle_timeout\x18\x07 \x01(\x01\x12-\n\x03\x65nv\x18\x08 \x03(\x0b\x32 .gpuport.v1.SessionSpec.EnvEntry\x12\x16\n\x0epython_version\x18\t \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc9\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x12\n\ngpu_memory\x18\x07 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x08 \x01(\x01\x12\x0e\n\x06memory\x18\t \x01(\x03\x12\x13\n\x0bgpu_indices\x18\n \x03(\x05\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_call_at\x18\x0c \x01(\x01\x12\x14\n\x0cidle_timeout\x18\r \x01(\x01\x12\x0f\n\x07message\x18\x0e \x01(\t\x12\x0c\n\x04refs\x18\x0f \x01(\x05\x12\x10\n\x08\x61ttached\x18\x10 \x01(\x05\x12\x10\n\x08position\x18\x11 \x01(\x05\x12\x12\n\nreattached\x18\x12 \x01(\x08\".\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"8\n\x0bSessionList\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.gpuport.v1.SessionInfo\"G\n\x05Value\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07\x62uffers\x18\x02 \x03(\x0c\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\r\n\x05sizes\x18\x04 \x03(\x03\"F\n\x07RefInfo\x12\x0e\n\x06ref_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t\"\xa0\x02\n\x0b\x43\x61llRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x02op\x18\x02 \x01(\x0e\x32\x1a.gpuport.v1.CallRequest.Op\x12 \n\x05value\x18\x03 \x01(\x0b\x32\x11.gpuport.v1.Value\x12\x10\n\x08\x66unction\x18\x04 \x01(\t\x12\x17\n\x0f\x66unction_pickle\x18\x05 \x01(\x0c\x12\x0c\n\x04keep\x18\x06 \x01(\x08\x12\x10\n\x08ref_name\x18\x07 \x01(\t\x12\x0f\n\x07ref_ids\x18\x08 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0f\n\x07timeout\x18\n \x01(\x01\"6\n\x02Op\x12\x08\n\x04\x43\x41LL\x10\x00\x12\x07\n\x03PUT\x10\x01\x12\x07\n\x03GET\x10\x02\x12\n\n\x06\x44\x45LETE\x10\x03\x12\x08\n\x04REFS\x10\x04\"\xa1\x01\n\rRemoteFailure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\ttraceback\x18\x04 \x01(\t\x12\x11\n\texception\x18\x05 \x01(\x0c\x12\x15\n\rhas_exit_code\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\x08 \x01(\t\"\xf8\x01\n\tCallReply\x12 \n\x05value\x18\x01 \x01(\x0b\x32\x11.gpuport.v1.Value\x12 \n\x03ref\x18\x02 \x01(\x0b\x32\x13.gpuport.v1.RefInfo\x12!\n\x04refs\x18\x03 \x03(\x0b\x32\x13.gpuport.v1.RefInfo\x12*\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x19.gpuport.v1.RemoteFailure\x12\x18\n\x10unknown_function\x18\x05 \x01(\x08\x12\x15\n\rstdout_offset\x18\x06 \x01(\x03\x12\x15\n\rstderr_offset\x18\x07 \x01(\x03\x12\x10\n\x08\x64ownload\x18\x08 \x01(\t\"=\n\x0bUploadChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x18\n\x06Staged\x12\x0e\n\x06staged\x18\x01 \x01(\t\":\n\x14\x44ownloadChunkRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06staged\x18\x02 \x01(\t\"\x19\n\tDataChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"s\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\x08\x12\x0e\n\x06tunnel\x18\x05 \x01(\t\x12\r\n\x05\x62lobs\x18\x06 \x01(\x08\">\n\x0eTransferTicket\x12\x0e\n\x06staged\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05\"Q\n\rOutputRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rstdout_offset\x18\x02 \x01(\x03\x12\x15\n\rstderr_offset\x18\x03 \x01(\x03\"V\n\x0bOutputChunk\x12\n\n\x02\x66\x64\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\"\xf0\x01\n\rDeployRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x01(\x05\x12\x12\n\ngpu_memory\x18\x06 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x07 \x01(\x01\x12\x0e\n\x06memory\x18\x08 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\n \x01(\x01\x12\x10\n\x08replicas\x18\x0b \x01(\x05\x12\x0e\n\x06public\x18\x0c \x01(\x08\x12\r\n\x05label\x18\r \x01(\t\"<\n\x0cLabelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xdc\x03\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12&\n\x06inputs\x18\t \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\'\n\x07outputs\x18\n \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\x0c \x01(\x01\x12\x10\n\x08replicas\x18\r \x01(\x05\x12\x0c\n\x04gpus\x18\x0e \x01(\x05\x12\x12\n\ngpu_memory\x18\x0f \x01(\x03\x12\x0c\n\x04jobs\x18\x10 \x03(\t\x12\x12\n\ncreated_at\x18\x11 \x01(\x01\x12\x10\n\x08requests\x18\x12 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x13 \x01(\x03\x12\x0c\n\x04rows\x18\x14 \x01(\x03\x12\x16\n\x0e\x66\x61iled_batches\x18\x15 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x16 \x01(\x05\x12\x0e\n\x06public\x18\x17 \x01(\x08\x12\x0e\n\x06labels\x18\x18 \x03(\t\")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05\"2\n\tModelList\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.ModelInfo2\xdc\x01\n\x07\x43ontrol\x12\x39\n\x05Hello\x12\x18.gpuport.v1.HelloRequest\x1a\x16.gpuport.v1.HelloReply\x12,\n\x04Ping\x12\x11.gpuport.v1.Empty\x1a\x11.gpuport.v1.Empty\x12\x34\n\x06Status\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.StatusReply\x12\x32\n\x08ListGpus\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.GpuList2\xcf\x01\n\x06Tokens\x12\x46\n\x06\x43reate\x12\x1e.gpuport.v1.CreateTokenRequest\x1a\x1c.gpuport.v1.CreateTokenReply\x12<\n\x04List\x12\x1d.gpuport.v1.ListTokensRequest\x1a\x15.gpuport.v1.TokenList\x12?\n\x06Revoke\x12\x1e.gpuport.v1.RevokeTokenRequest\x1a\x15.gpuport.v1.TokenInfo2\xfc\x03\n\tSnapshots\x12L\n\x06\x43reate\x12!.gpuport.v1.CreateSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12H\n\x04Name\x12\x1f.gpuport.v1.NameSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12\x35\n\x07Missing\x12\x14.gpuport.v1.BlobList\x1a\x14.gpuport.v1.BlobList\x12\x34\n\x03Get\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12\x33\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x18.gpuport.v1.SnapshotList\x12\x37\n\x06\x44\x65lete\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12:\n\x06Upload\x12\x15.gpuport.v1.BlobBatch\x1a\x17.gpuport.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x1b.gpuport.v1.DownloadRequest\x1a\x15.gpuport.v1.BlobBatch0\x01\x32\xae\x03\n\x04Jobs\x12\x32\n\x06Submit\x12\x13.gpuport.v1.JobSpec\x1a\x13.gpuport.v1.JobInfo\x12.\n\x03Get\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12\x38\n\x04List\x12\x1b.gpuport.v1.ListJobsRequest\x1a\x13.gpuport.v1.JobList\x12\x37\n\x04Logs\x12\x17.gpuport.v1.LogsRequest\x1a\x14.gpuport.v1.LogChunk0\x01\x12\x34\n\x04Wait\x12\x17.gpuport.v1.WaitRequest\x1a\x13.gpuport.v1.JobInfo\x12\x31\n\x06\x43\x61ncel\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12/\n\x05Queue\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.JobList\x12\x35\n\x07Outputs\x12\x12.gpuport.v1.JobRef\x1a\x16.gpuport.v1.JobOutputs2\xa1\x01\n\x06Quotas\x12\x33\n\x03Set\x12\x15.gpuport.v1.QuotaInfo\x1a\x15.gpuport.v1.QuotaInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.QuotaList\x12\x30\n\x05Unset\x12\x14.gpuport.v1.QuotaRef\x1a\x11.gpuport.v1.Empty2\xe3\x04\n\x08Sessions\x12\x38\n\x04Open\x12\x17.gpuport.v1.SessionSpec\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x03Get\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x32\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.SessionList\x12\x38\n\x05\x43lose\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12:\n\x07Restart\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x04\x43\x61ll\x12\x17.gpuport.v1.CallRequest\x1a\x15.gpuport.v1.CallReply\x12\x37\n\x06Upload\x12\x17.gpuport.v1.UploadChunk\x1a\x12.gpuport.v1.Staged(\x01\x12\x45\n\x08\x44ownload\x12 .gpuport.v1.DownloadChunkRequest\x1a\x15.gpuport.v1.DataChunk0\x01\x12\x43\n\x08Transfer\x12\x1b.gpuport.v1.TransferRequest\x1a\x1a.gpuport.v1.TransferTicket\x12>\n\x06Output\x12\x19.gpuport.v1.OutputRequest\x1a\x17.gpuport.v1.OutputChunk0\x01\x32\x9d\x02\n\x06Models\x12:\n\x06\x44\x65ploy\x12\x19.gpuport.v1.DeployRequest\x1a\x15.gpuport.v1.ModelInfo\x12\x32\n\x03Get\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.ModelList\x12\x37\n\x08Undeploy\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelList\x12\x38\n\x05Label\x12\x18.gpuport.v1.LabelRequest\x1a\x15.gpuport.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
+    b'\n\x1egpuport/protocol/gpuport.proto\x12\ngpuport.v1"\x07\n\x05\x45mpty"[\n\x0cHelloRequest\x12\x16\n\x0e\x63lient_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\x03 \x01(\t"\x9b\x01\n\nHelloReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x16\n\x0epython_version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0c\n\x04user\x18\x04 \x01(\t\x12\r\n\x05\x61\x64min\x18\x05 \x01(\x08\x12\x1b\n\x13\x63loudpickle_version\x18\x06 \x01(\t\x12\x11\n\tdata_port\x18\x07 \x01(\x05">\n\nGpuProcess\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x13\n\x0bmemory_used\x18\x02 \x01(\x03\x12\x0e\n\x06job_id\x18\x03 \x01(\t"S\n\rGpuAllocation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06memory\x18\x03 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x04 \x01(\x03"\xe7\x01\n\x03Gpu\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04uuid\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cmemory_total\x18\x04 \x01(\x03\x12\x13\n\x0bmemory_used\x18\x05 \x01(\x03\x12\x13\n\x0butilization\x18\x06 \x01(\x05\x12)\n\tprocesses\x18\x07 \x03(\x0b\x32\x16.gpuport.v1.GpuProcess\x12\x0c\n\x04jobs\x18\x08 \x03(\t\x12.\n\x0b\x61llocations\x18\t \x03(\x0b\x32\x19.gpuport.v1.GpuAllocation\x12\x0c\n\x04node\x18\n \x01(\t"I\n\x07GpuList\x12\x11\n\tinventory\x18\x01 \x01(\t\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x1d\n\x04gpus\x18\x03 \x03(\x0b\x32\x0f.gpuport.v1.Gpu"\xe1\x01\n\x0bStatusReply\x12\x16\n\x0eserver_version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x05\x12\x14\n\x0cmemory_total\x18\x05 \x01(\x03\x12\x18\n\x10memory_available\x18\x06 \x01(\x03\x12!\n\x04gpus\x18\x07 \x01(\x0b\x32\x13.gpuport.v1.GpuList\x12\x0c\n\x04user\x18\x08 \x01(\t\x12\r\n\x05\x61\x64min\x18\t \x01(\x08\x12\x16\n\x0epython_version\x18\n \x01(\t"`\n\tTokenInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\x12\n\nrevoked_at\x18\x04 \x01(\x01\x12\x0e\n\x06scrape\x18\x05 \x01(\x08"V\n\x12\x43reateTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12\x13\n\x0b\x63lient_cert\x18\x03 \x01(\x08\x12\x0e\n\x06scrape\x18\x04 \x01(\x08"\x95\x01\n\x10\x43reateTokenReply\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.gpuport.v1.TokenInfo\x12\r\n\x05token\x18\x02 \x01(\t\x12\x10\n\x08\x63\x65rt_pem\x18\x03 \x01(\t\x12\x0f\n\x07key_pem\x18\x04 \x01(\t\x12\x17\n\x0fserver_cert_pem\x18\x05 \x01(\t\x12\x11\n\tcert_port\x18\x06 \x01(\r",\n\x11ListTokensRequest\x12\x17\n\x0finclude_revoked\x18\x01 \x01(\x08"2\n\tTokenList\x12%\n\x06tokens\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.TokenInfo"4\n\x12RevokeTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x65nd_work\x18\x02 \x01(\x08"U\n\rManifestEntry\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x62lob\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0c\n\x04mode\x18\x04 \x01(\r\x12\x0c\n\x04link\x18\x05 \x01(\t"Q\n\x15\x43reateSnapshotRequest\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry\x12\x0c\n\x04name\x18\x02 \x01(\t"8\n\x13NameSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"Y\n\x13\x43reateSnapshotReply\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\r\n\x05\x66iles\x18\x03 \x01(\x03\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03"0\n\x0bSnapshotRef\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"\x8b\x01\n\x08Snapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\ncreated_at\x18\x03 \x01(\x01\x12\r\n\x05\x66iles\x18\x04 \x01(\x03\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12*\n\x07\x65ntries\x18\x06 \x03(\x0b\x32\x19.gpuport.v1.ManifestEntry"7\n\x0cSnapshotList\x12\'\n\tsnapshots\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.Snapshot"D\n\x08\x42lobPart\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08"0\n\tBlobBatch\x12#\n\x05parts\x18\x01 \x03(\x0b\x32\x14.gpuport.v1.BlobPart"+\n\x0bUploadReply\x12\r\n\x05\x62lobs\x18\x01 \x01(\x03\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03"5\n\x0f\x44ownloadRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t"(\n\x08\x42lobList\x12\r\n\x05\x62lobs\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x03"\x88\x04\n\x07JobSpec\x12\x0f\n\x07\x63ommand\x18\x01 \x03(\t\x12\r\n\x05shell\x18\x02 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\t\x12\x0f\n\x07project\x18\x04 \x01(\t\x12\x10\n\x08\x64\x61tasets\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12)\n\x03\x65nv\x18\x07 \x03(\x0b\x32\x1c.gpuport.v1.JobSpec.EnvEntry\x12\x0f\n\x07outputs\x18\x08 \x03(\t\x12\x0c\n\x04name\x18\t \x01(\t\x12\x1c\n\x14hyperparameters_json\x18\n \x01(\t\x12\x12\n\ntime_limit\x18\x0b \x01(\x01\x12\x12\n\ngpu_memory\x18\x0c \x01(\x03\x12\x0c\n\x04\x63pus\x18\r \x01(\x01\x12\x0e\n\x06memory\x18\x0e \x01(\x03\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12\x0e\n\x06nprocs\x18\x10 \x01(\x05\x12\x32\n\x08tf_roles\x18\x11 \x03(\x0b\x32 .gpuport.v1.JobSpec.TfRolesEntry\x12\x0f\n\x07retries\x18\x12 \x01(\x05\x12\r\n\x05nodes\x18\x13 \x01(\x05\x12\x17\n\x0fnprocs_per_node\x18\x14 \x01(\x05\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cTfRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01"\xcb\x03\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x05 \x03(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x13\n\x0bgpu_indices\x18\x07 \x03(\x05\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x10\n\x08\x65nded_at\x18\n \x01(\x01\x12\x15\n\rhas_exit_code\x18\x0b \x01(\x08\x12\x11\n\texit_code\x18\x0c \x01(\x05\x12\x0f\n\x07message\x18\r \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x0e \x01(\t\x12\x1a\n\x12output_snapshot_id\x18\x0f \x01(\t\x12\x0f\n\x07outputs\x18\x10 \x03(\t\x12\x11\n\tlog_bytes\x18\x11 \x01(\x03\x12\x12\n\ntime_limit\x18\x12 \x01(\x01\x12\x12\n\ngpu_memory\x18\x13 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x14 \x01(\x01\x12\x0e\n\x06memory\x18\x15 \x01(\x03\x12\x10\n\x08priority\x18\x16 \x01(\x05\x12\x0e\n\x06nprocs\x18\x17 \x01(\x05\x12\x10\n\x08position\x18\x18 \x01(\x05\x12\x0c\n\x04node\x18\x19 \x01(\t"\x18\n\x06JobRef\x12\x0e\n\x06job_id\x18\x01 \x01(\t":\n\x0cReachRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0c\n\x04\x65xec\x18\x03 \x01(\x08"J\n\x0fListJobsRequest\x12\x0b\n\x03\x61ll\x18\x01 \x01(\x08\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06states\x18\x03 \x03(\t\x12\x0c\n\x04user\x18\x04 \x01(\t",\n\x07JobList\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.gpuport.v1.JobInfo"Y\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x11\n\x04tail\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_tail"(\n\x08LogChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c"T\n\nJobOutputs\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.gpuport.v1.JobInfo\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\t\x12\x0f\n\x07missing\x18\x03 \x03(\t".\n\x0bWaitRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07timeout\x18\x02 \x01(\x01"\xf9\x01\n\tQuotaInfo\x12\x0c\n\x04user\x18\x01 \x01(\t\x12\x11\n\x04gpus\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\x04jobs\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nupdated_at\x18\x04 \x01(\x01\x12\x13\n\x06queued\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\tprocesses\x18\x06 \x01(\x05H\x03\x88\x01\x01\x12\x14\n\x07storage\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x19\n\x0cstorage_used\x18\x08 \x01(\x03H\x05\x88\x01\x01\x42\x07\n\x05_gpusB\x07\n\x05_jobsB\t\n\x07_queuedB\x0c\n\n_processesB\n\n\x08_storageB\x0f\n\r_storage_used"2\n\tQuotaList\x12%\n\x06quotas\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.QuotaInfo"\x18\n\x08QuotaRef\x12\x0c\n\x04user\x18\x01 \x01(\t"\x93\x02\n\x0bSessionSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04gpus\x18\x02 \x01(\x05\x12\x12\n\ngpu_memory\x18\x03 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x04 \x01(\x01\x12\x0e\n\x06memory\x18\x05 \x01(\x03\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x14\n\x0cidle_timeout\x18\x07 \x01(\x01\x12-\n\x03\x65nv\x18\x08 \x03(\x0b\x32 .gpuport.v1.SessionSpec.EnvEntry\x12\x16\n\x0epython_version\x18\t \x01(\t\x12\x1b\n\x13\x63loudpickle_version\x18\n \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01"\xc9\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x0c\n\x04gpus\x18\x06 \x01(\x05\x12\x12\n\ngpu_memory\x18\x07 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x08 \x01(\x01\x12\x0e\n\x06memory\x18\t \x01(\x03\x12\x13\n\x0bgpu_indices\x18\n \x03(\x05\x12\x12\n\ncreated_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_call_at\x18\x0c \x01(\x01\x12\x14\n\x0cidle_timeout\x18\r \x01(\x01\x12\x0f\n\x07message\x18\x0e \x01(\t\x12\x0c\n\x04refs\x18\x0f \x01(\x05\x12\x10\n\x08\x61ttached\x18\x10 \x01(\x05\x12\x10\n\x08position\x18\x11 \x01(\x05\x12\x12\n\nreattached\x18\x12 \x01(\x08".\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t"8\n\x0bSessionList\x12)\n\x08sessions\x18\x01 \x03(\x0b\x32\x17.gpuport.v1.SessionInfo"G\n\x05Value\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0f\n\x07\x62uffers\x18\x02 \x03(\x0c\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\r\n\x05sizes\x18\x04 \x03(\x03"F\n\x07RefInfo\x12\x0e\n\x06ref_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12\x0f\n\x07summary\x18\x04 \x01(\t"\xa0\x02\n\x0b\x43\x61llRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x02op\x18\x02 \x01(\x0e\x32\x1a.gpuport.v1.CallRequest.Op\x12 \n\x05value\x18\x03 \x01(\x0b\x32\x11.gpuport.v1.Value\x12\x10\n\x08\x66unction\x18\x04 \x01(\t\x12\x17\n\x0f\x66unction_pickle\x18\x05 \x01(\x0c\x12\x0c\n\x04keep\x18\x06 \x01(\x08\x12\x10\n\x08ref_name\x18\x07 \x01(\t\x12\x0f\n\x07ref_ids\x18\x08 \x03(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0f\n\x07timeout\x18\n \x01(\x01"6\n\x02Op\x12\x08\n\x04\x43\x41LL\x10\x00\x12\x07\n\x03PUT\x10\x01\x12\x07\n\x03GET\x10\x02\x12\n\n\x06\x44\x45LETE\x10\x03\x12\x08\n\x04REFS\x10\x04"\xa1\x01\n\rRemoteFailure\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x11\n\ttraceback\x18\x04 \x01(\t\x12\x11\n\texception\x18\x05 \x01(\x0c\x12\x15\n\rhas_exit_code\x18\x06 \x01(\x08\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0bstderr_tail\x18\x08 \x01(\t"\xf8\x01\n\tCallReply\x12 \n\x05value\x18\x01 \x01(\x0b\x32\x11.gpuport.v1.Value\x12 \n\x03ref\x18\x02 \x01(\x0b\x32\x13.gpuport.v1.RefInfo\x12!\n\x04refs\x18\x03 \x03(\x0b\x32\x13.gpuport.v1.RefInfo\x12*\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x19.gpuport.v1.RemoteFailure\x12\x18\n\x10unknown_function\x18\x05 \x01(\x08\x12\x15\n\rstdout_offset\x18\x06 \x01(\x03\x12\x15\n\rstderr_offset\x18\x07 \x01(\x03\x12\x10\n\x08\x64ownload\x18\x08 \x01(\t"=\n\x0bUploadChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c"\x18\n\x06Staged\x12\x0e\n\x06staged\x18\x01 \x01(\t":\n\x14\x44ownloadChunkRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06staged\x18\x02 \x01(\t"\x19\n\tDataChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c"s\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06staged\x18\x03 \x01(\t\x12\x0f\n\x07\x63hannel\x18\x04 \x01(\x08\x12\x0e\n\x06tunnel\x18\x05 \x01(\t\x12\r\n\x05\x62lobs\x18\x06 \x01(\x08">\n\x0eTransferTicket\x12\x0e\n\x06staged\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\x05"Q\n\rOutputRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rstdout_offset\x18\x02 \x01(\x03\x12\x15\n\rstderr_offset\x18\x03 \x01(\x03"V\n\x0bOutputChunk\x12\n\n\x02\x66\x64\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t"\xf0\x01\n\rDeployRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x0c\n\x04gpus\x18\x05 \x01(\x05\x12\x12\n\ngpu_memory\x18\x06 \x01(\x03\x12\x0c\n\x04\x63pus\x18\x07 \x01(\x01\x12\x0e\n\x06memory\x18\x08 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\n \x01(\x01\x12\x10\n\x08replicas\x18\x0b \x01(\x05\x12\x0e\n\x06public\x18\x0c \x01(\x08\x12\r\n\x05label\x18\r \x01(\t"<\n\x0cLabelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03"\xdc\x03\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x05\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x0f\n\x07message\x18\x08 \x01(\t\x12&\n\x06inputs\x18\t \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\'\n\x07outputs\x18\n \x03(\x0b\x32\x16.gpuport.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\x05\x12\x17\n\x0fmax_queue_delay\x18\x0c \x01(\x01\x12\x10\n\x08replicas\x18\r \x01(\x05\x12\x0c\n\x04gpus\x18\x0e \x01(\x05\x12\x12\n\ngpu_memory\x18\x0f \x01(\x03\x12\x0c\n\x04jobs\x18\x10 \x03(\t\x12\x12\n\ncreated_at\x18\x11 \x01(\x01\x12\x10\n\x08requests\x18\x12 \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x13 \x01(\x03\x12\x0c\n\x04rows\x18\x14 \x01(\x03\x12\x16\n\x0e\x66\x61iled_batches\x18\x15 \x01(\x03\x12\x14\n\x0cqueue_length\x18\x16 \x01(\x05\x12\x0e\n\x06public\x18\x17 \x01(\x08\x12\x0e\n\x06labels\x18\x18 \x03(\t")\n\x08ModelRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x05"2\n\tModelList\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.gpuport.v1.ModelInfo2\xdc\x01\n\x07\x43ontrol\x12\x39\n\x05Hello\x12\x18.gpuport.v1.HelloRequest\x1a\x16.gpuport.v1.HelloReply\x12,\n\x04Ping\x12\x11.gpuport.v1.Empty\x1a\x11.gpuport.v1.Empty\x12\x34\n\x06Status\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.StatusReply\x12\x32\n\x08ListGpus\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.GpuList2\xcf\x01\n\x06Tokens\x12\x46\n\x06\x43reate\x12\x1e.gpuport.v1.CreateTokenRequest\x1a\x1c.gpuport.v1.CreateTokenReply\x12<\n\x04List\x12\x1d.gpuport.v1.ListTokensRequest\x1a\x15.gpuport.v1.TokenList\x12?\n\x06Revoke\x12\x1e.gpuport.v1.RevokeTokenRequest\x1a\x15.gpuport.v1.TokenInfo2\xfc\x03\n\tSnapshots\x12L\n\x06\x43reate\x12!.gpuport.v1.CreateSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12H\n\x04Name\x12\x1f.gpuport.v1.NameSnapshotRequest\x1a\x1f.gpuport.v1.CreateSnapshotReply\x12\x35\n\x07Missing\x12\x14.gpuport.v1.BlobList\x1a\x14.gpuport.v1.BlobList\x12\x34\n\x03Get\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12\x33\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x18.gpuport.v1.SnapshotList\x12\x37\n\x06\x44\x65lete\x12\x17.gpuport.v1.SnapshotRef\x1a\x14.gpuport.v1.Snapshot\x12:\n\x06Upload\x12\x15.gpuport.v1.BlobBatch\x1a\x17.gpuport.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x1b.gpuport.v1.DownloadRequest\x1a\x15.gpuport.v1.BlobBatch0\x01\x32\xed\x03\n\x04Jobs\x12\x32\n\x06Submit\x12\x13.gpuport.v1.JobSpec\x1a\x13.gpuport.v1.JobInfo\x12.\n\x03Get\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12\x38\n\x04List\x12\x1b.gpuport.v1.ListJobsRequest\x1a\x13.gpuport.v1.JobList\x12\x37\n\x04Logs\x12\x17.gpuport.v1.LogsRequest\x1a\x14.gpuport.v1.LogChunk0\x01\x12\x34\n\x04Wait\x12\x17.gpuport.v1.WaitRequest\x1a\x13.gpuport.v1.JobInfo\x12\x31\n\x06\x43\x61ncel\x12\x12.gpuport.v1.JobRef\x1a\x13.gpuport.v1.JobInfo\x12/\n\x05Queue\x12\x11.gpuport.v1.Empty\x1a\x13.gpuport.v1.JobList\x12\x35\n\x07Outputs\x12\x12.gpuport.v1.JobRef\x1a\x16.gpuport.v1.JobOutputs\x12=\n\x05Reach\x12\x18.gpuport.v1.ReachRequest\x1a\x1a.gpuport.v1.TransferTicket2\xa1\x01\n\x06Quotas\x12\x33\n\x03Set\x12\x15.gpuport.v1.QuotaInfo\x1a\x15.gpuport.v1.QuotaInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.QuotaList\x12\x30\n\x05Unset\x12\x14.gpuport.v1.QuotaRef\x1a\x11.gpuport.v1.Empty2\xe3\x04\n\x08Sessions\x12\x38\n\x04Open\x12\x17.gpuport.v1.SessionSpec\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x03Get\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x32\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x17.gpuport.v1.SessionList\x12\x38\n\x05\x43lose\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12:\n\x07Restart\x12\x16.gpuport.v1.SessionRef\x1a\x17.gpuport.v1.SessionInfo\x12\x36\n\x04\x43\x61ll\x12\x17.gpuport.v1.CallRequest\x1a\x15.gpuport.v1.CallReply\x12\x37\n\x06Upload\x12\x17.gpuport.v1.UploadChunk\x1a\x12.gpuport.v1.Staged(\x01\x12\x45\n\x08\x44ownload\x12 .gpuport.v1.DownloadChunkRequest\x1a\x15.gpuport.v1.DataChunk0\x01\x12\x43\n\x08Transfer\x12\x1b.gpuport.v1.TransferRequest\x1a\x1a.gpuport.v1.TransferTicket\x12>\n\x06Output\x12\x19.gpuport.v1.OutputRequest\x1a\x17.gpuport.v1.OutputChunk0\x01\x32\x9d\x02\n\x06Models\x12:\n\x06\x44\x65ploy\x12\x19.gpuport.v1.DeployRequest\x1a\x15.gpuport.v1.ModelInfo\x12\x32\n\x03Get\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelInfo\x12\x30\n\x04List\x12\x11.gpuport.v1.Empty\x1a\x15.gpuport.v1.ModelList\x12\x37\n\x08Undeploy\x12\x14.gpuport.v1.ModelRef\x1a\x15.gpuport.v1.ModelList\x12\x38\n\x05Label\x12\x18.gpuport.v1.LabelRequest\x1a\x15.gpuport.v1.ModelInfob\x06proto3'
+)
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpuport.protocol.gpuport_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "gpuport.protocol.gpuport_pb2", _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_JOBSPEC_ENVENTRY']._loaded_options = None
-  _globals['_JOBSPEC_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSPEC_TFROLESENTRY']._loaded_options = None
-  _globals['_JOBSPEC_TFROLESENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONSPEC_ENVENTRY']._loaded_options = None
-  _globals['_SESSIONSPEC_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_EMPTY']._serialized_start=46
-  _globals['_EMPTY']._serialized_end=53
-  _globals['_HELLOREQUEST']._serialized_start=55
-  _globals['_HELLOREQUEST']._serialized_end=146
-  _globals['_HELLOREPLY']._serialized_start=149
-  _globals['_HELLOREPLY']._serialized_end=304
-  _globals['_GPUPROCESS']._serialized_start=306
-  _globals['_GPUPROCESS']._serialized_end=368
-  _globals['_GPUALLOCATION']._serialized_start=370
-  _globals['_GPUALLOCATION']._serialized_end=453
-  _globals['_GPU']._serialized_start=456
-  _globals['_GPU']._serialized_end=687
-  _globals['_GPULIST']._serialized_start=689
-  _globals['_GPULIST']._serialized_end=762
-  _globals['_STATUSREPLY']._serialized_start=765
-  _globals['_STATUSREPLY']._serialized_end=990
-  _globals['_TOKENINFO']._serialized_start=992
-  _globals['_TOKENINFO']._serialized_end=1088
-  _globals['_CREATETOKENREQUEST']._serialized_start=1090
-  _globals['_CREATETOKENREQUEST']._serialized_end=1176
-  _globals['_CREATETOKENREPLY']._serialized_start=1179
-  _globals['_CREATETOKENREPLY']._serialized_end=1328
-  _globals['_LISTTOKENSREQUEST']._serialized_start=1330
-  _globals['_LISTTOKENSREQUEST']._serialized_end=1374
-  _globals['_TOKENLIST']._serialized_start=1376
-  _globals['_TOKENLIST']._serialized_end=1426
-  _globals['_REVOKETOKENREQUEST']._serialized_start=1428
-  _globals['_REVOKETOKENREQUEST']._serialized_end=1480
-  _globals['_MANIFESTENTRY']._serialized_start=1482
-  _globals['_MANIFESTENTRY']._serialized_end=1567
-  _globals['_CREATESNAPSHOTREQUEST']._serialized_start=1569
-  _globals['_CREATESNAPSHOTREQUEST']._serialized_end=1650
-  _globals['_NAMESNAPSHOTREQUEST']._serialized_start=1652
-  _globals['_NAMESNAPSHOTREQUEST']._serialized_end=1708
-  _globals['_CREATESNAPSHOTREPLY']._serialized_start=1710
-  _globals['_CREATESNAPSHOTREPLY']._serialized_end=1799
-  _globals['_SNAPSHOTREF']._serialized_start=1801
-  _globals['_SNAPSHOTREF']._serialized_end=1849
-  _globals['_SNAPSHOT']._serialized_start=1852
-  _globals['_SNAPSHOT']._serialized_end=1991
-  _globals['_SNAPSHOTLIST']._serialized_start=1993
-  _globals['_SNAPSHOTLIST']._serialized_end=2048
-  _globals['_BLOBPART']._serialized_start=2050
-  _globals['_BLOBPART']._serialized_end=2118
-  _globals['_BLOBBATCH']._serialized_start=2120
-  _globals['_BLOBBATCH']._serialized_end=2168
-  _globals['_UPLOADREPLY']._serialized_start=2170
-  _globals['_UPLOADREPLY']._serialized_end=2213
-  _globals['_DOWNLOADREQUEST']._serialized_start=2215
-  _globals['_DOWNLOADREQUEST']._serialized_end=2268
-  _globals['_BLOBLIST']._serialized_start=2270
-  _globals['_BLOBLIST']._serialized_end=2310
-  _globals['_JOBSPEC']._serialized_start=2313
-  _globals['_JOBSPEC']._serialized_end=2833
-  _globals['_JOBSPEC_ENVENTRY']._serialized_start=2743
-  _globals['_JOBSPEC_ENVENTRY']._serialized_end=2785
-  _globals['_JOBSPEC_TFROLESENTRY']._serialized_start=2787
-  _globals['_JOBSPEC_TFROLESENTRY']._serialized_end=2833
-  _globals['_JOBINFO']._serialized_start=2836
-  _globals['_JOBINFO']._serialized_end=3295
-  _globals['_JOBREF']._serialized_start=3297
-  _globals['_JOBREF']._serialized_end=3321
-  _globals['_LISTJOBSREQUEST']._serialized_start=3323
-  _globals['_LISTJOBSREQUEST']._serialized_end=3397
-  _globals['_JOBLIST']._serialized_start=3399
-  _globals['_JOBLIST']._serialized_end=3443
-  _globals['_LOGSREQUEST']._serialized_start=3445
-  _globals['_LOGSREQUEST']._serialized_end=3534
-  _globals['_LOGCHUNK']._serialized_start=3536
-  _globals['_LOGCHUNK']._serialized_end=3576
-  _globals['_JOBOUTPUTS']._serialized_start=3578
-  _globals['_JOBOUTPUTS']._serialized_end=3662
-  _globals['_WAITREQUEST']._serialized_start=3664
-  _globals['_WAITREQUEST']._serialized_end=3710
-  _globals['_QUOTAINFO']._serialized_start=3713
-  _globals['_QUOTAINFO']._serialized_end=3962
-  _globals['_QUOTALIST']._serialized_start=3964
-  _globals['_QUOTALIST']._serialized_end=4014
-  _globals['_QUOTAREF']._serialized_start=4016
-  _globals['_QUOTAREF']._serialized_end=4040
-  _globals['_SESSIONSPEC']._serialized_start=4043
-  _globals['_SESSIONSPEC']._serialized_end=4318
-  _globals['_SESSIONSPEC_ENVENTRY']._serialized_start=2743
-  _globals['_SESSIONSPEC_ENVENTRY']._serialized_end=2785
-  _globals['_SESSIONINFO']._serialized_start=4321
-  _globals['_SESSIONINFO']._serialized_end=4650
-  _globals['_SESSIONREF']._serialized_start=4652
-  _globals['_SESSIONREF']._serialized_end=4698
-  _globals['_SESSIONLIST']._serialized_start=4700
-  _globals['_SESSIONLIST']._serialized_end=4756
-  _globals['_VALUE']._serialized_start=4758
-  _globals['_VALUE']._serialized_end=4829
-  _globals['_REFINFO']._serialized_start=4831
-  _globals['_REFINFO']._serialized_end=4901
-  _globals['_CALLREQUEST']._serialized_start=4904
-  _globals['_CALLREQUEST']._serialized_end=5192
-  _globals['_CALLREQUEST_OP']._serialized_start=5138
-  _globals['_CALLREQUEST_OP']._serialized_end=5192
-  _globals['_REMOTEFAILURE']._serialized_start=5195
-  _globals['_REMOTEFAILURE']._serialized_end=5356
-  _globals['_CALLREPLY']._serialized_start=5359
-  _globals['_CALLREPLY']._serialized_end=5607
-  _globals['_UPLOADCHUNK']._serialized_start=5609
-  _globals['_UPLOADCHUNK']._serialized_end=5670
-  _globals['_STAGED']._serialized_start=5672
-  _globals['_STAGED']._serialized_end=5696
-  _globals['_DOWNLOADCHUNKREQUEST']._serialized_start=5698
-  _globals['_DOWNLOADCHUNKREQUEST']._serialized_end=5756
-  _globals['_DATACHUNK']._serialized_start=5758
-  _globals['_DATACHUNK']._serialized_end=5783
-  _globals['_TRANSFERREQUEST']._serialized_start=5785
-  _globals['_TRANSFERREQUEST']._serialized_end=5900
-  _globals['_TRANSFERTICKET']._serialized_start=5902
-  _globals['_TRANSFERTICKET']._serialized_end=5964
-  _globals['_OUTPUTREQUEST']._serialized_start=5966
-  _globals['_OUTPUTREQUEST']._serialized_end=6047
-  _globals['_OUTPUTCHUNK']._serialized_start=6049
-  _globals['_OUTPUTCHUNK']._serialized_end=6135
-  _globals['_DEPLOYREQUEST']._serialized_start=6138
-  _globals['_DEPLOYREQUEST']._serialized_end=6378
-  _globals['_LABELREQUEST']._serialized_start=6380
-  _globals['_LABELREQUEST']._serialized_end=6440
-  _globals['_TENSORSPEC']._serialized_start=6442
-  _globals['_TENSORSPEC']._serialized_end=6501
-  _globals['_MODELINFO']._serialized_start=6504
-  _globals['_MODELINFO']._serialized_end=6980
-  _globals['_MODELREF']._serialized_start=6982
-  _globals['_MODELREF']._serialized_end=7023
-  _globals['_MODELLIST']._serialized_start=7025
-  _globals['_MODELLIST']._serialized_end=7075
-  _globals['_CONTROL']._serialized_start=7078
-  _globals['_CONTROL']._serialized_end=7298
-  _globals['_TOKENS']._serialized_start=7301
-  _globals['_TOKENS']._serialized_end=7508
-  _globals['_SNAPSHOTS']._serialized_start=7511
-  _globals['_SNAPSHOTS']._serialized_end=8019
-  _globals['_JOBS']._serialized_start=8022
-  _globals['_JOBS']._serialized_end=8452
-  _globals['_QUOTAS']._serialized_start=8455
-  _globals['_QUOTAS']._serialized_end=8616
-  _globals['_SESSIONS']._serialized_start=8619
-  _globals['_SESSIONS']._serialized_end=9230
-  _globals['_MODELS']._serialized_start=9233
-  _globals['_MODELS']._serialized_end=9518
+    DESCRIPTOR._loaded_options = None
+    _globals["_JOBSPEC_ENVENTRY"]._loaded_options = None
+    _globals["_JOBSPEC_ENVENTRY"]._serialized_options = b"8\001"
+    _globals["_JOBSPEC_TFROLESENTRY"]._loaded_options = None
+    _globals["_JOBSPEC_TFROLESENTRY"]._serialized_options = b"8\001"
+    _globals["_SESSIONSPEC_ENVENTRY"]._loaded_options = None
+    _globals["_SESSIONSPEC_ENVENTRY"]._serialized_options = b"8\001"
+    _globals["_EMPTY"]._serialized_start = 46
+    _globals["_EMPTY"]._serialized_end = 53
+    _globals["_HELLOREQUEST"]._serialized_start = 55
+    _globals["_HELLOREQUEST"]._serialized_end = 146
+    _globals["_HELLOREPLY"]._serialized_start = 149
+    _globals["_HELLOREPLY"]._serialized_end = 304
+    _globals["_GPUPROCESS"]._serialized_start = 306
+    _globals["_GPUPROCESS"]._serialized_end = 368
+    _globals["_GPUALLOCATION"]._serialized_start = 370
+    _globals["_GPUALLOCATION"]._serialized_end = 453
+    _globals["_GPU"]._serialized_start = 456
+    _globals["_GPU"]._serialized_end = 687
+    _globals["_GPULIST"]._serialized_start = 689
+    _globals["_GPULIST"]._serialized_end = 762
+    _globals["_STATUSREPLY"]._serialized_start = 765
+    _globals["_STATUSREPLY"]._serialized_end = 990
+    _globals["_TOKENINFO"]._serialized_start = 992
+    _globals["_TOKENINFO"]._serialized_end = 1088
+    _globals["_CREATETOKENREQUEST"]._serialized_start = 1090
+    _globals["_CREATETOKENREQUEST"]._serialized_end = 1176
+    _globals["_CREATETOKENREPLY"]._serialized_start = 1179
+    _globals["_CREATETOKENREPLY"]._serialized_end = 1328
+    _globals["_LISTTOKENSREQUEST"]._serialized_start = 1330
+    _globals["_LISTTOKENSREQUEST"]._serialized_end = 1374
+    _globals["_TOKENLIST"]._serialized_start = 1376
+    _globals["_TOKENLIST"]._serialized_end = 1426
+    _globals["_REVOKETOKENREQUEST"]._serialized_start = 1428
+    _globals["_REVOKETOKENREQUEST"]._serialized_end = 1480
+    _globals["_MANIFESTENTRY"]._serialized_start = 1482
+    _globals["_MANIFESTENTRY"]._serialized_end = 1567
+    _globals["_CREATESNAPSHOTREQUEST"]._serialized_start = 1569
+    _globals["_CREATESNAPSHOTREQUEST"]._serialized_end = 1650
+    _globals["_NAMESNAPSHOTREQUEST"]._serialized_start = 1652
+    _globals["_NAMESNAPSHOTREQUEST"]._serialized_end = 1708
+    _globals["_CREATESNAPSHOTREPLY"]._serialized_start = 1710
+    _globals["_CREATESNAPSHOTREPLY"]._serialized_end = 1799
+    _globals["_SNAPSHOTREF"]._serialized_start = 1801
+    _globals["_SNAPSHOTREF"]._serialized_end = 1849
+    _globals["_SNAPSHOT"]._serialized_start = 1852
+    _globals["_SNAPSHOT"]._serialized_end = 1991
+    _globals["_SNAPSHOTLIST"]._serialized_start = 1993
+    _globals["_SNAPSHOTLIST"]._serialized_end = 2048
+    _globals["_BLOBPART"]._serialized_start = 2050
+    _globals["_BLOBPART"]._serialized_end = 2118
+    _globals["_BLOBBATCH"]._serialized_start = 2120
+    _globals["_BLOBBATCH"]._serialized_end = 2168
+    _globals["_UPLOADREPLY"]._serialized_start = 2170
+    _globals["_UPLOADREPLY"]._serialized_end = 2213
+    _globals["_DOWNLOADREQUEST"]._serialized_start = 2215
+    _globals["_DOWNLOADREQUEST"]._serialized_end = 2268
+    _globals["_BLOBLIST"]._serialized_start = 2270
+    _globals["_BLOBLIST"]._serialized_end = 2310
+    _globals["_JOBSPEC"]._serialized_start = 2313
+    _globals["_JOBSPEC"]._serialized_end = 2833
+    _globals["_JOBSPEC_ENVENTRY"]._serialized_start = 2743
+    _globals["_JOBSPEC_ENVENTRY"]._serialized_end = 2785
+    _globals["_JOBSPEC_TFROLESENTRY"]._serialized_start = 2787
+    _globals["_JOBSPEC_TFROLESENTRY"]._serialized_end = 2833
+    _globals["_JOBINFO"]._serialized_start = 2836
+    _globals["_JOBINFO"]._serialized_end = 3295
+    _globals["_JOBREF"]._serialized_start = 3297
+    _globals["_JOBREF"]._serialized_end = 3321
+    _globals["_REACHREQUEST"]._serialized_start = 3323
+    _globals["_REACHREQUEST"]._serialized_end = 3381
+    _globals["_LISTJOBSREQUEST"]._serialized_start = 3383
+    _globals["_LISTJOBSREQUEST"]._serialized_end = 3457
+    _globals["_JOBLIST"]._serialized_start = 3459
+    _globals["_JOBLIST"]._serialized_end = 3503
+    _globals["_LOGSREQUEST"]._serialized_start = 3505
+    _globals["_LOGSREQUEST"]._serialized_end = 3594
+    _globals["_LOGCHUNK"]._serialized_start = 3596
+    _globals["_LOGCHUNK"]._serialized_end = 3636
+    _globals["_JOBOUTPUTS"]._serialized_start = 3638
+    _globals["_JOBOUTPUTS"]._serialized_end = 3722
+    _globals["_WAITREQUEST"]._serialized_start = 3724
+    _globals["_WAITREQUEST"]._serialized_end = 3770
+    _globals["_QUOTAINFO"]._serialized_start = 3773
+    _globals["_QUOTAINFO"]._serialized_end = 4022
+    _globals["_QUOTALIST"]._serialized_start = 4024
+    _globals["_QUOTALIST"]._serialized_end = 4074
+    _globals["_QUOTAREF"]._serialized_start = 4076
+    _globals["_QUOTAREF"]._serialized_end = 4100
+    _globals["_SESSIONSPEC"]._serialized_start = 4103
+    _globals["_SESSIONSPEC"]._serialized_end = 4378
+    _globals["_SESSIONSPEC_ENVENTRY"]._serialized_start = 2743
+    _globals["_SESSIONSPEC_ENVENTRY"]._serialized_end = 2785
+    _globals["_SESSIONINFO"]._serialized_start = 4381
+    _globals["_SESSIONINFO"]._serialized_end = 4710
+    _globals["_SESSIONREF"]._serialized_start = 4712
+    _globals["_SESSIONREF"]._serialized_end = 4758
+    _globals["_SESSIONLIST"]._serialized_start = 4760
+    _globals["_SESSIONLIST"]._serialized_end = 4816
+    _globals["_VALUE"]._serialized_start = 4818
+    _globals["_VALUE"]._serialized_end = 4889
+    _globals["_REFINFO"]._serialized_start = 4891
+    _globals["_REFINFO"]._serialized_end = 4961
+    _globals["_CALLREQUEST"]._serialized_start = 4964
+    _globals["_CALLREQUEST"]._serialized_end = 5252
+    _globals["_CALLREQUEST_OP"]._serialized_start = 5198
+    _globals["_CALLREQUEST_OP"]._serialized_end = 5252
+    _globals["_REMOTEFAILURE"]._serialized_start = 5255
+    _globals["_REMOTEFAILURE"]._serialized_end = 5416
+    _globals["_CALLREPLY"]._serialized_start = 5419
+    _globals["_CALLREPLY"]._serialized_end = 5667
+    _globals["_UPLOADCHUNK"]._serialized_start = 5669
+    _globals["_UPLOADCHUNK"]._serialized_end = 5730
+    _globals["_STAGED"]._serialized_start = 5732
+    _globals["_STAGED"]._serialized_end = 5756
+    _globals["_DOWNLOADCHUNKREQUEST"]._serialized_start = 5758
+    _globals["_DOWNLOADCHUNKREQUEST"]._serialized_end = 5816
+    _globals["_DATACHUNK"]._serialized_start = 5818
+    _globals["_DATACHUNK"]._serialized_end = 5843
+    _globals["_TRANSFERREQUEST"]._serialized_start = 5845
+    _globals["_TRANSFERREQUEST"]._serialized_end = 5960
+    _globals["_TRANSFERTICKET"]._serialized_start = 5962
+    _globals["_TRANSFERTICKET"]._serialized_end = 6024
+    _globals["_OUTPUTREQUEST"]._serialized_start = 6026
+    _globals["_OUTPUTREQUEST"]._serialized_end = 6107
+    _globals["_OUTPUTCHUNK"]._serialized_start = 6109
+    _globals["_OUTPUTCHUNK"]._serialized_end = 6195
+    _globals["_DEPLOYREQUEST"]._serialized_start = 6198
+    _globals["_DEPLOYREQUEST"]._serialized_end = 6438
+    _globals["_LABELREQUEST"]._serialized_start = 6440
+    _globals["_LABELREQUEST"]._serialized_end = 6500
+    _globals["_TENSORSPEC"]._serialized_start = 6502
+    _globals["_TENSORSPEC"]._serialized_end = 6561
+    _globals["_MODELINFO"]._serialized_start = 6564
+    _globals["_MODELINFO"]._serialized_end = 7040
+    _globals["_MODELREF"]._serialized_start = 7042
+    _globals["_MODELREF"]._serialized_end = 7083
+    _globals["_MODELLIST"]._serialized_start = 7085
+    _globals["_MODELLIST"]._serialized_end = 7135
+    _globals["_CONTROL"]._serialized_start = 7138
+    _globals["_CONTROL"]._serialized_end = 7358
+    _globals["_TOKENS"]._serialized_start = 7361
+    _globals["_TOKENS"]._serialized_end = 7568
+    _globals["_SNAPSHOTS"]._serialized_start = 7571
+    _globals["_SNAPSHOTS"]._serialized_end = 8079
+    _globals["_JOBS"]._serialized_start = 8082
+    _globals["_JOBS"]._serialized_end = 8575
+    _globals["_QUOTAS"]._serialized_start = 8578
+    _globals["_QUOTAS"]._serialized_end = 8739
+    _globals["_SESSIONS"]._serialized_start = 8742
+    _globals["_SESSIONS"]._serialized_end = 9353
+    _globals["_MODELS"]._serialized_start = 9356
+    _globals["_MODELS"]._serialized_end = 9641
 # @@protoc_insertion_point(module_scope)

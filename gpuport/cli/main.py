@@ -17,6 +17,7 @@ from gpuport.cli._jobs import JOB_COMMANDS
 from gpuport.cli._models import deploy_command, label_command, models_command, undeploy_command
 from gpuport.cli._output import ago, err, escape, gpu_table, out, print_error, print_json, when
 from gpuport.cli._quotas import quota_group
+from gpuport.cli._reach import REACH_COMMANDS
 from gpuport.cli._sessions import sessions_group
 from gpuport.client._channel import Target, parse_url
 from gpuport.client._config import config_path, load_profiles, remove_profile
@@ -529,7 +530,7 @@ def tf_connect(ctx: click.Context, gpus: int, gpu_memory: str | None, cpus: floa
             threading.Event().wait()
 
 
-for _command in JOB_COMMANDS:
+for _command in [*JOB_COMMANDS, *REACH_COMMANDS]:
     cli.add_command(_command)
 cli.add_command(quota_group)
 cli.add_command(sessions_group)

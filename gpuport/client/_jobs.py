@@ -15,6 +15,7 @@ from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import ConnectionFailed, InvalidRequest, ServerError, WaitTimeout
 
 if TYPE_CHECKING:
+    from gpuport.client._reach import CommandResult, Forward
     from gpuport.client._transport import Progress, Transport
 
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled", "timeout", "killed", "lost"})
@@ -217,6 +218,34 @@ class Job:
                 yield line.decode("utf-8", "replace")
         if pending:
             yield pending.decode("utf-8", "replace")
+
+    def forward(self, port: int, local_port: int = 0) -> Forward:
+        """Reach TCP ``port`` of this running job (a server it runs on its own loopback: TensorBoard,
+        Jupyter, a debugger) at 127.0.0.1 of this machine, through the server's data port, until the
+        job ends or ``close()``. ``local_port`` 0: any free one (``.local_port`` says which). The
+        job's owner only: raises ``PermissionDenied`` for another's, ``Conflict`` when it does not run.
+
+        >>> with job.forward(6006) as board:
+        ...     webbrowser.open(f"http://127.0.0.1:{board.local_port}")
+        """
+        from gpuport.client._reach import Forward
+
+        return Forward(self._transport, self, port, local_port)
+
+    def exec(self, command: list[str], *, input: bytes = b"") -> CommandResult:
+        """Run ``command`` inside this running job: its sandbox (processes, network, folders), its
+        uid, its environment, its workdir; held to its limits, and killed when it ends. ``input``
+        is its stdin. Returns its exit code and output. The job's owner only (``PermissionDenied``).
+
+        >>> job.exec(["nvidia-smi"]).stdout
+        """
+        from gpuport.client._reach import CommandResult, run_command
+
+        out, err = bytearray(), bytearray()
+        code = run_command(
+            self._transport, self.id, list(command), stdin=input, on_stdout=out.extend, on_stderr=err.extend
+        )
+        return CommandResult(code, bytes(out), bytes(err))
 
     def output(self, path: str = "") -> str:
         """One of the job's outputs as a source for ``gpu.deploy``: ``job:<id>:<path>``."""

@@ -169,14 +169,17 @@ class Transport:
 
     # ---- the data port ------------------------------------------------------------------------------
 
-    def data_connection(self, request: pb.TransferRequest) -> tuple[pb.TransferTicket, socket.socket | None]:
-        """A ticket for ``request`` and a connection to the server's data port to present it on: TLS
-        with the pinned certificate. The connection is None (and gRPC is used from then on) when the
-        port cannot be reached, as behind a firewall that lets only the gRPC port through."""
+    def data_connection(
+        self, request: pb.TransferRequest | pb.ReachRequest, method: Any = None
+    ) -> tuple[pb.TransferTicket, socket.socket | None]:
+        """A ticket for ``request`` (from ``method``: ``Sessions.Transfer`` unless given) and a
+        connection to the server's data port to present it on: TLS with the pinned certificate. The
+        connection is None (and gRPC is used from then on) when the port cannot be reached, as behind
+        a firewall that lets only the gRPC port through."""
         import socket  # here: a command without sessions needs no socket of its own, nor Python's TLS
         import ssl
 
-        ticket: pb.TransferTicket = self.call(self.sessions.Transfer, request)
+        ticket: pb.TransferTicket = self.call(method or self.sessions.Transfer, request)
         target = self.target
         try:
             raw = socket.create_connection(

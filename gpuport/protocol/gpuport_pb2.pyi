@@ -419,6 +419,16 @@ class JobRef(_message.Message):
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
+class ReachRequest(_message.Message):
+    __slots__ = ("job_id", "port", "exec")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    EXEC_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    port: int
+    exec: bool
+    def __init__(self, job_id: _Optional[str] = ..., port: _Optional[int] = ..., exec: _Optional[bool] = ...) -> None: ...
+
 class ListJobsRequest(_message.Message):
     __slots__ = ("all", "name", "states", "user")
     ALL_FIELD_NUMBER: _ClassVar[int]

@@ -829,6 +829,11 @@ class JobsStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
                 _registered_method=True)
+        self.Reach = channel.unary_unary(
+                '/gpuport.v1.Jobs/Reach',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ReachRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.TransferTicket.FromString,
+                _registered_method=True)
 
 
 class JobsServicer:
@@ -904,6 +909,13 @@ class JobsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reach(self, request, context):
+        """a running job's port, or a command in it: its owner's
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -961,6 +973,11 @@ def add_JobsServicer_to_server(servicer, server):
                     servicer.CancelArray,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.JobRef.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.SerializeToString,
+            ),
+            'Reach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reach,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.ReachRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.TransferTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1260,6 +1277,33 @@ class Jobs:
             '/gpuport.v1.Jobs/CancelArray',
             gpuport_dot_protocol_dot_gpuport__pb2.JobRef.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.ArrayInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Jobs/Reach',
+            gpuport_dot_protocol_dot_gpuport__pb2.ReachRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.TransferTicket.FromString,
             options,
             channel_credentials,
             insecure,

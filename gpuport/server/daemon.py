@@ -267,6 +267,7 @@ async def serve(
             state.cert_path if identity else None,
             state.key_path if identity else None,
             storage=app.storage,
+            executor=app.executor,
         )
         app.sessions.data_port = data.port
         app.auth.revoked_hooks.append(data.revoke)

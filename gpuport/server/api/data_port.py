@@ -27,6 +27,12 @@ and answers each connection there with a connection to its server, passed as a f
 connection until either side closes, or ``E`` and why when the worker has no such socket. It counts
 among its user's channels, and closes with their token.
 
+A running job is reached the same way, with a ticket from ``Jobs.Reach`` (its owner's only): a
+forward (``forward:PORT``) is answered ``T`` and relayed as a tunnel is, to a connection to that
+port on the job's own loopback (``executors/reach.py``); a command (``exec``) runs in the job's
+sandbox, its streams framed as ``protocol/reach.py`` says (``api/reach.py``). Both count among the
+user's channels, and close with their token.
+
 Blobs (``TransferRequest.blobs``: a folder's files for a snapshot, no session) are answered ``B``,
 then come as a header each (``_BLOB_HEAD``: ``F``, the blob's 64 hex digits, its size as 8 bytes
 little-endian) followed by its bytes, and ``Z`` and 72 bytes of anything to end. Each is written
@@ -79,6 +85,8 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
+from gpuport.server.api.reach import serve_exec
+from gpuport.server.executors.base import Executor
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobSink, check_hash
@@ -116,8 +124,10 @@ class DataPort:
         cert: Path | None,
         key: Path | None,
         storage: StorageService | None = None,
+        executor: Executor | None = None,
     ) -> None:
         self.sessions = sessions
+        self.executor = executor  # where forwards and commands reach running jobs
         self.snapshots = snapshots
         self.storage = storage  # blobs count against their sender's storage quota
         self.transfers = transfers
@@ -328,6 +338,10 @@ class DataPort:
                 tunnel, conn = conn, None  # the tunnel's own from here on
                 self._tunnel(tunnel, found, peer)
                 return
+            if found.kind.startswith("forward:") or found.kind == "exec":
+                reached, conn = conn, None  # its own from here on
+                self._reach(reached, found, peer)
+                return
             if found.kind == "channel":
                 conn.settimeout(None)  # a channel waits for the client's next call as long as it likes
                 name = found.caller.name
@@ -490,6 +504,33 @@ class DataPort:
             log.info("a tunnel from %s ended: %s", peer, e)
         finally:
             self._let_go(conn, name)
+
+    def _reach(self, conn: socket.socket, found: Redeemed, peer: object) -> None:
+        """A running job's port (``forward:PORT``), its bytes relayed both ways until either side ends,
+        or a command run in it (``exec``: ``api/reach.py``); job ``found.key`` is the ticket holder's,
+        as ``Jobs.Reach`` checked. Either counts among its user's channels, and ends with their token."""
+        assert found.caller is not None and self.executor is not None
+        conn.settimeout(None)
+        if not self._take_hold(conn, found):
+            with contextlib.suppress(OSError):
+                conn.close()
+            return
+        try:
+            if found.kind == "exec":
+                serve_exec(conn, self.executor, found.key)
+                return
+            try:
+                target = self.executor.open_port(found.key, int(found.kind.partition(":")[2]))
+            except GpuportError as e:
+                conn.sendall(b"E" + str(e).encode() + b"\n")
+                return
+            with target:
+                conn.sendall(b"T")
+                relay(conn, target)
+        except (OSError, ValueError, EOFError) as e:
+            log.info("a %s from %s ended: %s", found.kind.partition(":")[0], peer, e)
+        finally:
+            self._let_go(conn, found.caller.name)
 
     def _hold_channel(self, conn: socket.socket, caller: Identity, direct: Direct) -> None:
         """Relay a channel's calls in this thread until it ends (then closed) or goes idle (then parked)."""

@@ -450,6 +450,20 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
     async def CancelArray(self, request: pb.JobRef, caller: Identity) -> pb.ArrayInfo:
         return array_message(self.app.jobs.cancel_array(caller, request.job_id))
 
+    @rpc
+    async def Reach(self, request: pb.ReachRequest, caller: Identity) -> pb.TransferTicket:
+        if request.exec:
+            kind = "exec"
+        elif 1 <= request.port <= 65535:
+            kind = f"forward:{request.port}"
+        else:
+            raise InvalidRequest(f"port {request.port}: give a TCP port from 1 to 65535")
+        job = self.app.jobs.reachable(caller, request.job_id)
+        if not self.app.sessions.data_port:
+            raise InvalidRequest("this server has no data port, which forwards and `gpuport exec` go through")
+        ticket = self.app.sessions.staging.ticket(job.id, kind, caller)
+        return pb.TransferTicket(ticket=ticket, port=self.app.sessions.data_port)
+
 
 def quota_message(record: QuotaRecord) -> pb.QuotaInfo:
     return pb.QuotaInfo(

@@ -14,14 +14,19 @@ on that node which does there what ``LocalExecutor`` does here (``workspace.py``
 
 from __future__ import annotations
 
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
+from gpuport.protocol.errors import InvalidRequest
 from gpuport.server.inventory import GpuInfo
 from gpuport.server.scheduler import Machine
+
+if TYPE_CHECKING:
+    from gpuport.server.executors.reach import Command
 
 OnExit = Callable[[], None]
 # What collecting outputs gives to the snapshot service: (path in the snapshot, open file) pairs.
@@ -169,6 +174,20 @@ class Executor(ABC):
     def pids(self, job_id: str) -> list[int]:
         """The pids of the job's processes on this machine; [] for a job that runs on another."""
         return []
+
+    def reach_problem(self) -> str:
+        """Why a running job's port or a command in it cannot be reached here ("": they can)."""
+        return f"jobs run by the {self.kind} executor cannot be reached from outside yet"
+
+    def open_port(self, job_id: str, port: int) -> socket.socket:
+        """A connection to TCP ``port`` on the running job's own loopback. Raises ``Conflict`` (not
+        running), ``NotFound`` (nothing listens there), ``InvalidRequest``."""
+        raise InvalidRequest(self.reach_problem())
+
+    def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:
+        """Start ``argv`` in the running job (its sandbox, uid, environment and workdir), on a new
+        pseudo-terminal with ``tty``. Raises ``Conflict`` (not running), ``InvalidRequest``."""
+        raise InvalidRequest(self.reach_problem())
 
     def close(self) -> None:
         """Let go of the cluster (the jobs keep running)."""

@@ -12,6 +12,7 @@ import psutil
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.executors.reach import Command
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -83,3 +84,17 @@ class LocalExecutor(Executor):
 
     def pids(self, job_id: str) -> list[int]:
         return self.folders.pids(job_id)
+
+    def reach_problem(self) -> str:
+        if self.folders.sandbox.mode == "sandbox":  # entering its namespaces takes root
+            return (
+                "this server runs jobs in sandboxes without root, and cannot enter them: run it as root (the "
+                "systemd unit's way) to forward a job's ports or run commands in it"
+            )
+        return ""
+
+    def open_port(self, job_id: str, port: int) -> socket.socket:
+        return self.folders.open_port(job_id, port)
+
+    def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:
+        return self.folders.run_command(job_id, argv, tty=tty, term=term, rows=rows, cols=cols)

@@ -25,6 +25,7 @@ import marshal
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -39,7 +40,9 @@ from gpuport._files import atomic_write, files_beneath, let_read, open_beneath, 
 from gpuport.defaults import DEFAULT_LOG_LIMIT, ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
+from gpuport.server.executors import reach
 from gpuport.server.executors.base import Files, JobLaunch, OnExit, Usage
+from gpuport.server.executors.reach import Command
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.services.blobs import BlobStore
@@ -198,7 +201,7 @@ class JobFolders:
             host_network=job.host_network,
             tmpfs_size=job.memory,
         )
-        return {"sandbox": argv, "network": network, "pidns_file": pidns_file}
+        return {"sandbox": argv, "network": network, "pidns_file": pidns_file, "uid": uid}
 
     def start(self, job: JobLaunch, on_exit: OnExit) -> None:
         spec = self.prepare(job)
@@ -357,6 +360,26 @@ class JobFolders:
                     rss += psutil.Process(pid).memory_info().rss
             out[job_id] = Usage(rss, used.get(job_id, 0))
         return out
+
+    # ---- reaching a running job --------------------------------------------------------------------
+
+    def open_port(self, job_id: str, port: int) -> socket.socket:
+        """A connection to TCP ``port`` on the running job's own loopback (see ``reach.py``)."""
+        sandboxed = self.sandbox.isolated
+        return reach.open_port(self.folder(job_id), job_id, port, sandboxed, lambda: self.is_running(job_id))
+
+    def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:
+        """Start ``argv`` in the running job's sandbox, as its uid, in its workdir (see ``reach.py``)."""
+        uid = self._job_uid(job_id)
+        running = lambda: self.is_running(job_id)
+        kw = {"tty": tty, "term": term, "rows": rows, "cols": cols}
+        return reach.run_command(self.folder(job_id), job_id, argv, uid=uid, running=running, **kw)
+
+    def _job_uid(self, job_id: str) -> int | None:
+        try:
+            return marshal.loads((self.folder(job_id) / "spec.marshal").read_bytes()).get("uid")
+        except (OSError, ValueError, EOFError):
+            return None
 
     # ---- what a job leaves ------------------------------------------------------------------------
 

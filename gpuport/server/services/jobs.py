@@ -885,6 +885,26 @@ class JobService:
             for j in records
         ]
 
+    def reachable(self, caller: Identity, job_id: str) -> JobRecord:
+        """``caller``'s own running job ``job_id`` (an id or a name), to forward a port of or run a
+        command in. Raises ``PermissionDenied`` for another user's job, an admin's too: reaching into
+        a job acts as its owner, inside its sandbox; ``Conflict`` when it is not running."""
+        row = self.store.query_one("SELECT owner FROM jobs WHERE id = ?", (job_id[:64],))
+        if row is not None and row["owner"] != caller.name:
+            raise PermissionDenied(
+                f"job {job_id[:64]} is not yours: only its owner may forward its ports or run commands in it"
+            )
+        job = self.get(caller, job_id)
+        if job.owner != caller.name:  # an admin's find by name finds only their own; kept for safety
+            raise PermissionDenied(f"job {job.id} is not yours: only its owner may reach it")
+        if job.state is not JobState.RUNNING:
+            when = "once it runs" if job.state is JobState.QUEUED else "only while a job runs"
+            raise Conflict(f"job {job.id} is {job.state.value}: it can be reached {when}")
+        problem = self.executor.reach_problem()
+        if problem:
+            raise InvalidRequest(problem)
+        return job
+
     def cancel(self, caller: Identity, job_id: str) -> JobRecord:
         """Cancel a queued job at once; ask a running one to stop (SIGTERM, then SIGKILL after the grace)."""
         job = self.get(caller, job_id)

@@ -35,7 +35,8 @@ rank's, and exit.json names it in ``failed_rank``.
 While it runs it holds an exclusive ``flock`` on ``JOB_DIR/supervisor.lock``: a restarted server
 knows the job is still running when it cannot take that lock, with no pid-reuse guesswork, and
 ``JOB_DIR/supervisor.json`` gives ``pid`` (its own), ``child`` (rank 0's pid), ``children`` (every
-rank's pid) and ``started_at``.
+rank's pid), ``started_at`` and, in a sandbox, ``init`` (its pid 1, as the host sees it: bubblewrap's
+child, whose namespaces are the job's).
 
 Signals: SIGTERM or SIGINT (cancel) is passed to every rank's process group; after the grace period,
 SIGKILL follows. A job past its time limit is stopped the same way, by the supervisor itself (so the
@@ -670,7 +671,10 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
         pass
     import json  # noqa: F401 (imported now, while the job starts, for its end: exit.json, the status read back)
 
-    _announce(job_dir, {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at})
+    info = {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at}
+    if inner is not None:
+        info["init"] = inner  # the sandbox's pid 1: `gpuport exec` and forwards enter its namespaces
+    _announce(job_dir, info)
     grace = float(spec.get("grace", 5.0))
     time_limit = float(spec.get("time_limit") or 0)
     # An inner supervisor runs as the job's user: it enforces the time limit, and this one makes

@@ -1,0 +1,297 @@
+"""A running job reached from here, by its owner: a port it listens on (``Forward``), a command in
+its sandbox (``run_command``). Both go through the server's data port with a ticket from
+``Jobs.Reach``; the server's side is ``server/api/reach.py`` and ``server/executors/reach.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from gpuport.protocol import gpuport_pb2 as pb
+from gpuport.protocol import reach
+from gpuport.protocol.errors import AuthenticationError, ConnectionFailed, GpuportError, NotFound
+from gpuport.protocol.relay import relay
+
+if TYPE_CHECKING:
+    from gpuport.client._jobs import Job
+    from gpuport.client._transport import Transport
+
+# Seconds a connection to the data port made ahead, with its ticket, stays usable: the server
+# waits 10 s for a ticket line, and a ticket lasts a minute.
+_SPARE_FOR = 8.0
+
+
+def _open(transport: Transport, request: pb.ReachRequest) -> tuple[socket.socket, bytes]:
+    """A data-port connection and a ``Jobs.Reach`` ticket line for ``request``, not yet sent: the
+    server does what it is for once it comes."""
+    ticket, conn = transport.data_connection(request, transport.jobs.Reach)
+    if conn is None:
+        raise ConnectionFailed("the server's data port cannot be reached: forwards and `gpuport exec` need it")
+    return conn, ticket.ticket.encode() + b"\n"
+
+
+def _answer(conn: socket.socket, expected: bytes, what: str) -> None:
+    """Read the server's one-byte answer; raise with its reason when it is not ``expected``."""
+    answer = conn.recv(1)
+    if answer != expected:
+        said = (answer + conn.recv(2000)).decode(errors="replace")[1:].strip() if answer else "it closed the connection"
+        conn.close()
+        error = NotFound if said.startswith("nothing in job") else ConnectionFailed
+        raise error(f"{what}: {said}" if error is ConnectionFailed else said)
+
+
+class Forward:
+    """TCP port ``port`` of running job ``job`` (its own loopback, inside its sandbox), reachable on
+    this machine at 127.0.0.1:``local_port``. Each connection there is one to the job's port, through
+    the server's data port; many at once. It closes when the job ends, when the token is revoked, or
+    with ``close()`` (or the end of a ``with`` block). Made by ``Job.forward``.
+
+    >>> with job.forward(6006) as tensorboard:
+    ...     print(f"http://127.0.0.1:{tensorboard.local_port}")
+    ...     tensorboard.wait()   # until the job ends
+    """
+
+    def __init__(self, transport: Transport, job: Job | str, port: int, local_port: int = 0) -> None:
+        from gpuport.client._jobs import Job, JobInfo
+
+        self._transport = transport
+        self.port = port
+        self._request = pb.ReachRequest(job_id=job if isinstance(job, str) else job.id, port=port)
+        self._lock = threading.Lock()
+        self._spare: tuple[tuple[socket.socket, bytes], float] | None = None
+        self._spare_wanted = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self.why = ""  # why it closed, once it has
+        # The checks at once (the job is the caller's, running, reachable here); kept for the first connection.
+        self._spare = (_open(transport, self._request), time.monotonic())
+        if isinstance(job, str):
+            try:
+                reply = transport.call(transport.jobs.Get, pb.JobRef(job_id=job))
+            except BaseException:
+                self._drop_spare()
+                raise
+            job = Job(transport, JobInfo._from_message(reply))
+        self.job = job
+        self._listener = socket.socket()
+        try:
+            self._listener.bind(("127.0.0.1", local_port))
+        except OSError as e:
+            self._listener.close()
+            self._drop_spare()
+            raise ConnectionFailed(f"cannot listen on 127.0.0.1:{local_port}: {e.strerror} — pick another") from None
+        self._listener.listen(64)
+        self.local_port: int = self._listener.getsockname()[1]
+        for target, name in ((self._accept, "accept"), (self._watch, "watch"), (self._keep_spare, "spare")):
+            threading.Thread(target=target, name=f"gpuport forward {name}", daemon=True).start()
+
+    def _take_spare(self) -> tuple[socket.socket, bytes]:
+        """A data-port connection and its ticket: the one made ahead while fresh, else a new one."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        self._spare_wanted.set()
+        if spare is not None and time.monotonic() - spare[1] < _SPARE_FOR:
+            return spare[0]
+        if spare is not None:
+            spare[0][0].close()
+        return _open(self._transport, self._request)
+
+    def _keep_spare(self) -> None:
+        """Make the next connection's data-port connection ahead, after each use."""
+        while not self._closed.is_set():
+            self._spare_wanted.wait()
+            self._spare_wanted.clear()
+            if self._closed.is_set():
+                return
+            try:
+                conn = _open(self._transport, self._request)
+            except AuthenticationError as e:
+                self.close(str(e))
+                return
+            except (GpuportError, OSError):
+                continue  # the next connection asks for its own, and says why it cannot
+            with self._lock:
+                old, self._spare = self._spare, (conn, time.monotonic())
+            if old is not None:
+                old[0][0].close()
+
+    def _drop_spare(self) -> None:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare[0][0].close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._relay, args=(conn,), name="gpuport forward", daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        try:
+            try:
+                remote, ticket = self._take_spare()
+                remote.sendall(ticket)
+                _answer(remote, b"T", f"the server refused the forward to port {self.port}")
+            except AuthenticationError as e:
+                self.close(str(e))
+                return
+            except (GpuportError, OSError):
+                return  # this connection is refused; the forward stays for the next
+            with self._lock:
+                self._conns.add(remote)
+            relay(conn, remote)
+            with contextlib.suppress(OSError):
+                remote.close()
+            with self._lock:
+                self._conns.discard(remote)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _watch(self) -> None:
+        """Close the forward when the job ends (or the token is revoked: its wait fails)."""
+        try:
+            self.job.wait()
+            self.close(f"job {self.job.id} ended ({self.job.info.state})")
+        except GpuportError as e:
+            self.close(str(e))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the forward has closed (True), or ``timeout`` seconds have passed (False)."""
+        return self._closed.wait(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self, why: str = "closed") -> None:
+        """Stop listening and end every connection through it."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self.why = why
+            self._closed.set()
+            conns, self._conns = self._conns, set()
+        self._spare_wanted.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; a close alone would not
+        self._listener.close()
+        self._drop_spare()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def __enter__(self) -> Forward:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<gpuport.Forward 127.0.0.1:{self.local_port} -> {self.job.id}:{self.port}>"
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a command run in a job (``Job.exec``) gave: its exit code (negative: the signal that
+    killed it), and its stdout and stderr."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+
+def run_command(
+    transport: Transport,
+    job_ref: str,
+    argv: list[str],
+    *,
+    tty: bool = False,
+    stdin: int | bytes = b"",
+    on_stdout: Callable[[bytes], object],
+    on_stderr: Callable[[bytes], object],
+    window: Callable[[], tuple[int, int]] | None = None,
+    wake: int = -1,
+) -> int:
+    """Run ``argv`` in running job ``job_ref`` (see ``Job.exec``); return its exit code. ``stdin`` is
+    a file descriptor to read (until its end) or bytes; ``window()`` gives the terminal's size, read
+    again each time ``wake`` (an fd, as a SIGWINCH handler's wakeup fd) is readable."""
+    conn, ticket = _open(transport, pb.ReachRequest(job_id=job_ref, exec=True))
+    rows, cols = window() if window is not None else (0, 0)
+    request = {"argv": argv, "tty": tty, "rows": rows, "cols": cols, "term": os.environ.get("TERM", "")}
+    try:
+        conn.sendall(ticket + json.dumps(request).encode() + b"\n")
+        _answer(conn, b"X", "the command could not start")
+        if isinstance(stdin, bytes):
+            conn.sendall(reach.frame(reach.STDIN, stdin) + reach.frame(reach.STDIN_END))
+            stdin = -1
+        return _pump(conn, stdin, on_stdout, on_stderr, window, wake)
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
+
+
+def _pump(
+    conn: socket.socket,
+    stdin: int,
+    on_stdout: Callable[[bytes], object],
+    on_stderr: Callable[[bytes], object],
+    window: Callable[[], tuple[int, int]] | None,
+    wake: int,
+) -> int:
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    for fd in (stdin, wake):
+        if fd >= 0:
+            poller.register(fd, select.POLLIN)
+    inbox = bytearray()
+    while True:
+        tls_ready = isinstance(conn, ssl.SSLSocket) and conn.pending()
+        ready = dict(poller.poll(0 if tls_ready else None))
+        if tls_ready:
+            ready[conn.fileno()] = select.POLLIN
+        if ready.pop(conn.fileno(), 0):
+            data = conn.recv(1 << 16)
+            if not data:
+                raise ConnectionFailed("the server closed the command's connection before it ended")
+            inbox += data
+            while len(inbox) >= reach.HEAD.size:
+                kind, size = reach.HEAD.unpack_from(inbox)
+                if len(inbox) < reach.HEAD.size + size:
+                    break
+                body = bytes(inbox[reach.HEAD.size : reach.HEAD.size + size])
+                del inbox[: reach.HEAD.size + size]
+                if kind == reach.STDOUT:
+                    on_stdout(body)
+                elif kind == reach.STDERR:
+                    on_stderr(body)
+                elif kind == reach.EXITED:
+                    return int(reach.EXIT.unpack(body)[0])
+        if stdin >= 0 and ready.pop(stdin, 0):
+            data = os.read(stdin, 1 << 16)
+            conn.sendall(reach.frame(reach.STDIN if data else reach.STDIN_END, data))
+            if not data:
+                poller.unregister(stdin)
+                stdin = -1
+        if wake >= 0 and ready.pop(wake, 0):
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 512)
+            if window is not None:
+                conn.sendall(reach.frame(reach.WINDOW_SIZE, reach.WINDOW.pack(*window())))

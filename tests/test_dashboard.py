@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, start_server, wait_for
 from tests.test_serving_errors import _doubler_file
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -168,3 +169,28 @@ def test_the_page_is_strict(dash_server: RunningServer) -> None:
     assert dash_server.rest("GET", "/ui/state").status_code == 401
     big = dash_server.rest("POST", "/ui/login", json={"token": "gp_" + "x" * 10_000})
     assert big.status_code == 413
+
+
+def test_the_gpu_history_survives_a_restart(tmp_path: Path, browser: Any) -> None:
+    state = tmp_path / "state"
+    first = start_server(state)
+    token = first.admin_token
+    try:
+        wait_for(lambda: (state / "gpu-history.json").exists(), what="the GPUs' history kept")
+    finally:
+        first.stop()
+    between = time.time()  # after every reading of the first server, before any of the second
+    second = start_server(state)
+    try:
+        context = browser.new_context(ignore_https_errors=True)
+        page = context.new_page()
+        _log_in(page, second, token)
+        sync_api.expect(page.locator("#gpus .card svg.chart polyline.util")).to_have_count(2)
+        gpus = context.request.get(f"{second.http_url}/ui/state").json()["gpus"]
+        context.close()
+    finally:
+        second.stop()
+    assert len(gpus) == 2
+    for gpu in gpus:
+        ats = [r[0] for r in gpu["history"]]
+        assert ats == sorted(ats) and ats[0] < between < ats[-1], gpu  # the first server's, then the second's

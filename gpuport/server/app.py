@@ -116,7 +116,8 @@ class ServerApp:
         # Archives posted over REST unpack in processes of their own (server/unpacker.py), a few at
         # a time: a queue of hostile ones waits its turn, and takes none of the server's threads.
         self.unpackers = asyncio.Semaphore(DEFAULT_ARCHIVE_PROCESSES)
-        self.gpu_history = GpuHistory(lambda: self.gpus(_HISTORY).gpus)  # the dashboard's charts
+        # The dashboard's charts, kept in the state dir across restarts.
+        self.gpu_history = GpuHistory(lambda: self.gpus(_HISTORY).gpus, path=state.gpu_history_path)
         self.metrics = Metrics(self)
         self._watching: asyncio.Task[None] | None = None
         self._revoked: dict[str, asyncio.Event] = {}  # user → set when their token goes (streams wait on it)

@@ -171,6 +171,99 @@ def test_the_page_is_strict(dash_server: RunningServer) -> None:
     assert big.status_code == 413
 
 
+# ---- the dashboard as people use it -------------------------------------------------------------
+
+
+def _login_code(url: str) -> str:
+    assert "#code=" in url, url
+    return url.split("#code=", 1)[1]
+
+
+def test_a_login_link_logs_in_once(dash_server: RunningServer, browser: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        alice = admin.create_token("alice").token
+        carol = admin.create_token("carol").token
+    with server.connect(alice) as gpu:
+        url = gpu.dashboard_url()
+    with server.connect(carol) as gpu:
+        carols = gpu.dashboard_url()
+    assert url.startswith(server.http_url + "/#code=")
+
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    page.goto(url)
+    sync_api.expect(page.locator("#board")).to_be_visible()
+    sync_api.expect(page.locator("#who")).to_have_text("alice")
+    assert "code" not in page.url  # the code left the address bar (and the history)
+    cookie = next(c for c in context.cookies() if c["name"] == "gpuport_login")
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+    assert context.request.get(f"{server.http_url}/ui/me").json()["user"] == "alice"
+    context.close()
+
+    # A second use, in another browser, is refused, and says why.
+    other = browser.new_context(ignore_https_errors=True)
+    page = other.new_page()
+    page.goto(url)
+    sync_api.expect(page.locator("#login-error")).to_contain_text("used already")
+    assert other.request.get(f"{server.http_url}/ui/me").status == 401
+    page.goto(f"{server.http_url}/#code=not-a-code")
+    sync_api.expect(page.locator("#login-error")).to_contain_text("not known")
+
+    # A revoked token's link stops working.
+    with server.connect() as admin:
+        admin.revoke_token("carol")
+    page.goto(carols)
+    sync_api.expect(page.locator("#login-error")).to_contain_text("revoked")
+    other.close()
+    # The codes never reach the server's log (it said why it refused them).
+    assert _login_code(url) not in server.banner and _login_code(carols) not in server.banner
+    assert "not-a-code" not in server.banner
+
+
+def test_an_expired_login_code_is_refused(tmp_path: Path) -> None:
+    from gpuport.protocol.errors import AuthenticationError
+    from gpuport.server.services.auth import AuthService, LoginCodes
+    from gpuport.server.store import Store
+
+    auth = AuthService(Store(tmp_path / "db"))
+    token = auth.create_first_admin()
+    assert token
+    identity = auth.authenticate(f"Bearer {token}")
+    expired = LoginCodes(auth, seconds=-1).create(identity, f"Bearer {token}")
+    codes = LoginCodes(auth)
+    with pytest.raises(AuthenticationError, match="not known"):
+        codes.redeem(expired)  # another server's (or before a restart)
+    stale = LoginCodes(auth, seconds=-1)
+    with pytest.raises(AuthenticationError, match="expired"):
+        stale.redeem(stale.create(identity, f"Bearer {token}"))
+    good = codes.create(identity, f"Bearer {token}")
+    assert codes.redeem(good)[0] == identity
+    with pytest.raises(AuthenticationError, match="used already"):
+        codes.redeem(good)
+
+
+def test_gpuport_dashboard_prints_a_link_that_works_once(dash_server: RunningServer, cli: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        dana = admin.create_token("dana").token
+    assert cli("login", server.url, "--token", dana, "--fingerprint", server.fingerprint).code == 0
+    done = cli("dashboard", "--print")
+    assert done.code == 0, done.stderr
+    url = done.stdout.strip()
+    assert url.startswith(server.http_url + "/#code=") and "once" in done.stderr
+    # Where no browser can be opened, the link is printed too, saying so.
+    headless = cli("dashboard", DISPLAY="", WAYLAND_DISPLAY="", BROWSER="")
+    assert headless.code == 0 and "No browser" in headless.stderr
+    assert headless.stdout.strip().startswith(server.http_url + "/#code=")
+
+    first = server.rest("POST", "/ui/login", json={"code": _login_code(url)})
+    assert first.status_code == 200 and first.json()["user"] == "dana"
+    assert "gpuport_login" in first.cookies
+    again = server.rest("POST", "/ui/login", json={"code": _login_code(url)})
+    assert again.status_code == 401 and "used already" in again.json()["error"]["message"]
+
+
 def test_the_gpu_history_survives_a_restart(tmp_path: Path, browser: Any) -> None:
     state = tmp_path / "state"
     first = start_server(state)

@@ -1,6 +1,8 @@
 """The web dashboard on the HTTP port: ``GET /`` and its routes under ``/ui/``.
 
-A person logs in with a token once (``POST /ui/login``); the server answers with a login of its own,
+A person logs in with a token once (``POST /ui/login``), or with the one-time code of a link that
+``gpuport dashboard`` opened (``/#code=...``: in the fragment, which no request, log or Referer carries;
+the page posts it to the same route, paced as any login); the server answers with a login of its own,
 an opaque id in a ``Secure; HttpOnly; SameSite=Strict`` cookie, and a CSRF token that the page sends
 back in ``X-CSRF-Token`` with every request that changes something. Each request takes the token the
 login was made with through the same check as the API's (a revoked token ends its logins), so a
@@ -32,7 +34,7 @@ from pydantic import BaseModel
 
 from gpuport.protocol.errors import AuthenticationError, GpuportError, PermissionDenied
 from gpuport.server.app import ServerApp
-from gpuport.server.services.auth import Identity
+from gpuport.server.services.auth import AuthService, Identity
 from gpuport.server.services.serving import message_for
 
 COOKIE = "gpuport_login"
@@ -68,9 +70,16 @@ _STATIC = {"index.html": "text/html", "app.js": "text/javascript", "style.css": 
 @dataclass
 class Login:
     user: str
-    token: str = dataclasses.field(repr=False)  # kept in memory only, to check it at each request
+    # The credential it was made with, kept in memory only, to check it at each request: a Bearer
+    # value, or (a login by a link that a client certificate asked for) the certificate's fingerprint.
+    authorization: str | None = dataclasses.field(repr=False)
+    cert: str | None
     csrf: str = dataclasses.field(repr=False)
     expires: float
+
+    def identity(self, auth: AuthService) -> Identity:
+        """Who this login is now; ``AuthenticationError`` once its token is revoked."""
+        return auth.authenticate(self.authorization, self.cert)
 
 
 class Logins:
@@ -81,12 +90,12 @@ class Logins:
         self._by_id: dict[str, Login] = {}
         self._of: dict[str, dict[str, None]] = {}  # user → their login ids, oldest first
 
-    def create(self, user: str, token: str) -> tuple[str, Login]:
+    def create(self, user: str, authorization: str | None, cert: str | None = None) -> tuple[str, Login]:
         theirs = self._of.setdefault(user, {})
         while len(theirs) >= _MAX_LOGINS_PER_USER:
             self.drop(next(iter(theirs)))
         login_id = secrets.token_urlsafe(32)
-        login = Login(user, token, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
+        login = Login(user, authorization, cert, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
         self._by_id[login_id] = login
         self._of.setdefault(user, {})[login_id] = None
         return login_id, login
@@ -139,7 +148,10 @@ class LoginPace:
 
 
 class LoginBody(BaseModel):
-    token: str
+    """A token, or the code of a one-time link."""
+
+    token: str = ""
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,7 +175,7 @@ def _viewer(request: Request) -> Viewer:
         if not hmac.compare_digest(sent.encode(), login.csrf.encode()):
             raise PermissionDenied("this request lacks the dashboard's CSRF token: reload the page")
     try:
-        identity = app.auth.authenticate(f"Bearer {login.token}")
+        identity = login.identity(app.auth)
     except AuthenticationError:
         logins.drop(login_id)
         raise
@@ -294,8 +306,12 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
 
     @api.post(LOGIN_PATH, **hidden)
     async def login(body: LoginBody, request: Request) -> Response:
-        identity = app.auth.authenticate(f"Bearer {body.token.strip()}")
-        login_id, made = request.app.state.logins.create(identity.name, body.token.strip())
+        if body.code:
+            identity, authorization, cert = app.login_codes.redeem(body.code.strip())
+        else:
+            authorization, cert = f"Bearer {body.token.strip()}", None
+            identity = app.auth.authenticate(authorization)
+        login_id, made = request.app.state.logins.create(identity.name, authorization, cert)
         response = Response(
             json.dumps({"user": identity.name, "admin": identity.admin, "csrf": made.csrf}),
             media_type="application/json",
@@ -327,7 +343,7 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
         async def stream() -> AsyncIterator[bytes]:
             while not await request.is_disconnected():
                 try:
-                    identity = app.auth.authenticate(f"Bearer {viewer.login.token}")
+                    identity = viewer.login.identity(app.auth)
                 except GpuportError as e:
                     yield _sse({"error": str(e)}, "ended")
                     return

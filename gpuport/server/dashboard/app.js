@@ -282,7 +282,19 @@ async function start() {
     try { updateLogState(await call("POST", `/ui/jobs/${encodeURIComponent(logJob)}/cancel`)); }
     catch (e) { $("status").textContent = e.message; }
   });
+  window.addEventListener("hashchange", logInByLink); // a link opened in a tab showing the page already
+  if (await logInByLink()) return;
   try { showBoard(await call("GET", "/ui/me")); } catch (e) { showLogin(""); }
+}
+
+// A one-time link (gpuport dashboard): its code is in the fragment, which the browser never sends;
+// it leaves the address bar and the history before it is posted, and works once.
+async function logInByLink() {
+  const code = new URLSearchParams(location.hash.slice(1)).get("code");
+  if (code === null) return false;
+  history.replaceState(null, "", location.pathname + location.search);
+  try { showBoard(await call("POST", "/ui/login", { code })); } catch (e) { showLogin(e.message); }
+  return true;
 }
 
 start();

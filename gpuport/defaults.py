@@ -18,6 +18,8 @@ DEFAULT_CALL_TIMEOUT = 30.0
 DEFAULT_SHUTDOWN_GRACE = 5.0
 # Years the server's self-signed certificate stays valid; clients pin it, so it should rarely change.
 DEFAULT_CERT_VALID_YEARS = 10
+# Seconds a dashboard login link (`gpuport dashboard`) stays good; it logs in once.
+DEFAULT_LOGIN_LINK_SECONDS = 60.0
 # Prefix of every token, so that one pasted into a chat or a log is recognisable (and greppable).
 TOKEN_PREFIX = "gp_"
 # Random bytes in a token: 256 bits.

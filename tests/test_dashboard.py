@@ -2,20 +2,25 @@
 download), against a real server over TLS. A user logs in, sees the GPUs, follows a running job's
 log as its lines arrive, cancels it and sees it end; a model's counters move under load; a wrong
 token is refused; another user's job is not there; a job printing markup shows text; a request
-without the CSRF token changes nothing; the page fits a phone. Screenshots go to
+without the CSRF token changes nothing; the page fits a phone. A one-time link (gpuport dashboard)
+logs in once; a Keras-like log reads as on a terminal; the jobs table filters and pages; a job's
+outputs download from its page; the GPUs' history survives a restart. Screenshots go to
 ``test-artifacts/dashboard/`` (or ``$GPUPORT_TEST_ARTIFACTS``)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer, start_server
+from tests.conftest import RunningServer, start_server, wait_for
 from tests.test_serving_errors import _doubler_file
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -168,3 +173,281 @@ def test_the_page_is_strict(dash_server: RunningServer) -> None:
     assert dash_server.rest("GET", "/ui/state").status_code == 401
     big = dash_server.rest("POST", "/ui/login", json={"token": "gp_" + "x" * 10_000})
     assert big.status_code == 413
+
+
+# ---- the dashboard as people use it -------------------------------------------------------------
+
+# A Keras-like log: a progress bar rewritten in place with "\r", SGR colours and bold, a window
+# title (OSC) and a cursor-hiding sequence that a terminal shows nothing of.
+KERAS = r"""
+import sys
+w = sys.stdout.write
+w("Epoch 1/2\n")
+for i in range(1, 6):
+    w(f"\r{i}/5 \x1b[32m" + "=" * i + "\x1b[0m" + "." * (5 - i) + f" - \x1b[1m{i}s\x1b[0m - loss: 0.{9 - i}")
+    sys.stdout.flush()
+w("\n\x1b]0;a title\x07\x1b[?25ldone \x1b[1;31mred bold\x1b[0m plain <b>markup</b>\n")
+"""
+# The same renderer fed piece by piece: an escape sequence cut between two chunks still applies.
+SPLIT = """() => {
+  const pre = document.createElement("pre");
+  const t = new Terminal(pre);
+  const pieces = ["one\\ntwo\\n", "a\\x1b[", "1mb\\x1b", "[0m c\\r", "C\\n\\x1b]0;x", "y\\x07z\\x1b[31mred\\x1b[K\\n", "still\\n"];
+  for (const piece of pieces) t.write(piece);
+  return [pre.textContent, [...pre.querySelectorAll("span[class]")].map((s) => [s.className, s.textContent])];
+}"""
+
+
+def _login_code(url: str) -> str:
+    assert "#code=" in url, url
+    return url.split("#code=", 1)[1]
+
+
+def test_a_login_link_logs_in_once(dash_server: RunningServer, browser: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        alice = admin.create_token("alice").token
+        carol = admin.create_token("carol").token
+    with server.connect(alice) as gpu:
+        url = gpu.dashboard_url()
+    with server.connect(carol) as gpu:
+        carols = gpu.dashboard_url()
+    assert url.startswith(server.http_url + "/#code=")
+
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    page.goto(url)
+    sync_api.expect(page.locator("#board")).to_be_visible()
+    sync_api.expect(page.locator("#who")).to_have_text("alice")
+    assert "code" not in page.url  # the code left the address bar (and the history)
+    cookie = next(c for c in context.cookies() if c["name"] == "gpuport_login")
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+    assert context.request.get(f"{server.http_url}/ui/me").json()["user"] == "alice"
+    context.close()
+
+    # A second use, in another browser, is refused, and says why.
+    other = browser.new_context(ignore_https_errors=True)
+    page = other.new_page()
+    page.goto(url)
+    sync_api.expect(page.locator("#login-error")).to_contain_text("used already")
+    assert other.request.get(f"{server.http_url}/ui/me").status == 401
+    page.goto(f"{server.http_url}/#code=not-a-code")
+    sync_api.expect(page.locator("#login-error")).to_contain_text("not known")
+
+    # A revoked token's link stops working.
+    with server.connect() as admin:
+        admin.revoke_token("carol")
+    page.goto(carols)
+    sync_api.expect(page.locator("#login-error")).to_contain_text("revoked")
+    other.close()
+    # The codes never reach the server's log (it said why it refused them).
+    assert _login_code(url) not in server.banner and _login_code(carols) not in server.banner
+    assert "not-a-code" not in server.banner
+
+
+def test_an_expired_login_code_is_refused(tmp_path: Path) -> None:
+    from gpuport.protocol.errors import AuthenticationError
+    from gpuport.server.services.auth import AuthService, LoginCodes
+    from gpuport.server.store import Store
+
+    auth = AuthService(Store(tmp_path / "db"))
+    token = auth.create_first_admin()
+    assert token
+    identity = auth.authenticate(f"Bearer {token}")
+    expired = LoginCodes(auth, seconds=-1).create(identity, f"Bearer {token}")
+    codes = LoginCodes(auth)
+    with pytest.raises(AuthenticationError, match="not known"):
+        codes.redeem(expired)  # another server's (or before a restart)
+    stale = LoginCodes(auth, seconds=-1)
+    with pytest.raises(AuthenticationError, match="expired"):
+        stale.redeem(stale.create(identity, f"Bearer {token}"))
+    good = codes.create(identity, f"Bearer {token}")
+    assert codes.redeem(good)[0] == identity
+    with pytest.raises(AuthenticationError, match="used already"):
+        codes.redeem(good)
+
+
+def test_gpuport_dashboard_prints_a_link_that_works_once(dash_server: RunningServer, cli: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        dana = admin.create_token("dana").token
+    assert cli("login", server.url, "--token", dana, "--fingerprint", server.fingerprint).code == 0
+    done = cli("dashboard", "--print")
+    assert done.code == 0, done.stderr
+    url = done.stdout.strip()
+    assert url.startswith(server.http_url + "/#code=") and "once" in done.stderr
+    # Where no browser can be opened, the link is printed too, saying so.
+    headless = cli("dashboard", DISPLAY="", WAYLAND_DISPLAY="", BROWSER="")
+    assert headless.code == 0 and "No browser" in headless.stderr
+    assert headless.stdout.strip().startswith(server.http_url + "/#code=")
+
+    first = server.rest("POST", "/ui/login", json={"code": _login_code(url)})
+    assert first.status_code == 200 and first.json()["user"] == "dana"
+    assert "gpuport_login" in first.cookies
+    again = server.rest("POST", "/ui/login", json={"code": _login_code(url)})
+    assert again.status_code == 401 and "used already" in again.json()["error"]["message"]
+
+
+def test_a_keras_log_reads_as_on_a_terminal(dash_server: RunningServer, browser: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        alice = admin.create_token("alice").token
+    with server.connect(alice) as gpu:
+        job = gpu.submit(["python", "-c", KERAS], workdir=None)
+        assert job.wait(timeout=60).status == "succeeded"
+
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, alice)
+    page.locator("#jobs tr", has_text=job.id).click()
+    log = page.locator("#log")
+    sync_api.expect(log).to_contain_text("plain", timeout=30_000)
+    lines = log.inner_text().splitlines()
+    assert lines[:3] == ["Epoch 1/2", "5/5 ===== - 5s - loss: 0.4", "done red bold plain <b>markup</b>"], lines
+    assert "\x1b" not in log.inner_text() and "title" not in log.inner_text()
+    sync_api.expect(log.locator("span.ansi-fg-2")).to_have_text("=====")
+    sync_api.expect(log.locator("span.ansi-bold")).to_have_text(["5s", "red bold"])
+    sync_api.expect(log.locator("span.ansi-bold.ansi-fg-1")).to_have_text("red bold")
+    assert log.locator("b").count() == 0  # markup stays text
+    _shot(page, "6-keras-log")
+    text, spans = page.evaluate(SPLIT)
+    assert text == "one\ntwo\nCb c\nzred\nstill\n", text
+    assert spans == [["ansi-bold", "b"], ["ansi-fg-1", "red"], ["ansi-fg-1", "still\n"]], spans
+    context.close()
+
+
+def test_the_jobs_table_filters_and_pages(dash_server: RunningServer, browser: Any) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        dana = admin.create_token("dana").token
+        erin = admin.create_token("erin").token
+    with server.connect(erin) as gpu:
+        erins = gpu.submit(["true"], workdir=None, name="erins").wait(timeout=60)
+    with server.connect(dana) as gpu:
+        ended = [
+            gpu.submit(["true"], workdir=None, name="train-a", gpus=1, cpus=0.5, memory="64MiB"),
+            gpu.submit(["true"], workdir=None, name="Train-b", gpu_memory="2GiB"),
+            gpu.submit(["false"], workdir=None, name="broken"),
+        ]
+        for job in ended:
+            job.wait(timeout=60)
+    with server.connect() as admin:
+        admin.set_quota("dana", jobs=1)  # behind one that sleeps, what she submits waits: a long table, quickly
+    with server.connect(dana) as gpu:
+        gpu.submit(["sleep", "600"], workdir=None, name="holder", time_limit="10m")
+        for i in range(52):
+            gpu.submit(["true"], workdir=None, name=f"wait-{i}")
+    try:
+        _look_at_jobs(server, browser, dana, erins.id)
+    finally:
+        with server.connect() as admin:
+            admin.revoke_token("dana", end_work=True)  # her queued jobs and the sleeper end with it
+
+
+def _look_at_jobs(server: RunningServer, browser: Any, dana: str, erins: str) -> None:
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, dana)
+    jobs = page.locator("#jobs")
+    heads = ["job", "name", "user", "state", "resources", "submitted", "duration", "exit"]
+    sync_api.expect(jobs.locator("th")).to_have_text(heads)
+    sync_api.expect(page.locator("#jobs-count")).to_have_text("1–50 of 56")
+    sync_api.expect(jobs.locator("tr.clickable")).to_have_count(50)
+    assert page.locator("#filter-user").is_hidden()  # only admins look at others' jobs
+    page.click("#jobs-next")
+    sync_api.expect(page.locator("#jobs-count")).to_have_text("51–56 of 56")
+    sync_api.expect(jobs.locator("tr.clickable")).to_have_count(6)
+    sync_api.expect(page.locator("#jobs-next")).to_be_disabled()
+    row = jobs.locator("tr", has_text="train-a")
+    sync_api.expect(row).to_contain_text("1 GPU · 0.5 CPU · 64 MiB RAM")
+    sync_api.expect(row).to_contain_text("dana")
+    sync_api.expect(jobs.locator("tr", has_text="Train-b")).to_contain_text("2.0 GiB GPU slice")
+    _shot(page, "7-jobs-page-2")
+
+    page.select_option("#filter-state", "failed")
+    sync_api.expect(page.locator("#jobs-count")).to_have_text("1–1 of 1")
+    sync_api.expect(jobs.locator("tr.clickable")).to_have_text([re.compile("broken")])
+    page.select_option("#filter-state", "")
+    page.fill("#filter-name", "TRAIN")
+    sync_api.expect(page.locator("#jobs-count")).to_have_text("1–2 of 2")
+    sync_api.expect(jobs.locator("tr.clickable")).to_have_count(2)
+    context.close()
+
+    # An admin sees everyone's, and picks a user.
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, server.admin_token)
+    sync_api.expect(page.locator("#jobs-count")).to_have_text("1–50 of 57")
+    page.fill("#filter-user", "erin")
+    sync_api.expect(page.locator("#jobs-count")).to_have_text("1–1 of 1")
+    sync_api.expect(page.locator("#jobs tr.clickable")).to_contain_text(erins)
+    context.close()
+
+
+def test_outputs_download_from_the_job_page(dash_server: RunningServer, browser: Any, tmp_path: Path) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        alice = admin.create_token("alice").token
+        bob = admin.create_token("bob").token
+    write = "import os\nos.makedirs('out/sub')\nopen('out/model.txt', 'w').write('weights')\n"
+    write += "open('out/sub/w.bin', 'wb').write(bytes(range(256)))\n"
+    with server.connect(alice) as gpu:
+        job = gpu.submit(["python", "-c", write], workdir=None, outputs=["out/"])
+        assert job.wait(timeout=60).status == "succeeded"
+
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, alice)
+    page.locator("#jobs tr", has_text=job.id).click()
+    sync_api.expect(page.locator("#outputs")).to_contain_text("Outputs (2 files)", timeout=30_000)
+    with page.expect_download() as started:
+        page.click("#outputs a.download")
+    archive = tmp_path / "outputs.tar.gz"
+    started.value.save_as(archive)
+    assert started.value.suggested_filename == f"{job.id}-outputs.tar.gz"
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames()) == ["out/model.txt", "out/sub/w.bin"]
+        member = tar.extractfile("out/sub/w.bin")
+        assert member is not None and member.read() == bytes(range(256))
+    with page.expect_download() as started:
+        page.click("#outputs a:text('out/model.txt')")
+    one = tmp_path / "model.txt"
+    started.value.save_as(one)
+    assert one.read_text() == "weights" and started.value.suggested_filename == "model.txt"
+    _shot(page, "8-outputs")
+    context.close()
+
+    # Another user's login gets none of them; no login, nothing.
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, bob)
+    sync_api.expect(page.locator("#board")).to_be_visible()
+    for path in ("outputs", "outputs.tar.gz", "outputs/out/model.txt"):
+        assert context.request.get(f"{server.http_url}/ui/jobs/{job.id}/{path}").status == 404
+    context.close()
+    assert server.rest("GET", f"/ui/jobs/{job.id}/outputs.tar.gz").status_code == 401
+
+
+def test_the_gpu_history_survives_a_restart(tmp_path: Path, browser: Any) -> None:
+    state = tmp_path / "state"
+    first = start_server(state)
+    token = first.admin_token
+    try:
+        wait_for(lambda: (state / "gpu-history.json").exists(), what="the GPUs' history kept")
+    finally:
+        first.stop()
+    between = time.time()  # after every reading of the first server, before any of the second
+    second = start_server(state)
+    try:
+        context = browser.new_context(ignore_https_errors=True)
+        page = context.new_page()
+        _log_in(page, second, token)
+        sync_api.expect(page.locator("#gpus .card svg.chart polyline.util")).to_have_count(2)
+        gpus = context.request.get(f"{second.http_url}/ui/state").json()["gpus"]
+        context.close()
+    finally:
+        second.stop()
+    assert len(gpus) == 2
+    for gpu in gpus:
+        ats = [r[0] for r in gpu["history"]]
+        assert ats == sorted(ats) and ats[0] < between < ats[-1], gpu  # the first server's, then the second's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
@@ -411,6 +412,35 @@ def status_command(ctx: click.Context, as_json: bool) -> None:
         out.print(gpu_table(s.gpus))
     else:
         out.print(f"  GPUs     none: {escape(s.note)}")
+
+
+@cli.command("dashboard")
+@click.option("--print", "print_only", is_flag=True, help="Print the login link instead of opening a browser.")
+@click.pass_context
+def dashboard_command(ctx: click.Context, print_only: bool) -> None:
+    """Open the server's web dashboard in your browser, logged in: a link that works once, within a minute."""
+    client = _client(ctx)
+    url = client.dashboard_url()
+    if not print_only and _open_browser(url):
+        err.print(f"Opened the dashboard of {escape(client.url)} in your browser, as {escape(client.user)}.")
+        return
+    click.echo(url)
+    if not print_only:
+        err.print("No browser could be opened here: open the link above yourself.")
+    err.print(f"The link logs in as {escape(client.user)} once, within a minute: keep it to yourself.")
+
+
+def _open_browser(url: str) -> bool:
+    """Whether a browser took ``url``; never a text browser in this terminal, which cannot run the page."""
+    graphical = os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY") or os.environ.get("BROWSER")
+    if sys.platform.startswith(("linux", "freebsd", "openbsd", "netbsd")) and not graphical:
+        return False
+    import webbrowser  # here: only this command opens a browser
+
+    try:
+        return webbrowser.open(url)
+    except webbrowser.Error:
+        return False
 
 
 # ---- tokens (admin) -----------------------------------------------------------------------------

@@ -81,6 +81,24 @@ class Client:
             admin=s.admin,
         )
 
+    def dashboard_url(self) -> str:
+        """A link that logs a browser in to the server's web dashboard as you, once, within a minute
+        (``gpuport dashboard`` opens it). Its code is in the URL's fragment, which the browser never
+        sends: the page posts it, and the server swaps it for its usual login cookie.
+
+        Raises ``InvalidRequest`` through an ``ssh://`` URL, whose tunnel does not carry the dashboard's port.
+        """
+        reply = self.transport.call(self.transport.control.CreateDashboardLink, _EMPTY)
+        target = self.transport.target
+        if target.via:
+            raise InvalidRequest(
+                f"{target.url} is reached through SSH, which forwards the gRPC port only: forward the "
+                f"dashboard's port too (ssh -N -L {reply.http_port}:127.0.0.1:{reply.http_port} HOST), open "
+                f"https://127.0.0.1:{reply.http_port}/ and log in with your token"
+            )
+        host = f"[{target.host}]" if ":" in target.host else target.host
+        return f"{target.scheme}://{host}:{reply.http_port}/#code={reply.code}"
+
     def create_token(
         self, name: str, *, admin: bool = False, client_cert: bool = False, scrape: bool = False
     ) -> NewToken:

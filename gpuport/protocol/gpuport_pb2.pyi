@@ -119,6 +119,16 @@ class StatusReply(_message.Message):
     python_version: str
     def __init__(self, server_version: _Optional[str] = ..., hostname: _Optional[str] = ..., started_at: _Optional[float] = ..., cpus: _Optional[int] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., gpus: _Optional[_Union[GpuList, _Mapping]] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., python_version: _Optional[str] = ...) -> None: ...
 
+class DashboardLink(_message.Message):
+    __slots__ = ("code", "expires_in", "http_port")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    expires_in: float
+    http_port: int
+    def __init__(self, code: _Optional[str] = ..., expires_in: _Optional[float] = ..., http_port: _Optional[int] = ...) -> None: ...
+
 class TokenInfo(_message.Message):
     __slots__ = ("name", "admin", "created_at", "revoked_at", "scrape")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -26,7 +26,7 @@ from gpuport.server.history import GpuHistory
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.metrics import Metrics, Transfers
-from gpuport.server.services.auth import AuthService, Identity, TokenRecord
+from gpuport.server.services.auth import AuthService, Identity, LoginCodes, TokenRecord
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
 from gpuport.server.services.quotas import QuotaService
@@ -90,6 +90,7 @@ class ServerApp:
         self.sandbox = sandbox
         self.store = Store(state.db_path)
         self.auth = AuthService(self.store, "" if sandbox.isolated else sandbox.why)
+        self.login_codes = LoginCodes(self.auth)  # the dashboard's one-time login links
         self.inventory = inventory
         self.blobs = BlobStore(state.blobs_dir)
         self.snapshots = SnapshotService(self.store, self.blobs)
@@ -116,12 +117,14 @@ class ServerApp:
         # Archives posted over REST unpack in processes of their own (server/unpacker.py), a few at
         # a time: a queue of hostile ones waits its turn, and takes none of the server's threads.
         self.unpackers = asyncio.Semaphore(DEFAULT_ARCHIVE_PROCESSES)
-        self.gpu_history = GpuHistory(lambda: self.gpus(_HISTORY).gpus)  # the dashboard's charts
+        # The dashboard's charts, kept in the state dir across restarts.
+        self.gpu_history = GpuHistory(lambda: self.gpus(_HISTORY).gpus, path=state.gpu_history_path)
         self.metrics = Metrics(self)
         self._watching: asyncio.Task[None] | None = None
         self._revoked: dict[str, asyncio.Event] = {}  # user → set when their token goes (streams wait on it)
         self.auth.revoked_hooks.append(self._end_streams)
         self.cert_port = 0  # the gRPC port for client certificates, once listening (0: none, without TLS)
+        self.http_port = 0  # the HTTP port (REST, dashboard), once listening
         self.started_at = time.time()
         self.hostname = socket.gethostname()
         self.python_version = platform.python_version()

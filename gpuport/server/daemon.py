@@ -273,6 +273,7 @@ async def serve(
         app.auth.revoked_hooks.append(data.revoke)
         data.start()
         http_bound = http_socket.getsockname()[1]
+        app.http_port = http_bound
         http = _HttpServer(
             uvicorn.Config(
                 build_http_app(app),

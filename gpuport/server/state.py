@@ -10,6 +10,7 @@ Layout::
       gpuport.db        SQLite, WAL mode: tokens, snapshots, jobs
       blobs/ab/cdef..   file contents by SHA-256 (read-only), shared by every snapshot and output
       jobs/<id>/        each job's directory: its log, exit status and working copy
+      gpu-history.json  the GPUs' last hour, for the dashboard's charts (server/history.py)
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class StateDir:
     @property
     def models_dir(self) -> Path:
         return self.root / "models"
+
+    @property
+    def gpu_history_path(self) -> Path:
+        return self.root / "gpu-history.json"
 
     @property
     def python_dir(self) -> Path:

@@ -16,13 +16,19 @@ from gpuport.protocol.tls import fingerprint
 from gpuport.server.services.auth import AuthService, Identity
 
 
-def grpc_caller(auth: AuthService, context: grpc.aio.ServicerContext) -> Identity:
-    """The identity behind a gRPC call's ``authorization`` metadata, or its client certificate."""
+def grpc_credentials(context: grpc.aio.ServicerContext) -> tuple[str | None, str | None]:
+    """What a gRPC call authenticates with: its ``authorization`` metadata, else the fingerprint of
+    its client certificate (one of the two, or neither)."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            return auth.authenticate(value)
+            return str(value), None
     pem = context.auth_context().get("x509_pem_cert")
-    return auth.authenticate(None, fingerprint(pem[0]) if pem else None)
+    return None, fingerprint(pem[0]) if pem else None
+
+
+def grpc_caller(auth: AuthService, context: grpc.aio.ServicerContext) -> Identity:
+    """The identity behind a gRPC call's ``authorization`` metadata, or its client certificate."""
+    return auth.authenticate(*grpc_credentials(context))
 
 
 def asgi_caller(auth: AuthService, scope: dict[str, Any], authorization: str | None) -> Identity:

@@ -1,15 +1,20 @@
 """The web dashboard on the HTTP port: ``GET /`` and its routes under ``/ui/``.
 
-A person logs in with a token once (``POST /ui/login``); the server answers with a login of its own,
+A person logs in with a token once (``POST /ui/login``), or with the one-time code of a link that
+``gpuport dashboard`` opened (``/#code=...``: in the fragment, which no request, log or Referer carries;
+the page posts it to the same route, paced as any login); the server answers with a login of its own,
 an opaque id in a ``Secure; HttpOnly; SameSite=Strict`` cookie, and a CSRF token that the page sends
 back in ``X-CSRF-Token`` with every request that changes something. Each request takes the token the
 login was made with through the same check as the API's (a revoked token ends its logins), so a
 person sees and touches exactly what the API lets that token see and touch.
 
 The page is three static files (no build step, nothing fetched from elsewhere), served with a strict
-Content-Security-Policy; it writes every value as text, never as markup. It follows the server with
-two Server-Sent Event streams: ``/ui/events`` (GPUs with their last hour, the queue, jobs, sessions,
-models, every two seconds) and ``/ui/jobs/{id}/log`` (a job's log as it is written).
+Content-Security-Policy; it writes every value as text, never as markup (a log's colours become
+classes). It follows the server with two Server-Sent Event streams: ``/ui/events`` (GPUs with their
+last hour, the queue, jobs, sessions, models, every two seconds; the jobs as one page of the table's
+filters) and ``/ui/jobs/{id}/log`` (a job's log as it is written). A job's outputs download from
+``/ui/jobs/{id}/outputs...`` with the checks of the REST API's routes, which take a token, not the
+login.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from gpuport.protocol.errors import AuthenticationError, GpuportError, PermissionDenied
+from gpuport.server.api import rest_files
 from gpuport.server.app import ServerApp
-from gpuport.server.services.auth import Identity
+from gpuport.server.services.auth import AuthService, Identity
 from gpuport.server.services.serving import message_for
 
 COOKIE = "gpuport_login"
@@ -63,14 +69,22 @@ _HEADERS = {
     "cache-control": "no-store",
 }
 _STATIC = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
+JOBS_PER_PAGE = 50  # rows of the jobs table at once
 
 
 @dataclass
 class Login:
     user: str
-    token: str = dataclasses.field(repr=False)  # kept in memory only, to check it at each request
+    # The credential it was made with, kept in memory only, to check it at each request: a Bearer
+    # value, or (a login by a link that a client certificate asked for) the certificate's fingerprint.
+    authorization: str | None = dataclasses.field(repr=False)
+    cert: str | None
     csrf: str = dataclasses.field(repr=False)
     expires: float
+
+    def identity(self, auth: AuthService) -> Identity:
+        """Who this login is now; ``AuthenticationError`` once its token is revoked."""
+        return auth.authenticate(self.authorization, self.cert)
 
 
 class Logins:
@@ -81,12 +95,12 @@ class Logins:
         self._by_id: dict[str, Login] = {}
         self._of: dict[str, dict[str, None]] = {}  # user → their login ids, oldest first
 
-    def create(self, user: str, token: str) -> tuple[str, Login]:
+    def create(self, user: str, authorization: str | None, cert: str | None = None) -> tuple[str, Login]:
         theirs = self._of.setdefault(user, {})
         while len(theirs) >= _MAX_LOGINS_PER_USER:
             self.drop(next(iter(theirs)))
         login_id = secrets.token_urlsafe(32)
-        login = Login(user, token, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
+        login = Login(user, authorization, cert, secrets.token_urlsafe(32), time.time() + LOGIN_SECONDS)
         self._by_id[login_id] = login
         self._of.setdefault(user, {})[login_id] = None
         return login_id, login
@@ -139,7 +153,10 @@ class LoginPace:
 
 
 class LoginBody(BaseModel):
-    token: str
+    """A token, or the code of a one-time link."""
+
+    token: str = ""
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -163,7 +180,7 @@ def _viewer(request: Request) -> Viewer:
         if not hmac.compare_digest(sent.encode(), login.csrf.encode()):
             raise PermissionDenied("this request lacks the dashboard's CSRF token: reload the page")
     try:
-        identity = app.auth.authenticate(f"Bearer {login.token}")
+        identity = login.identity(app.auth)
     except AuthenticationError:
         logins.drop(login_id)
         raise
@@ -212,6 +229,9 @@ def _job(job: Any) -> dict[str, Any]:
         "command": job.command,
         "gpus": job.gpus,
         "gpu_memory": job.gpu_memory,
+        "cpus": job.cpus,
+        "memory": job.memory,
+        "nodes": job.nodes,
         "created_at": job.created_at,
         "started_at": job.started_at,
         "ended_at": job.ended_at,
@@ -221,10 +241,54 @@ def _job(job: Any) -> dict[str, Any]:
     }
 
 
-def state_for(app: ServerApp, who: Identity, gpus: list[dict[str, Any]]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class JobsView:
+    """Which jobs the dashboard's table shows: those in ``state``, whose name or id holds ``name``
+    (any case), of ``user`` (admins: anyone's), page ``page`` of JOBS_PER_PAGE."""
+
+    state: str = ""
+    name: str = ""
+    user: str = ""
+    page: int = 1
+
+
+def jobs_page(app: ServerApp, who: Identity, view: JobsView) -> dict[str, Any]:
+    """One page of the jobs ``who`` sees (every user's, for an admin), as ``view`` filters them, with
+    their count; a filter the API refuses (a state it does not know, another's jobs for a non-admin)
+    is an empty page that says why."""
+    try:
+        jobs = app.jobs.list_for(who, all=who.admin, states=[view.state] if view.state else (), user=view.user)
+    except GpuportError as e:
+        return {"jobs": [], "total": 0, "page": 1, "pages": 1, "per_page": JOBS_PER_PAGE, "error": str(e)}
+    if view.name:
+        wanted = view.name.casefold()
+        jobs = [j for j in jobs if wanted in j.name.casefold() or wanted in j.id]
+    pages = max(1, -(-len(jobs) // JOBS_PER_PAGE))
+    page = min(max(1, view.page), pages)
+    shown = jobs[(page - 1) * JOBS_PER_PAGE : page * JOBS_PER_PAGE]
+    return {
+        "jobs": [_job(j) for j in shown],
+        "total": len(jobs),
+        "page": page,
+        "pages": pages,
+        "per_page": JOBS_PER_PAGE,
+        "error": "",
+    }
+
+
+def _jobs_view(state: str = "", name: str = "", user: str = "", page: int = 1) -> JobsView:
+    return JobsView(state.strip(), name.strip(), user.strip(), page)
+
+
+# The query of a route that shows jobs: ?state=&name=&user=&page=
+Jobs = Annotated[JobsView, Depends(_jobs_view)]
+
+
+def state_for(app: ServerApp, who: Identity, gpus: list[dict[str, Any]], view: JobsView) -> dict[str, Any]:
     """What the dashboard shows ``who``: what the API would answer them. On the event loop, as the
     API's routes: the queue's pass and the services' in-memory state are the loop's; ``gpus``, read
-    in a thread (``_gpus``: NVML and the store, as the watchdog reads them), come with it."""
+    in a thread (``_gpus``: NVML and the store, as the watchdog reads them), come with it; the jobs
+    are the page of them that ``view`` asks for."""
     models = []
     stats = {(r.name, r.version): t for r, t in app.serving.statistics()}
     for record in app.serving.list():
@@ -253,7 +317,7 @@ def state_for(app: ServerApp, who: Identity, gpus: list[dict[str, Any]]) -> dict
         "admin": who.admin,
         "gpus": gpus,
         "queue": [_job(j) for j in app.jobs.queue(who)],
-        "jobs": [_job(j) for j in app.jobs.list_for(who, all=who.admin)],
+        "jobs": jobs_page(app, who, view),
         "sessions": [
             {
                 "id": s.id,
@@ -294,8 +358,12 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
 
     @api.post(LOGIN_PATH, **hidden)
     async def login(body: LoginBody, request: Request) -> Response:
-        identity = app.auth.authenticate(f"Bearer {body.token.strip()}")
-        login_id, made = request.app.state.logins.create(identity.name, body.token.strip())
+        if body.code:
+            identity, authorization, cert = app.login_codes.redeem(body.code.strip())
+        else:
+            authorization, cert = f"Bearer {body.token.strip()}", None
+            identity = app.auth.authenticate(authorization)
+        login_id, made = request.app.state.logins.create(identity.name, authorization, cert)
         response = Response(
             json.dumps({"user": identity.name, "admin": identity.admin, "csrf": made.csrf}),
             media_type="application/json",
@@ -319,19 +387,19 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
         return response
 
     @api.get("/ui/state", **hidden)
-    async def state(viewer: Seen) -> dict[str, Any]:
-        return state_for(app, viewer.identity, await asyncio.to_thread(_gpus, app, viewer.identity))
+    async def state(viewer: Seen, view: Jobs) -> dict[str, Any]:
+        return state_for(app, viewer.identity, await asyncio.to_thread(_gpus, app, viewer.identity), view)
 
     @api.get("/ui/events", **hidden)
-    async def events(viewer: Seen, request: Request) -> StreamingResponse:
+    async def events(viewer: Seen, view: Jobs, request: Request) -> StreamingResponse:
         async def stream() -> AsyncIterator[bytes]:
             while not await request.is_disconnected():
                 try:
-                    identity = app.auth.authenticate(f"Bearer {viewer.login.token}")
+                    identity = viewer.login.identity(app.auth)
                 except GpuportError as e:
                     yield _sse({"error": str(e)}, "ended")
                     return
-                yield _sse(state_for(app, identity, await asyncio.to_thread(_gpus, app, identity)))
+                yield _sse(state_for(app, identity, await asyncio.to_thread(_gpus, app, identity), view))
                 await asyncio.sleep(EVENT_SECONDS)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)
@@ -356,6 +424,21 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
             yield _sse(_job(app.jobs.get(viewer.identity, job_id)), "ended")
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)
+
+    # A job's outputs, as the REST API gives them (rest_files.py), to the login: a link of the page
+    # downloads them. GETs, which change nothing: the cookie alone (SameSite=Strict) is enough.
+    @api.get("/ui/jobs/{job_id}/outputs", **hidden)
+    async def outputs(job_id: str, viewer: Seen) -> Response:
+        listing = rest_files.listing(rest_files.job_outputs(app, viewer.identity, job_id))
+        return Response(json.dumps(listing), media_type="application/json", headers=_HEADERS)
+
+    @api.get("/ui/jobs/{job_id}/outputs.tar.gz", **hidden)
+    async def outputs_archive(job_id: str, viewer: Seen) -> StreamingResponse:
+        return rest_files.archive_response(app, viewer.identity, job_id, _HEADERS)
+
+    @api.get("/ui/jobs/{job_id}/outputs/{path:path}", **hidden)
+    async def output_file(job_id: str, path: str, viewer: Seen) -> StreamingResponse:
+        return rest_files.file_response(app, viewer.identity, job_id, path, _HEADERS)
 
     @api.post("/ui/jobs/{job_id}/cancel", **hidden)
     async def cancel(job_id: str, viewer: Seen) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from gpuport.protocol.errors import (
     ServerError,
     status_for,
 )
-from gpuport.server.api.callers import grpc_caller
+from gpuport.server.api.callers import grpc_caller, grpc_credentials
 from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.services.auth import Identity, TokenRecord
@@ -165,6 +165,22 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
     @rpc
     async def ListGpus(self, request: pb.Empty, caller: Identity) -> pb.GpuList:
         return gpu_list_message(self.app.gpus(caller))
+
+    async def CreateDashboardLink(
+        self, request: pb.Empty, context: grpc.aio.ServicerContext
+    ) -> pb.DashboardLink | None:
+        """A one-time login code standing for the credential of this very call (hence not ``rpc``,
+        which passes on the identity only)."""
+        try:
+            authorization, cert = grpc_credentials(context)
+            caller = self.app.auth.authenticate(authorization, cert)
+            if not self.app.http_port:
+                raise ServerError("this server's HTTP port (the dashboard's) is not listening")
+            code = self.app.login_codes.create(caller, authorization, cert)
+            return pb.DashboardLink(code=code, expires_in=self.app.login_codes.seconds, http_port=self.app.http_port)
+        except Exception as e:  # noqa: BLE001 - as in ``rpc``: every error leaves through _fail
+            await _fail(context, self.CreateDashboardLink, e)
+            return None
 
 
 class TokensServicer(_Servicer, pb_grpc.TokensServicer):

@@ -12,7 +12,6 @@ import codecs
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -26,10 +25,8 @@ from gpuport._version import __version__
 from gpuport.defaults import LOG_CHUNK_BYTES, MAX_REST_BODY_BYTES
 from gpuport.protocol.errors import (
     AuthenticationError,
-    Conflict,
     GpuportError,
     InvalidRequest,
-    NotFound,
     Overloaded,
     PermissionDenied,
     ServerError,
@@ -44,7 +41,6 @@ from gpuport.server.api.openapi import build_openapi
 from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
 from gpuport.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
 from gpuport.server.services.snapshots import check_snapshot_name
@@ -198,17 +194,6 @@ def _check_script(app: ServerApp, caller: Identity, request: JobRequest, script:
         )
 
 
-def _outputs(app: ServerApp, caller: Identity, job_id: str) -> list[Any]:
-    """A job's outputs as its output snapshot lists them; NotFound or Conflict while there are none."""
-    job = app.jobs.get(caller, job_id)
-    if not job.output_snapshot_id:
-        if not job.state.is_terminal():
-            raise Conflict(f"job {job.id} is {job.state.value}: its outputs are collected when it ends")
-        raise NotFound(f"job {job.id} left no outputs (declare them at submit: outputs=['model/'])")
-    record = app.snapshots.resolve(caller, snapshot_id=job.output_snapshot_id, owner=job.owner)
-    return app.snapshots.manifest(record)
-
-
 def job_json(job: JobRecord) -> dict[str, Any]:
     return {"job_id": job.id, **dataclasses.asdict(job), "state": job.state.value}
 
@@ -353,13 +338,6 @@ class _TooLarge(InvalidRequest):
             f"request body of {said} is over the limit of {limit} — upload files with "
             "`gpuport push`, and refer to them by name"
         )
-
-
-async def _counted(chunks: AsyncIterator[bytes], transfers: Transfers) -> AsyncIterator[bytes]:
-    """``chunks``, counted as REST bytes out as they go."""
-    async for chunk in chunks:
-        transfers.add("rest", "out", len(chunk))
-        yield chunk
 
 
 def build_http_app(app: ServerApp) -> Predictions:
@@ -598,7 +576,7 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.get("/v1/jobs/{job_id}/outputs", summary="A job's outputs: path, size, mode (and a symlink's target)")
     async def job_outputs(job_id: str, identity: Caller) -> list[dict[str, Any]]:
-        return rest_files.listing(_outputs(app, identity, job_id))
+        return rest_files.listing(rest_files.job_outputs(app, identity, job_id))
 
     @api.get(
         "/v1/jobs/{job_id}/outputs.tar.gz",
@@ -607,12 +585,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         responses={200: {"content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}},
     )
     async def job_outputs_archive(job_id: str, identity: Caller) -> StreamingResponse:
-        entries = _outputs(app, identity, job_id)
-        return StreamingResponse(
-            _counted(rest_files.tar_chunks(entries, app.blobs), app.transfers),
-            media_type="application/gzip",
-            headers={"content-disposition": rest_files.attachment(f"{job_id}-outputs.tar.gz")},
-        )
+        return rest_files.archive_response(app, identity, job_id, {})
 
     @api.get(
         "/v1/jobs/{job_id}/outputs/{path:path}",
@@ -621,17 +594,7 @@ def build_http_app(app: ServerApp) -> Predictions:
         responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}},
     )
     async def job_output(job_id: str, path: str, identity: Caller) -> Response:
-        found = rest_files.entry(_outputs(app, identity, job_id), check_path(path, what="output path"))
-        if found.link:
-            raise InvalidRequest(f"output {path!r} is a symlink to {found.link!r}: download that path")
-        return StreamingResponse(
-            _counted(rest_files.file_chunks(app.blobs, found.blob), app.transfers),
-            media_type="application/octet-stream",
-            headers={
-                "content-length": str(found.size),
-                "content-disposition": rest_files.attachment(found.path.rsplit("/", 1)[-1]),
-            },
-        )
+        return rest_files.file_response(app, identity, job_id, path, {})
 
     @api.get("/v1/snapshots", summary="Your named snapshots (gpuport push)")
     async def list_snapshots(identity: Caller) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Files over plain HTTP, for users who post JSON and nothing else: a project or dataset uploaded as
 one archive (``POST /v1/snapshots``), and a job's outputs listed and downloaded, one file or all of
-them as one ``.tar.gz``, streamed."""
+them as one ``.tar.gz``, streamed (by the REST API, and by the dashboard with its login)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,21 @@ import threading
 import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from gpuport.defaults import MAX_ARCHIVE_BYTES
-from gpuport.protocol.errors import InvalidRequest, NotFound
+from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound
+from gpuport.protocol.paths import check_path
+from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.snapshots import Entry
+
+if TYPE_CHECKING:
+    from gpuport.server.app import ServerApp
+    from gpuport.server.metrics import Transfers
 
 # Content types of an archive body, and how it is read.
 ARCHIVE_TYPES = {
@@ -83,6 +90,52 @@ def sniffed(kind: str, archive: Path) -> str:
         return kind
     with archive.open("rb") as file:
         return "zip" if file.read(4) == b"PK\x03\x04" else "tar"
+
+
+def job_outputs(app: ServerApp, caller: Identity, job_id: str) -> list[Entry]:
+    """A job's outputs as its output snapshot lists them; NotFound or Conflict while there are none."""
+    job = app.jobs.get(caller, job_id)
+    if not job.output_snapshot_id:
+        if not job.state.is_terminal():
+            raise Conflict(f"job {job.id} is {job.state.value}: its outputs are collected when it ends")
+        raise NotFound(f"job {job.id} left no outputs (declare them at submit: outputs=['model/'])")
+    record = app.snapshots.resolve(caller, snapshot_id=job.output_snapshot_id, owner=job.owner)
+    return app.snapshots.manifest(record)
+
+
+def archive_response(app: ServerApp, caller: Identity, job_id: str, headers: dict[str, str]) -> StreamingResponse:
+    """All of a job's outputs as one .tar.gz, streamed; ``headers`` besides its own."""
+    entries = job_outputs(app, caller, job_id)
+    return StreamingResponse(
+        _counted(tar_chunks(entries, app.blobs), app.transfers),
+        media_type="application/gzip",
+        headers={**headers, "content-disposition": attachment(f"{job_id}-outputs.tar.gz")},
+    )
+
+
+def file_response(
+    app: ServerApp, caller: Identity, job_id: str, path: str, headers: dict[str, str]
+) -> StreamingResponse:
+    """One output file of a job, streamed; ``headers`` besides its own."""
+    found = entry(job_outputs(app, caller, job_id), check_path(path, what="output path"))
+    if found.link:
+        raise InvalidRequest(f"output {path!r} is a symlink to {found.link!r}: download that path")
+    return StreamingResponse(
+        _counted(file_chunks(app.blobs, found.blob), app.transfers),
+        media_type="application/octet-stream",
+        headers={
+            **headers,
+            "content-length": str(found.size),
+            "content-disposition": attachment(found.path.rsplit("/", 1)[-1]),
+        },
+    )
+
+
+async def _counted(chunks: AsyncIterator[bytes], transfers: Transfers) -> AsyncIterator[bytes]:
+    """``chunks``, counted as REST bytes out as they go."""
+    async for chunk in chunks:
+        transfers.add("rest", "out", len(chunk))
+        yield chunk
 
 
 def listing(entries: list[Entry]) -> list[dict[str, Any]]:

@@ -7,7 +7,9 @@ let csrf = "";
 let events = null;
 let logStream = null;
 let logJob = "";
+let outputsOf = ""; // the job whose outputs the log panel lists
 let lastModels = {}; // name/version -> [at, requests, latency_ns, batches, rows], for rates
+const jobsView = { state: "", name: "", user: "", page: 1 }; // the jobs table's filters and page
 
 function el(tag, text, cls) {
   const node = document.createElement(tag);
@@ -147,16 +149,41 @@ function renderQueue(queue) {
   ])));
 }
 
-function renderJobs(jobs, state) {
+function when(at) {
+  const date = new Date(at * 1000);
+  return date.toDateString() === new Date().toDateString() ? date.toLocaleTimeString() : date.toLocaleString();
+}
+
+function resources(j) {
+  const held = [];
+  if (j.gpu_memory) held.push(`${size(j.gpu_memory)} GPU slice`);
+  else if (j.gpus) held.push(`${j.gpus} GPU`);
+  if (j.cpus) held.push(`${j.cpus} CPU`);
+  if (j.memory) held.push(`${size(j.memory)} RAM`);
+  if (j.nodes > 1) held.push(`× ${j.nodes} nodes`);
+  return held.length ? held.join(" · ") : "—";
+}
+
+function renderJobs(page, state) {
   $("jobs-title").textContent = state.admin ? "Jobs (every user's)" : "Your jobs";
-  table($("jobs"), ["job", "user", "state", "command", "duration", "exit"], jobs.map((j) => {
+  $("filter-user").hidden = !state.admin;
+  table($("jobs"), ["job", "name", "user", "state", "resources", "submitted", "duration", "exit"], page.jobs.map((j) => {
     const end = j.ended_at || Date.now() / 1000;
-    return row([
-      j.id, j.owner, stateCell(j.state), { wide: (j.command || []).join(" ") },
+    const tr = row([
+      j.id, j.name, j.owner, stateCell(j.state), resources(j), when(j.created_at),
       j.started_at ? duration(end - j.started_at) : "", j.exit_code === null ? "" : j.exit_code,
     ], () => openLog(j.id));
+    tr.title = (j.command || []).join(" ");
+    return tr;
   }));
-  const shown = jobs.find((j) => j.id === logJob);
+  const first = (page.page - 1) * page.per_page;
+  $("jobs-count").textContent = page.error
+    || (page.total ? `${first + 1}–${first + page.jobs.length} of ${page.total}` : "");
+  $("jobs-count").className = page.error ? "error" : "muted";
+  $("jobs-prev").disabled = page.page <= 1;
+  $("jobs-next").disabled = page.page >= page.pages;
+  jobsView.page = page.page; // past the last page (jobs ended meanwhile) the server showed the last
+  const shown = page.jobs.find((j) => j.id === logJob);
   if (shown) updateLogState(shown);
 }
 
@@ -203,8 +230,184 @@ function updateLogState(job) {
   const s = $("log-state");
   s.textContent = job.state;
   s.className = `state ${job.state}`;
+  $("log-command").textContent = (job.command || []).join(" ");
   $("log-cancel").hidden = !(job.state === "queued" || job.state === "running");
+  if (job.state !== "queued" && job.state !== "running" && outputsOf !== job.id) {
+    outputsOf = job.id;
+    showOutputs(job);
+  }
 }
+
+function outputLink(job, path) {
+  const parts = path.split("/").map(encodeURIComponent).join("/");
+  const a = el("a", path);
+  a.href = `/ui/jobs/${encodeURIComponent(job.id)}/outputs/${parts}`;
+  a.download = path.split("/").pop();
+  return a;
+}
+
+async function showOutputs(job) {
+  const box = $("outputs");
+  box.replaceChildren();
+  let files;
+  try { files = await call("GET", `/ui/jobs/${encodeURIComponent(job.id)}/outputs`); }
+  catch (e) { files = e; }
+  if (outputsOf !== job.id) return; // another job's panel opened meanwhile
+  if (files instanceof Error) { box.append(el("p", files.message, "muted")); return; }
+  const all = el("a", "Download all outputs (.tar.gz)", "download");
+  all.href = `/ui/jobs/${encodeURIComponent(job.id)}/outputs.tar.gz`;
+  all.download = `${job.id}-outputs.tar.gz`;
+  box.append(el("h3", `Outputs (${files.length} files)`), all);
+  const list = el("ul");
+  for (const f of files) {
+    const item = el("li");
+    if (f.link) item.append(el("span", `${f.path} → ${f.link}`));
+    else item.append(outputLink(job, f.path), el("span", ` ${size(f.size)}`, "muted"));
+    list.append(item);
+  }
+  box.append(list);
+}
+
+// A job's log as a terminal shows it: "\r" goes back to the line's start (a progress bar rewritten
+// in place shows its last state), "\b" one column back; SGR sequences (ESC [ ... m) set bold, colours
+// and the like as classes of style.css (the CSP forbids inline styles); ESC [ K erases the line from
+// the cursor; every other escape sequence and control character is dropped. Text only: each piece
+// becomes a text node or a span's textContent.
+const SGR_FLAGS = { 1: "bold", 2: "dim", 3: "italic", 4: "underline" };
+const SGR_OFF = { 22: ["bold", "dim"], 23: ["italic"], 24: ["underline"] };
+
+class Terminal {
+  constructor(node) {
+    this.node = node;
+    this.cells = []; // the line being written: [character, classes] each
+    this.column = 0;
+    this.style = { flags: new Set(), fg: null, bg: null };
+    this.classes = "";
+    this.pending = ""; // an escape sequence cut at a chunk's end
+    this.current = el("span");
+    node.replaceChildren(this.current);
+  }
+
+  write(text) {
+    text = this.pending + text;
+    this.pending = "";
+    const done = document.createDocumentFragment();
+    let i = 0;
+    if (!this.cells.length && !this.column) { // whole plain lines, most of a log, go in as they are
+      const end = text.lastIndexOf("\n") + 1;
+      if (end && !/[\x00-\x08\x0b-\x1f]/.test(text.slice(0, end))) {
+        const plain = text.slice(0, end);
+        done.append(this.classes ? el("span", plain, this.classes) : document.createTextNode(plain));
+        i = end;
+      }
+    }
+    while (i < text.length) {
+      const c = text[i];
+      if (c === "\x1b") {
+        const used = this.escape(text, i);
+        if (used === 0) { // cut short at the chunk's end: the rest comes with the next chunk
+          this.pending = text.slice(i);
+          break;
+        }
+        i += used;
+        continue;
+      }
+      if (c === "\n") { this.commit(done); }
+      else if (c === "\r") { this.column = 0; }
+      else if (c === "\b") { this.column = Math.max(0, this.column - 1); }
+      else if (c >= " " || c === "\t") { this.put(c); }
+      i += 1;
+    }
+    this.node.insertBefore(done, this.current);
+    this.current.replaceChildren(...this.pieces());
+  }
+
+  put(c) {
+    while (this.cells.length < this.column) this.cells.push([" ", ""]);
+    this.cells[this.column] = [c, this.classes];
+    this.column += 1;
+  }
+
+  // The length of the escape sequence at text[i], once applied; 0 when the text ends inside it.
+  // A malformed one loses its ESC alone.
+  escape(text, i) {
+    const rest = text.slice(i, i + 64);
+    const cut = i + 64 >= text.length; // what is here may yet be completed by the next chunk
+    if (rest.length === 1) return 0;
+    if (rest[1] === "[") {
+      const m = /^\x1b\[([0-?]*)([ -\/]*)([@-~])/.exec(rest);
+      if (!m) return cut && /^\x1b\[[0-?]*[ -\/]*$/.test(rest) ? 0 : 1;
+      if (m[3] === "m" && !m[2]) this.sgr(m[1]);
+      else if (m[3] === "K" && !m[2]) this.erase(m[1]);
+      return m[0].length;
+    }
+    if (rest[1] === "]") { // an operating system command (a window title...): up to BEL or ESC \
+      const end = /\x07|\x1b\\/.exec(text.slice(i + 2, i + 4096));
+      if (end) return 2 + end.index + end[0].length;
+      return i + 4096 >= text.length ? 0 : 1;
+    }
+    const m = /^\x1b[ -\/]*[0-~]/.exec(rest);
+    if (m) return m[0].length;
+    return cut && /^\x1b[ -\/]*$/.test(rest) ? 0 : 1;
+  }
+
+  sgr(params) {
+    const codes = params === "" ? [0] : params.split(";").map((p) => (p === "" ? 0 : Number(p)));
+    const style = this.style;
+    for (let k = 0; k < codes.length; k++) {
+      const n = codes[k];
+      if (n === 0) { style.flags.clear(); style.fg = null; style.bg = null; }
+      else if (SGR_FLAGS[n]) style.flags.add(SGR_FLAGS[n]);
+      else if (SGR_OFF[n]) for (const f of SGR_OFF[n]) style.flags.delete(f);
+      else if (n >= 30 && n <= 37) style.fg = n - 30;
+      else if (n >= 90 && n <= 97) style.fg = n - 90 + 8;
+      else if (n === 39) style.fg = null;
+      else if (n >= 40 && n <= 47) style.bg = n - 40;
+      else if (n >= 100 && n <= 107) style.bg = n - 100 + 8;
+      else if (n === 49) style.bg = null;
+      else if (n === 38 || n === 48) { // 256 colours (the first 16 kept) or RGB (dropped)
+        if (codes[k + 1] === 5) {
+          const colour = codes[k + 2];
+          if (colour < 16) style[n === 38 ? "fg" : "bg"] = colour;
+          k += 2;
+        } else if (codes[k + 1] === 2) k += 4;
+      }
+    }
+    const classes = [...style.flags].map((f) => `ansi-${f}`);
+    if (style.fg !== null) classes.push(`ansi-fg-${style.fg}`);
+    if (style.bg !== null) classes.push(`ansi-bg-${style.bg}`);
+    this.classes = classes.join(" ");
+  }
+
+  erase(param) {
+    if (param === "" || param === "0") this.cells.length = Math.min(this.cells.length, this.column);
+    else if (param === "1") for (let k = 0; k <= this.column && k < this.cells.length; k++) this.cells[k] = [" ", ""];
+    else if (param === "2") this.cells = [];
+  }
+
+  // The line being written, as text nodes and spans: one per run of characters of the same classes.
+  pieces() {
+    const out = [];
+    let start = 0;
+    for (let k = 1; k <= this.cells.length; k++) {
+      if (k === this.cells.length || this.cells[k][1] !== this.cells[start][1]) {
+        const text = this.cells.slice(start, k).map((cell) => cell[0]).join("");
+        const cls = this.cells[start][1];
+        out.push(cls ? el("span", text, cls) : document.createTextNode(text));
+        start = k;
+      }
+    }
+    return out;
+  }
+
+  commit(into) {
+    into.append(...this.pieces(), document.createTextNode("\n"));
+    this.cells = [];
+    this.column = 0;
+  }
+}
+
+let terminal = null;
 
 function closeLog() {
   if (logStream) logStream.close();
@@ -216,20 +419,23 @@ function closeLog() {
 function openLog(id) {
   closeLog();
   logJob = id;
+  outputsOf = "";
+  $("outputs").replaceChildren();
+  $("log-command").textContent = "";
   $("log-panel").hidden = false;
   $("log-job").textContent = id;
-  $("log").textContent = "";
+  terminal = new Terminal($("log"));
   logStream = new EventSource(`/ui/jobs/${encodeURIComponent(id)}/log`);
   logStream.onmessage = (event) => {
     const chunk = JSON.parse(event.data);
     const pre = $("log");
     const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-    pre.append(document.createTextNode(chunk.text));
+    terminal.write(chunk.text);
     if (atBottom) pre.scrollTop = pre.scrollHeight;
   };
   logStream.addEventListener("ended", (event) => {
     const data = JSON.parse(event.data);
-    if (data.error) $("log").append(document.createTextNode(`\n[${data.error}]\n`));
+    if (data.error) terminal.write(`\n[${data.error}]\n`);
     else updateLogState(data);
     logStream.close();
   });
@@ -237,7 +443,9 @@ function openLog(id) {
 
 function follow() {
   if (events) events.close();
-  events = new EventSource("/ui/events");
+  const query = new URLSearchParams();
+  for (const [key, value] of Object.entries(jobsView)) if (value !== "" && !(key === "page" && value === 1)) query.set(key, value);
+  events = new EventSource(`/ui/events${query.size ? `?${query}` : ""}`);
   events.onmessage = (event) => render(JSON.parse(event.data));
   events.addEventListener("ended", (event) => {
     events.close();
@@ -266,7 +474,23 @@ function showBoard(me) {
   follow();
 }
 
+function filtersChanged() {
+  jobsView.state = $("filter-state").value;
+  jobsView.name = $("filter-name").value.trim();
+  jobsView.user = $("filter-user").value.trim();
+  jobsView.page = 1;
+  follow();
+}
+
 async function start() {
+  let typing = null;
+  $("filter-state").addEventListener("change", filtersChanged);
+  for (const id of ["filter-name", "filter-user"]) {
+    $(id).addEventListener("input", () => { clearTimeout(typing); typing = setTimeout(filtersChanged, 300); });
+  }
+  $("job-filters").addEventListener("submit", (event) => { event.preventDefault(); filtersChanged(); });
+  $("jobs-prev").addEventListener("click", () => { jobsView.page -= 1; follow(); });
+  $("jobs-next").addEventListener("click", () => { jobsView.page += 1; follow(); });
   $("login").addEventListener("submit", async (event) => {
     event.preventDefault();
     const token = $("token").value.trim();
@@ -282,7 +506,19 @@ async function start() {
     try { updateLogState(await call("POST", `/ui/jobs/${encodeURIComponent(logJob)}/cancel`)); }
     catch (e) { $("status").textContent = e.message; }
   });
+  window.addEventListener("hashchange", logInByLink); // a link opened in a tab showing the page already
+  if (await logInByLink()) return;
   try { showBoard(await call("GET", "/ui/me")); } catch (e) { showLogin(""); }
+}
+
+// A one-time link (gpuport dashboard): its code is in the fragment, which the browser never sends;
+// it leaves the address bar and the history before it is posted, and works once.
+async function logInByLink() {
+  const code = new URLSearchParams(location.hash.slice(1)).get("code");
+  if (code === null) return false;
+  history.replaceState(null, "", location.pathname + location.search);
+  try { showBoard(await call("POST", "/ui/login", { code })); } catch (e) { showLogin(e.message); }
+  return true;
 }
 
 start();

@@ -12,6 +12,9 @@ from before this rule may hold such names already; they keep working as they are
 A token may come with a client certificate signed by the server's client CA (``server/tls.py``):
 the TLS layer checks the signature, and the certificate's fingerprint, kept with the token, names
 the user. It is revoked with its token.
+
+A one-time login code (``LoginCodes``, for ``gpuport dashboard``) stands for the credential it was
+made with, for a minute, once: it is checked again when used, so a revoked token's codes stop working.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gpuport.defaults import MAX_NAME_LENGTH, TOKEN_BYTES, TOKEN_PREFIX
+from gpuport.defaults import DEFAULT_LOGIN_LINK_SECONDS, MAX_NAME_LENGTH, TOKEN_BYTES, TOKEN_PREFIX
 from gpuport.protocol.errors import (
     AuthenticationError,
     Conflict,
@@ -41,6 +44,12 @@ _NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._@-]{{0,{MAX_NAME_LENGTH - 1}}}")
 FIRST_ADMIN = "admin"
 # What a token may be limited to: "" (none: all its user may do), "metrics" (a scrape token).
 SCOPES = ("", "metrics")
+# Login codes a user may hold unused at once (a new one past that ends their oldest), and how long
+# a used or expired one is remembered, to tell whoever brings it back which it was; at most
+# _CODES_KEPT codes are remembered in all, the oldest forgotten first.
+_CODES_PER_USER = 20
+_SPENT_CODE_SECONDS = 600.0
+_CODES_KEPT = 10_000
 
 
 @dataclass(frozen=True)
@@ -246,3 +255,56 @@ class AuthService:
             except Exception:  # one hook's failure must not keep the others from closing what they hold
                 log.exception("closing what '%s' held open failed", name)
         return TokenRecord(row["name"], bool(row["admin"]), row["created_at"], now, row["scope"])
+
+
+@dataclass
+class _LoginCode:
+    user: str
+    authorization: str | None = field(repr=False)  # the credential it stands for: a Bearer value,
+    cert: str | None  # or a client certificate's fingerprint
+    expires: float
+    used: bool = False
+
+
+class LoginCodes:
+    """One-time codes that log a browser in to the dashboard (``gpuport dashboard``): each stands for
+    the credential it was made with, for ``seconds``, once. Kept in memory by their hash (a restart
+    forgets them); the code itself is only ever in the reply that made it and the request that uses it.
+    """
+
+    def __init__(self, auth: AuthService, seconds: float = DEFAULT_LOGIN_LINK_SECONDS) -> None:
+        self._auth = auth
+        self.seconds = seconds
+        self._codes: dict[str, _LoginCode] = {}  # hash → code, oldest first
+
+    def create(self, identity: Identity, authorization: str | None, cert: str | None = None) -> str:
+        """A new code for ``identity``, who was authenticated with ``authorization`` (or else the
+        client certificate ``cert``)."""
+        now = time.time()
+        for key in [k for k, c in self._codes.items() if c.expires + _SPENT_CODE_SECONDS < now]:
+            del self._codes[key]
+        theirs = [k for k, c in self._codes.items() if c.user == identity.name and not c.used and c.expires >= now]
+        for key in theirs[: max(0, len(theirs) + 1 - _CODES_PER_USER)]:
+            del self._codes[key]
+        while len(self._codes) >= _CODES_KEPT:
+            del self._codes[next(iter(self._codes))]
+        code = secrets.token_urlsafe(32)
+        self._codes[_hash(code)] = _LoginCode(identity.name, authorization, cert, now + self.seconds)
+        return code
+
+    def redeem(self, code: str) -> tuple[Identity, str | None, str | None]:
+        """Use ``code``, once: the identity it stands for and its credential (authorization, cert).
+
+        Raises ``AuthenticationError`` for a code that is unknown, used already or expired, or whose
+        token was revoked since.
+        """
+        found = self._codes.get(_hash(code))
+        again = "run `gpuport dashboard` again for a new one"
+        if found is None:
+            raise AuthenticationError(f"this login link is not known to this server (a restart forgets them): {again}")
+        if found.used:
+            raise AuthenticationError(f"this login link was used already, and each logs in once: {again}")
+        if found.expires < time.time():
+            raise AuthenticationError(f"this login link expired (each lasts {self.seconds:.0f} s): {again}")
+        found.used = True
+        return self._auth.authenticate(found.authorization, found.cert), found.authorization, found.cert

@@ -155,6 +155,12 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "(uploads in flight become snapshots within it) [default: 1h].",
 )
 @click.option(
+    "--env-cache",
+    metavar="SIZE",
+    help="Python environments built for jobs take at most this much disk, e.g. 50GiB; the least recently "
+    "used not in use are removed past it [default: 25% of the state dir's disk].",
+)
+@click.option(
     "--ray",
     "ray_address",
     metavar="ADDRESS",
@@ -186,6 +192,7 @@ def server(
     no_cgroups: bool,
     memory_floor: str | None,
     blob_grace: str | None,
+    env_cache: str | None,
     ray_address: str | None,
     ray_insecure: bool,
     print_systemd_unit: bool,
@@ -208,6 +215,7 @@ def server(
         options += ["--no-cgroups"] if no_cgroups else []
         options += ["--memory-floor", memory_floor] if memory_floor is not None else []
         options += ["--blob-grace", blob_grace] if blob_grace is not None else []
+        options += ["--env-cache", env_cache] if env_cache is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
         print(systemd_unit(options, state_dir), end="")
@@ -228,6 +236,10 @@ def server(
         grace = DEFAULT_BLOB_GRACE if blob_grace is None else parse_duration(blob_grace)
     except InvalidRequest as e:
         raise click.BadParameter(str(e), param_hint="--blob-grace") from None
+    try:
+        cache = None if env_cache is None else parse_size(env_cache)
+    except InvalidRequest as e:
+        raise click.BadParameter(str(e), param_hint="--env-cache") from None
     import logging
 
     logging.basicConfig(
@@ -248,6 +260,7 @@ def server(
             use_cgroups=not no_cgroups,
             memory_floor=floor,
             blob_grace=grace,
+            env_cache=cache,
             ray_address=ray_address,
             ray_insecure=ray_insecure,
             say=lambda text: print(text, flush=True),

@@ -204,6 +204,10 @@ class Client:
         after: str | Sequence[str] = (),
         array: str | None = None,
         sweep: Mapping[str, Sequence[Any]] | None = None,
+        requirements: str | None = None,
+        groups: Sequence[str] = (),
+        python: str | None = None,
+        isolated_env: bool = False,
         progress: Progress | None = None,
     ) -> Job | JobArray:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -237,6 +241,15 @@ class Client:
         ``--lr 0.001 --batch 32`` and in GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH. With a sweep,
         ``array`` may be "%N" alone.
 
+        ``requirements`` gives the job a Python environment, built on the server with uv once for
+        everyone who asks for the same and reused after: "auto" (the workdir's ``uv.lock``,
+        ``pyproject.toml`` or ``requirements.txt``, whichever it has first), a file of the workdir,
+        or requirements as text ("six\\ntomli-w==1.2.0"); None: the server's own environment. Its
+        packages come first, the server's after them; ``isolated_env`` leaves the server's out.
+        ``groups``: pyproject.toml's dependency groups to include; ``python``: a version the server
+        has ("3.12"), in an environment of its own. A build that fails ends the job ``failed``,
+        with uv's words in its log.
+
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name, malformed
         array ...), ``ResourceUnavailable`` (more than the server has, or than your quota allows:
         an array over your queued cap is refused whole), ``NotFound`` (unknown project, or job to
@@ -259,7 +272,13 @@ class Client:
             nodes=nodes,
             nprocs_per_node=nprocs_per_node,
             after=[after] if isinstance(after, str) else list(after),
+            requirements=requirements or "",
+            env_groups=list(groups),
+            python=python or "",
+            isolated_env=isolated_env,
         )
+        if (groups or python or isolated_env) and not requirements:
+            spec.requirements = "auto"
         if isinstance(cmd, str):
             spec.shell = cmd
         else:

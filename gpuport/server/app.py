@@ -21,6 +21,7 @@ from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES, DEFAULT_BLOB_GRACE
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
+from gpuport.server.environments import Environments, env_cache_default
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.history import GpuHistory
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
@@ -85,6 +86,7 @@ class ServerApp:
         memory_floor: int = 0,
         cgroups: Cgroups = cgroups_.NONE,
         blob_grace: float = DEFAULT_BLOB_GRACE,
+        env_cache: int | None = None,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -97,7 +99,15 @@ class ServerApp:
         if isinstance(inventory, FakeInventory):
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
-        self.executor = executor or LocalExecutor(state.jobs_dir, self.blobs, sandbox, inventory, cgroups)
+        # Python environments are built where jobs run: here, for the local executor (a Ray cluster's
+        # nodes run jobs in their own environment).
+        self.environments = None
+        if executor is None:
+            limit = env_cache if env_cache is not None else env_cache_default(state.root)
+            self.environments = Environments(state.envs_dir, sandbox, limit)
+        self.executor = executor or LocalExecutor(
+            state.jobs_dir, self.blobs, sandbox, inventory, cgroups, environments=self.environments
+        )
         self.jobs = JobService(
             self.store,
             self.snapshots,
@@ -107,6 +117,10 @@ class ServerApp:
             sandbox,
             memory_floor,
         )
+        if self.environments is not None:
+            self.jobs.environments = self.environments
+            self.environments.record = self.jobs.record_environment
+            self.environments.in_use = self.jobs.environments_in_use
         self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.log_size, blob_grace)
         self.jobs.storage = self.storage
         self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)

@@ -78,6 +78,11 @@ class StateDir:
         return self.root / "models"
 
     @property
+    def envs_dir(self) -> Path:
+        """Python environments built from projects' requirements (``server/environments.py``)."""
+        return self.root / "envs"
+
+    @property
     def python_dir(self) -> Path:
         """Readable copies of the server's own code, for jobs, where its folder is closed to them."""
         return self.root / "python"

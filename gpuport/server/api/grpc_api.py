@@ -28,6 +28,7 @@ from gpuport.protocol.errors import (
 from gpuport.server.api.callers import grpc_caller
 from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
+from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
 from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
@@ -342,6 +343,7 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         node=job.node,
         array_id=job.array_id,
         array_index=job.array_index or 0,
+        environment=job.environment,
     )
 
 
@@ -387,6 +389,9 @@ def job_request(request: pb.JobSpec) -> JobRequest:
         retries=request.retries,
         nodes=request.nodes or 1,
         after=list(request.after),
+        environment=EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)
+        if request.requirements
+        else None,
     )
 
 

@@ -10,6 +10,7 @@ import uuid
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,3 +215,23 @@ def test_python_version_the_box_lacks_is_a_clear_error(envs_server: RunningServe
         pytest.raises(gpuport.InvalidRequest, match=r"Python 3\.2 is not on this server"),
     ):
         gpu.submit(["true"], tmp_path, requirements="auto", python="3.2")
+
+
+def test_cli_envs_lists_and_prune_removes(envs_server: RunningServer, tmp_path: Path, cli: Any) -> None:
+    (tmp_path / "requirements.txt").write_text("tabulate==0.10.0\n")
+    with envs_server.connect() as gpu:
+        job = gpu.submit(["python", "-c", "import tabulate"], tmp_path, requirements="auto").wait(timeout=300)
+        assert job.info.state == "succeeded", _log(gpu.job(job.id))
+        name = job.info.environment
+        listed = {e["hash"]: e for e in gpu.environments()}
+        assert listed[name]["jobs"] == 1 and "tabulate==0.10.0" in listed[name]["packages"]
+    env = {"GPUPORT_URL": envs_server.url, "GPUPORT_TOKEN": envs_server.admin_token}
+    env["GPUPORT_FINGERPRINT"] = envs_server.fingerprint
+    shown = cli("envs", **env)
+    assert shown.code == 0 and name in shown.stdout and "tabulate==0.10.0" in shown.stdout, shown.output
+    pruned = cli("envs", "prune", **env)
+    assert pruned.code == 0 and f"removed {name}" in pruned.stdout, pruned.output + envs_server.banner[-3000:]
+    with envs_server.connect() as gpu:
+        assert name not in {e["hash"] for e in gpu.environments()}
+        again = gpu.submit(["python", "-c", "import tabulate"], tmp_path, requirements="auto").wait(timeout=300)
+        assert again.info.state == "succeeded" and "building environment" in _log(gpu.job(again.id))

@@ -387,6 +387,42 @@ def profiles_command(as_json: bool) -> None:
 
 
 # ---- the machine --------------------------------------------------------------------------------
+# ---- the machine --------------------------------------------------------------------------------
+
+
+def _print_envs(envs: list[dict], as_json: bool) -> None:
+    if as_json:
+        print_json(envs)
+        return
+    for e in envs:
+        if e["removed"]:
+            out.print(f"removed {e['hash']}")
+            continue
+        layer = "layered" if e["layered"] else "isolated"
+        out.print(
+            f"{e['hash']}  {format_size(e['size']):>9}  Python {e['python_version']:8} {layer:8} "
+            f"last used {ago(e['last_used'])}  {e['jobs']} job{'s' if e['jobs'] != 1 else ''}  "
+            f"{escape(', '.join(e['packages'][:6]))}{', ...' if len(e['packages']) > 6 else ''}"
+        )
+    if not envs:
+        out.print("No environments: a job whose project has a requirements.txt, pyproject.toml or uv.lock builds one.")
+
+
+@cli.group("envs", invoke_without_command=True)
+@json_option
+@click.pass_context
+def envs_group(ctx: click.Context, as_json: bool) -> None:
+    """The Python environments the server built for jobs: hash, size, Python, last use, jobs."""
+    if ctx.invoked_subcommand is None:
+        _print_envs(_client(ctx).environments(), as_json)
+
+
+@envs_group.command("prune")
+@json_option
+@click.pass_context
+def envs_prune_command(ctx: click.Context, as_json: bool) -> None:
+    """Remove the environments no running job uses (admins); they are built again when asked for."""
+    _print_envs(_client(ctx).environments(prune=True), as_json)
 
 
 @cli.command("gpus")

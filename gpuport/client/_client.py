@@ -62,6 +62,17 @@ class Client:
         reply = self.transport.call(self.transport.control.ListGpus, _EMPTY)
         return [GPU._from_message(g) for g in reply.gpus]
 
+    def environments(self, prune: bool = False) -> list[dict[str, Any]]:
+        """The Python environments the server built for jobs: hash, size, python_version, created_at,
+        last_used, jobs (how many ran in it), layered, packages. ``prune`` (admins) removes first
+        those no running job uses. Raises ``PermissionDenied``."""
+        reply = self.transport.call(self.transport.control.ListEnvironments, pb.EnvironmentsRequest(prune=prune))
+        fields = ("hash", "size", "python_version", "created_at", "last_used", "jobs", "layered")
+        return [
+            {**{f: getattr(e, f) for f in fields}, "packages": list(e.packages), "removed": False}
+            for e in reply.environments
+        ] + [{"hash": h, "removed": True} for h in reply.removed]
+
     def status(self) -> ServerStatus:
         """The server's version, machine, GPUs, and who you are to it."""
         s = self.transport.call(self.transport.control.Status, _EMPTY)

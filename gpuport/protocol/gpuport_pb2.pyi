@@ -119,6 +119,40 @@ class StatusReply(_message.Message):
     python_version: str
     def __init__(self, server_version: _Optional[str] = ..., hostname: _Optional[str] = ..., started_at: _Optional[float] = ..., cpus: _Optional[int] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., gpus: _Optional[_Union[GpuList, _Mapping]] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., python_version: _Optional[str] = ...) -> None: ...
 
+class EnvironmentsRequest(_message.Message):
+    __slots__ = ("prune",)
+    PRUNE_FIELD_NUMBER: _ClassVar[int]
+    prune: bool
+    def __init__(self, prune: _Optional[bool] = ...) -> None: ...
+
+class Environment(_message.Message):
+    __slots__ = ("hash", "size", "python_version", "created_at", "last_used", "jobs", "layered", "packages")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    LAYERED_FIELD_NUMBER: _ClassVar[int]
+    PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    hash: str
+    size: int
+    python_version: str
+    created_at: float
+    last_used: float
+    jobs: int
+    layered: bool
+    packages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hash: _Optional[str] = ..., size: _Optional[int] = ..., python_version: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used: _Optional[float] = ..., jobs: _Optional[int] = ..., layered: _Optional[bool] = ..., packages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EnvironmentList(_message.Message):
+    __slots__ = ("environments", "removed")
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    environments: _containers.RepeatedCompositeFieldContainer[Environment]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, environments: _Optional[_Iterable[_Union[Environment, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TokenInfo(_message.Message):
     __slots__ = ("name", "admin", "created_at", "revoked_at", "scrape")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -18,7 +18,7 @@ import psutil
 
 from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES, DEFAULT_BLOB_GRACE
-from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, PermissionDenied
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Environments, env_cache_default
@@ -245,6 +245,22 @@ class ServerApp:
             user=caller.name,
             admin=caller.admin,
         )
+
+    def list_environments(self, caller: Identity, prune: bool = False) -> tuple[list[dict], list[str]]:
+        """The environments built here, each with how many jobs ran in it; ``prune`` (admins only)
+        removes first those no running job uses. Raises ``PermissionDenied``."""
+        if prune and not caller.admin:
+            raise PermissionDenied("only an admin prunes environments (they are shared by every user)")
+        if self.environments is None:
+            return [], []
+        removed = []
+        if prune:
+            in_use = self.jobs.environments_in_use()
+            removed = [m["hash"] for m in self.environments.listing() if m["hash"] not in in_use]
+            removed = [name for name in removed if self.environments.remove(name)]
+        counts = self.jobs.environment_jobs()
+        listing = [{**m, "jobs": counts.get(m["hash"], 0)} for m in self.environments.listing()]
+        return listing, removed
 
     def close(self) -> None:
         if self._watching is not None:

@@ -610,11 +610,13 @@ class Environments:
             folder = self.root / name
             if not folder.is_dir():
                 return False
+            # Sealed and the server's: no other uid can swap a folder for a link meanwhile.
             os.chmod(folder, 0o700)
             for top, folders, _ in os.walk(folder):
                 for inner in folders:
-                    with contextlib.suppress(OSError):
-                        os.chmod(os.path.join(top, inner), 0o700, follow_symlinks=False)
+                    path = os.path.join(top, inner)
+                    if not os.path.islink(path):
+                        os.chmod(path, 0o700)
             shutil.rmtree(folder, ignore_errors=True)
             (self.root / f"{name}.lock").unlink(missing_ok=True)
             return True

@@ -132,6 +132,24 @@ def token_message(record: TokenRecord) -> pb.TokenInfo:
 
 class ControlServicer(_Servicer, pb_grpc.ControlServicer):
     @rpc
+    async def ListEnvironments(self, request: pb.EnvironmentsRequest, caller: Identity) -> pb.EnvironmentList:
+        listing, removed = await asyncio.to_thread(self.app.list_environments, caller, request.prune)
+        envs = [
+            pb.Environment(
+                hash=m["hash"],
+                size=m["size"],
+                python_version=m["python_version"],
+                created_at=m["created_at"],
+                last_used=m["last_used"],
+                jobs=m["jobs"],
+                layered=m["layered"],
+                packages=m["packages"],
+            )  # fmt: skip
+            for m in listing
+        ]
+        return pb.EnvironmentList(environments=envs, removed=removed)
+
+    @rpc
     async def Hello(self, request: pb.HelloRequest, caller: Identity) -> pb.HelloReply:
         return pb.HelloReply(
             server_version=__version__,

@@ -406,6 +406,16 @@ def _run_array(ctx: click.Context, array: JobArray, detach: bool, output_dir: Pa
     metavar="JOB[:ok|:any]",
     help="Wait until JOB (an id, name or array) succeeded (ok, default) or ended (any); repeatable.",
 )
+@click.option(
+    "--requirements",
+    metavar="FILE",
+    help="Build the job's Python environment from this file of the workdir (default: its uv.lock, "
+    "pyproject.toml or requirements.txt, if any).",
+)
+@click.option("--no-deps-env", is_flag=True, help="Run in the server's own environment, whatever the workdir holds.")
+@click.option("--group", "groups", multiple=True, metavar="NAME", help="Include this pyproject.toml dependency group.")
+@click.option("--python", "python", metavar="VERSION", help="Run on this Python version of the server's (3.12).")
+@click.option("--isolated-env", is_flag=True, help="Build the environment without the server's own packages under it.")
 @click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
@@ -433,6 +443,11 @@ def run_command(
     array: str | None,
     sweeps: tuple[str, ...],
     after: tuple[str, ...],
+    requirements: str | None,
+    no_deps_env: bool,
+    groups: tuple[str, ...],
+    python: str | None,
+    isolated_env: bool,
     detach: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -458,7 +473,13 @@ def run_command(
     GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH set (with a sweep, --array %N alone caps it). Their lines
     come prefixed with the task's index, outputs land in ./gpuport-outputs/<array-id>/<index>/, and
     the exit status is 0 only when every task succeeded. --after makes the job (or each task) wait.
+
+    A workdir with a uv.lock, a pyproject.toml with dependencies, or a requirements.txt runs in a
+    Python environment with exactly that installed, built on the server once (its log is part of
+    the job's) and shared by every job that asks for the same, over the server's own packages.
     """
+    if no_deps_env and (requirements or groups or python or isolated_env):
+        raise click.UsageError("--no-deps-env runs in the server's environment: drop it, or the environment's options")
     roles = _roles(tf_roles)
     if roles and nprocs == 1:
         nprocs = sum(roles.values())
@@ -486,6 +507,10 @@ def run_command(
             after=after,
             array=array,
             sweep=_sweep(sweeps),
+            requirements=None if no_deps_env else requirements or "auto",
+            groups=groups,
+            python=python,
+            isolated_env=isolated_env,
             progress=progress,
         )
     if _is_array(job):

@@ -242,6 +242,27 @@ def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
     assert again.code == 0 and "train.py" in again.stdout and "gpuport-outputs" not in again.stdout
 
 
+def test_cli_run_of_a_python_file_says_to_run_it_with_python_and_submits_nothing(
+    cli: object, server: RunningServer, admin: gpuport.Client, project: Path
+) -> None:
+    env = client_env(server)
+    name = f"py-hint-{os.getpid()}"
+    refused = cli("run", "--name", name, "train.py", "--epochs", "5", cwd=project, **env)  # type: ignore[operator]
+    assert refused.code == 1, refused.output
+    assert refused.stderr.strip() == (
+        "error: train.py is not executable: a Python file runs with python — "
+        "did you mean `gpuport run -- python train.py --epochs 5`?"
+    )
+    (project / "hello.py").write_text("#!/usr/bin/env python3\nprint('hello')\n")
+    (project / "hello.py").chmod(0o755)
+    bare = cli("run", "--name", name, "hello.py", cwd=project, **env)  # type: ignore[operator]
+    assert bare.code == 1 and "hello.py is looked up on the server's PATH, not in the workdir" in bare.stderr
+    assert not admin.jobs(all=True, name=name)  # nothing was submitted
+    # An executable script named by its path runs as it is.
+    ran = cli("run", "./hello.py", cwd=project, **env)  # type: ignore[operator]
+    assert ran.code == 0 and ran.stdout == "hello\n", ran.output
+
+
 def _job_id(text: str) -> str:
     found = re.search(r"\bj-[0-9a-f]{8}\b", text)
     assert found, text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import threading
 import time
@@ -168,6 +169,22 @@ def _roles(text: str | None) -> dict[str, int] | None:
     return roles
 
 
+def _check_runnable(command: tuple[str, ...], workdir: Path, project: str | None) -> None:
+    """Refuse a Python file of the workdir given as the command (``gpuport run train.py``) where the
+    job could not run it: not executable, or named without a slash (the job's PATH is searched for
+    those, not its workdir). The job would only fail on the server, after the upload."""
+    program = command[0]
+    if project or not program.endswith(".py") or not (workdir / program).is_file():
+        return
+    executable = os.access(workdir / program, os.X_OK)
+    if executable and "/" in program:
+        return
+    why = "is not executable" if not executable else "is looked up on the server's PATH, not in the workdir"
+    raise InvalidRequest(
+        f"{program} {why}: a Python file runs with python — did you mean `gpuport run -- python {shlex.join(command)}`?"
+    )
+
+
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--gpus", default=0, show_default=True, type=int, help="Whole GPUs to give the job.")
 @click.option("--gpu-memory", metavar="SIZE", help="A slice of one GPU instead (8GiB), enforced.")
@@ -254,6 +271,7 @@ def run_command(
     With --nprocs N the job runs N processes, with TF_CONFIG (or --tf-roles) and
     MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and their log lines prefixed with the rank.
     """
+    _check_runnable(command, workdir, project)
     roles = _roles(tf_roles)
     if roles and nprocs == 1:
         nprocs = sum(roles.values())

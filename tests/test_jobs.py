@@ -313,6 +313,40 @@ def test_cli_detach_jobs_logs_wait_download_cancel(
     assert snapshots.code == 0 and f"cli-proj-{stdio}" in snapshots.stdout and "NAME" in snapshots.stdout
 
 
+def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
+    cli: object, server: RunningServer, admin: gpuport.Client, stdio: str
+) -> None:
+    """A long command is one line: piped, nothing wraps whatever the width (80 columns when no terminal
+    says otherwise); on a terminal, the command is cut to fit with an ellipsis."""
+    words = ["python", "train.py", *[f"--option-{i}=value-{i}" for i in range(12)]]
+    job = admin.submit(words, workdir=None)
+    job.wait(60)
+    session = admin.session(name=f"a-session-with-a-long-name-for-its-table-{stdio}-{os.getpid()}", cpus=0.1)
+    try:
+        env = client_env(server)
+        piped_env = {**env, "COLUMNS": "80"}  # as a pipe with no terminal to measure
+        for command in (("jobs",), ("sessions",)):
+            listing = cli(*command, stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
+            assert listing.code == 0, listing.output
+            rows = listing.stdout.splitlines()[1:]
+            first = r"^j-[0-9a-f]{8} " if command == ("jobs",) else r"^s-[0-9a-f]+ "
+            if stdio == "piped":  # every row one line, whatever else other tests left there
+                assert rows and all(re.match(first, row) for row in rows), listing.stdout
+            else:
+                assert max(len(line) for line in listing.stdout.splitlines()) <= 100, listing.stdout
+        jobs = cli("jobs", stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
+        lines = jobs.stdout.splitlines()
+        (at,) = [i for i, line in enumerate(lines) if line.startswith(job.id)]
+        assert " python" in lines[at]  # the command, cut as far as the other columns of the jobs there need
+        assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[at + 1]), jobs.stdout
+        if stdio == "piped":
+            assert lines[at].rstrip().endswith("--option-1=value-1 --o...")  # its first 57 characters
+        else:
+            assert lines[at].rstrip().endswith("…")
+    finally:
+        session.close()
+
+
 # A job that checks the 20 MB file synced with it and writes 20 MB of outputs.
 BIG_JOB = textwrap.dedent(
     """

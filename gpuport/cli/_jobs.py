@@ -353,13 +353,17 @@ def resources(j: JobInfo) -> str:
 
 
 def _jobs_table(jobs: list[JobInfo]) -> Table:
+    from rich.text import Text
+
     table = new_table()
     nodes = len({j.node for j in jobs if j.node}) > 1  # a cluster's: each job's node is said
     for column in ("JOB", "NAME", "OWNER", "STATE", "NODE", "RESOURCES", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
         if column == "JOB":
             table.add_column(column, no_wrap=True, min_width=10)  # an id is never cut: it is what you type next
         elif column != "NODE" or nodes:
-            table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
+            # Short columns never wrap, so the command (then a queued job's reason) gives way first,
+            # and is cut to fit rather than wrapped: one line per job (piped, nothing is cut).
+            table.add_column(column, overflow="ellipsis", no_wrap=column not in ("NAME", "STATE", "COMMAND"))
     for j in jobs:
         ran = "-"
         if j.started_at:
@@ -376,7 +380,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
             f"{ago(j.created_at)} ago",
             ran,
             exit_code,
-            escape(command if len(command) <= 60 else command[:57] + "..."),
+            Text(command if len(command) <= 60 else command[:57] + "...", no_wrap=True, overflow="ellipsis"),
         )
     return table
 

@@ -443,6 +443,7 @@ def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
         assert run.wait(30) == 0, run.raw
     job_id = run.text.split("gpuport logs -f ")[1].split("`")[0]
     assert "re-attach" in run.text and admin.job(job_id).status == "running"
+    assert f"detached from job {job_id}, which keeps running" in run.text
     admin.job(job_id).cancel()
 
     with _start_cli_run(server, project, client_config, stdio) as run:
@@ -452,6 +453,33 @@ def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
         run.ctrl_c()
         assert run.wait(30) == 128 + signal.SIGTERM, run.raw
     assert "cancelled" in run.text
+
+
+def test_cli_detached_from_a_queued_job_says_it_stays_queued(
+    server: RunningServer, admin: gpuport.Client, project: Path, client_config: Path, cli: object, stdio: str
+) -> None:
+    blocker = admin.submit(["sleep", "60"], workdir=None, gpus=2)  # both GPUs: the next job asking for one waits
+    queued: list[str] = []
+    try:
+        wait_for(lambda: blocker.status == "running", what="the blocker running")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+        env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config), GPUPORT_AGENT="0")
+        with Command(["run", "--gpus", "1", "--", "echo", "hi"], env, project, stdio) as run:
+            run.read_until(" queued (#")
+            run.ctrl_c()
+            assert run.wait(30) == 0, run.raw
+        queued.append(_job_id(run.text))
+        assert f"detached from job {queued[0]}, which stays queued — press Ctrl-C again" in run.text, run.text
+        assert "keeps running" not in run.text and admin.job(queued[0]).status == "queued"
+
+        detached = cli("run", "-d", "--gpus", "1", "--", "echo", "hi", cwd=project, stdio=stdio, **client_env(server))  # type: ignore[operator]
+        assert detached.code == 0, detached.output
+        queued.append(_job_id(detached.stdout))
+        assert f"job {queued[1]} is queued (#2): " in detached.stderr, detached.output
+    finally:
+        for job_id in queued:
+            admin.job(job_id).cancel()
+        blocker.cancel()
 
 
 def test_cli_logs_follow_streams_until_the_job_ends_and_ctrl_c_stops_it(

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ import click
 from gpuport.cli._common import client, json_option
 from gpuport.cli._output import ago, err, escape, new_table, out, print_json
 from gpuport.defaults import DEFAULT_DETACH_WINDOW, DEFAULT_OUTPUT_DIR
-from gpuport.protocol.errors import InvalidRequest, WaitTimeout
+from gpuport.protocol.errors import GpuportError, InvalidRequest, WaitTimeout
 from gpuport.protocol.units import format_duration, format_size
 
 if TYPE_CHECKING:
@@ -265,8 +265,8 @@ def run_command(
 
     Only files the server lacks are uploaded (.gitignore and .gpuportignore are honoured). The
     command exits with the job's exit code. Outputs (--output paths, and whatever the job writes to
-    $GPUPORT_OUTPUT_DIR) land in ./gpuport-outputs/<job-id>/. Ctrl-C detaches from a running job;
-    a second Ctrl-C cancels it.
+    $GPUPORT_OUTPUT_DIR) land in ./gpuport-outputs/<job-id>/. Ctrl-C detaches from the job (it keeps
+    running, or stays queued); a second Ctrl-C cancels it.
 
     With --nprocs N the job runs N processes, with TF_CONFIG (or --tf-roles) and
     MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and their log lines prefixed with the rank.
@@ -300,19 +300,20 @@ def run_command(
         )
     if detach:
         out.print(job.id)
+        if job.info.state == "queued":
+            err.print(f"job {job.id} is queued{_why_queued(job.info)}")
         err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
         return
-    if job.info.state == "queued" and job.info.message:
-        place = f" (#{job.info.position})" if job.info.position else ""
-        err.print(f"[dim]job {job.id} queued{place}: {escape(job.info.message)}[/]")
     follower = _LogFollower(job)
     follower.start()
-    try:
+    try:  # the line about the queue too: a Ctrl-C as it is written detaches as any other
+        if job.info.state == "queued" and job.info.message:
+            err.print(f"[dim]job {job.id} queued{_why_queued(job.info)}[/]")
         follower.wait()
     except KeyboardInterrupt:
         try:  # from before the prompt is out: a second Ctrl-C at once, while it is written, cancels too
             err.print(
-                f"\ndetached from job {job.id}, which keeps running — "
+                f"\ndetached from job {job.id}{_goes_on(job)} — "
                 f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
             )
             time.sleep(DEFAULT_DETACH_WINDOW)
@@ -331,6 +332,30 @@ def run_command(
         _download(job, output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id)
     err.print(_summary(info))
     ctx.exit(_exit_status(info))
+
+
+def _goes_on(job: Job) -> str:
+    """What a job left to itself does now, as ", which keeps running" (or "stays queued"), or "" when
+    the server does not say within the detach window. Asked in a thread of its own, as the log is: a second
+    Ctrl-C lands in the main thread's sleep, never in gRPC's code."""
+    states: list[str] = []
+
+    def ask() -> None:
+        with suppress(GpuportError):  # the server, unreachable now: the job goes on there all the same
+            states.append(job.refresh().state)
+
+    asking = threading.Thread(target=ask, name=f"state of {job.id}", daemon=True)
+    asking.start()
+    deadline = time.monotonic() + DEFAULT_DETACH_WINDOW
+    while asking.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"queued": ", which stays queued", "running": ", which keeps running"}.get(states[0] if states else "", "")
+
+
+def _why_queued(j: JobInfo) -> str:
+    """A queued job's place and reason, as " (#2): waiting for 2 GPUs", or ""."""
+    place = f" (#{j.position})" if j.position else ""
+    return f"{place}: {escape(j.message)}" if j.message else place
 
 
 def resources(j: JobInfo) -> str:

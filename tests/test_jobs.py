@@ -320,7 +320,9 @@ def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
     says otherwise); on a terminal, the command is cut to fit with an ellipsis."""
     words = ["python", "train.py", *[f"--option-{i}=value-{i}" for i in range(12)]]
     job = admin.submit(words, workdir=None)
+    script = admin.submit(["python", "-c", "import sys\nprint(sys.version)"], workdir=None)  # lines, on one line
     job.wait(60)
+    script.wait(60)
     session = admin.session(name=f"a-session-with-a-long-name-for-its-table-{stdio}-{os.getpid()}", cpus=0.1)
     try:
         env = client_env(server)
@@ -339,6 +341,10 @@ def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
         (at,) = [i for i, line in enumerate(lines) if line.startswith(job.id)]
         assert " python" in lines[at]  # the command, cut as far as the other columns of the jobs there need
         assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[at + 1]), jobs.stdout
+        (row,) = [i for i, line in enumerate(lines) if line.startswith(script.id)]
+        assert " python -c" in lines[row] and (row + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[row + 1]))
+        if stdio == "piped":
+            assert "python -c import sys\\nprint(sys.version)" in lines[row]
         if stdio == "piped":
             assert lines[at].rstrip().endswith("--option-1=value-1 --o...")  # its first 57 characters
         else:

@@ -394,7 +394,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
         if j.started_at:
             ran = format_duration((j.ended_at or time.time()) - j.started_at)
         exit_code = "-" if j.exit_code is None else str(j.exit_code)
-        command = " ".join(j.command)
+        command = " ".join(j.command).replace("\r", "\\r").replace("\n", "\\n")  # a script's lines: one line
         table.add_row(
             j.id,
             escape(j.name) or "-",

@@ -246,7 +246,11 @@ def stdio(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def cli(client_config: Path) -> object:
-    """Run `gpuport ARGS...` as a subprocess with this test's config dir; returns a CliResult."""
+    """Run `gpuport ARGS...` as a subprocess with this test's config dir; returns a CliResult. It runs
+    in an empty folder of the test's unless ``cwd`` says where (a `gpuport run` syncs its folder: the
+    repository's would be a project with a pyproject.toml, whose dependencies it would build)."""
+    empty = client_config.parent / "cli-cwd"
+    empty.mkdir(exist_ok=True)
 
     def run(
         *args: str,
@@ -263,7 +267,7 @@ def cli(client_config: Path) -> object:
         full_env.update({"GPUPORT_CONFIG_DIR": str(client_config), "COLUMNS": "200", **env})  # COLUMNS: env's wins
         if stdio == "terminal":
             assert input is None and not on, "a command on a terminal reads nothing typed, and runs here"
-            code, text, raw = run_on_terminal(args, full_env, cwd)
+            code, text, raw = run_on_terminal(args, full_env, cwd or empty)
             return CliResult(code, text, text, raw)
         assert stdio == "piped", stdio
         done = subprocess.run(
@@ -273,7 +277,7 @@ def cli(client_config: Path) -> object:
             input=input if input is not None else "",
             env=full_env,
             timeout=120,
-            cwd=cwd,
+            cwd=cwd or empty,
         )
         return CliResult(done.returncode, done.stdout, done.stderr)
 

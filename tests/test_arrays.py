@@ -259,7 +259,7 @@ def test_a_job_waits_for_a_whole_array(server: RunningServer, admin: gpuport.Cli
     wait_for(lambda: "2 of 3 tasks left" in then.refresh().message, what="one task less to wait for")
     array.refresh()
     _release_running(server, array)
-    assert then.wait(60).info.state == "succeeded"
+    assert then.wait(60).info.state == "succeeded", (then.info, list(then.logs()))
 
 
 def test_dependencies_are_checked_when_submitted(server: RunningServer, admin: gpuport.Client, user_token: str) -> None:

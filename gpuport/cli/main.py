@@ -37,7 +37,8 @@ from gpuport.protocol.units import format_size, parse_duration, parse_size
 class _Gpuport(click.Group):
     """Turns every GpuportError into one line on stderr and exit status 1: no traceback for users.
 
-    An OSError (a file here, the terminal) is one line too. Any other exception is a bug of the
+    An OSError (a file here, the terminal) is one line too. A Ctrl-C that no command took itself
+    ends it with status 130 (click would say "Aborted!" and 1). Any other exception is a bug of the
     CLI's: never silent, it is said with its traceback, and exit status 1. Click's own (usage
     errors, exits, Abort) go on to click."""
 
@@ -49,6 +50,9 @@ class _Gpuport(click.Group):
             ctx.exit(1)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
+        except KeyboardInterrupt:  # Ctrl-C where a command does not take it itself: 130, as a shell says
+            _restore_stdio()
+            ctx.exit(130)
         except OSError as e:  # this machine's files or terminal: said as the system says it
             _restore_stdio()
             print_error(str(e))

@@ -187,6 +187,13 @@ def index_settings() -> IndexSettings:
         args += ["--extra-index-url", url]
     for link in links:
         args += ["--find-links", link]
+    # pip takes each package's best version from all its indexes, uv from the first that has it:
+    # indexes set for pip are used as pip would (a package split across them resolves as with pip).
+    strategy = env.get("UV_INDEX_STRATEGY") or (
+        "unsafe-best-match" if pip.get("extra-index-url") and not env.get("UV_EXTRA_INDEX_URL") else ""
+    )
+    if strategy:
+        args += ["--index-strategy", strategy]
     folders: list[str] = []
     for constraint_file in constraint.split():
         if os.path.isfile(constraint_file):

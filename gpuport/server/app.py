@@ -108,9 +108,9 @@ class ServerApp:
             sandbox,
             memory_floor,
         )
-        self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.log_size, blob_grace)
+        self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.known_log_size, blob_grace)
         self.jobs.storage = self.storage
-        self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
+        self.sessions = SessionService(self.store, self.jobs)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs)
         self.transfers = Transfers()  # bytes in and out, counted where they move

@@ -68,7 +68,7 @@ step "python evaluate.py gpuport-outputs/<job>/model/digits.keras   # the traine
 (cd "$(dirname "$0")/keras_digits" && python evaluate.py "$work/outputs/model/digits.keras" 2>/dev/null)
 
 step "gpuport deploy digits gpuport-outputs/<job>/model/digits.keras   # served over KServe v2 and TF Serving"
-gpuport deploy digits "$work/outputs/model/digits.keras" --max-batch-size 512
+gpuport deploy digits "$work/outputs/model/digits.keras" --max-batch-size 64
 http=$(awk '$1 == "HTTP" {print $2}' "$work/server.out")
 
 step "python examples/serving/predict.py $http \$TOKEN cert.pem   # a KServe v2 REST request"

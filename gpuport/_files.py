@@ -164,3 +164,19 @@ def own_tree(folder: Path, uid: int) -> None:
         os.fchown(top_fd, uid, uid)
         for name in folders + names:  # a symlink to a folder is listed in ``folders``, not entered
             os.chown(name, uid, uid, dir_fd=top_fd, follow_symlinks=False)
+
+
+def seal_tree(folder: Path) -> None:
+    """Make the tree under ``folder`` read-only to everyone: folders 0555, files without their write
+    bits (their execute bits kept). Through descriptors, without following a symlink; for a tree no
+    other uid can change any more (an environment once built, see ``server/environments.py``)."""
+    for _, folders, names, top_fd in os.fwalk(folder, follow_symlinks=False):
+        for name in names:
+            try:
+                info = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                os.chmod(name, info.st_mode & 0o555 | 0o444, dir_fd=top_fd, follow_symlinks=False)
+        del folders  # entered by fwalk in turn, and made read-only there
+        os.fchmod(top_fd, 0o555)

@@ -11,11 +11,13 @@ In Jupyter (or IPython)::
 
     %gpuport_pull history                  # a value of the session's, here
     %gpuport_push batch                    # a value of here, there
+    %gpuport_pull --session other loss     # ... of another session's, without switching to it
 
 A cell runs in a named session (``--session NAME``; by default one named after the notebook, from
 Jupyter's ``JPY_SESSION_NAME``, else ``notebook``), opened on first use with the options given
 (``--gpus``, ``--gpu-memory``, ``--cpus``, ``--memory``) and found again by a restarted kernel, its
-variables intact. The cell's last expression is its result, as in a local cell. An exception shows
+variables intact; ``%gpuport_pull`` and ``%gpuport_push`` use the current session, or the one their own
+``--session NAME`` gives. The cell's last expression is its result, as in a local cell. An exception shows
 with its remote traceback. The server is the one ``gpuport.connect()`` finds (the saved profile, or
 ``GPUPORT_URL`` and ``GPUPORT_TOKEN``); ``--profile`` picks another. ``%gpuport_close [NAME]`` ends
 a session and frees what it holds.
@@ -99,13 +101,20 @@ def _repr_or_value(source: str, label: str) -> tuple[bool, Any]:
 _OPTIONS = "--session NAME, --gpus N, --gpu-memory SIZE, --cpus N, --memory SIZE, --profile NAME"
 
 
+_MOVE_OPTIONS = "--session NAME, --profile NAME, then the variables' names"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, prog: str, options: str) -> None:
+        super().__init__(prog=prog, add_help=False)
+        self.options = options
+
     def error(self, message: str) -> Any:  # argparse would print its usage and exit the kernel's process
-        raise InvalidRequest(f"%%gpuport: {message} — its options: {_OPTIONS}")
+        raise InvalidRequest(f"{self.prog}: {message} — its options: {self.options}")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="%%gpuport", add_help=False)
+    parser = _Parser("%%gpuport", _OPTIONS)
     parser.add_argument("--session", default=None)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--gpus", type=int, default=0)
@@ -113,6 +122,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus", type=float, default=0.0)
     parser.add_argument("--memory", default=None)
     return parser
+
+
+def _move_parser(prog: str) -> argparse.ArgumentParser:
+    """``%gpuport_pull`` and ``%gpuport_push``: names, and the session (default: the current one)."""
+    parser = _Parser(prog, _MOVE_OPTIONS)
+    parser.add_argument("--session", default=None)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("names", nargs="+")
+    return parser
+
+
+def _words(magic: str, line: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError as e:
+        raise InvalidRequest(f"{magic} {line}: {e}") from None
 
 
 def default_session_name() -> str:
@@ -133,9 +158,12 @@ class Notebook:
         self.current = default_session_name()
         self.cells = 0
 
-    def session(self, options: argparse.Namespace) -> Session:
+    def session(self, options: argparse.Namespace, switch: bool = True) -> Session:
+        """The session ``options`` name (else the current one), opened on first use; with ``switch``, it
+        becomes the current one."""
         name = options.session or self.current
-        self.current = name
+        if switch:
+            self.current = name
         found = self.sessions.get(name)
         if found is not None:
             return found
@@ -149,11 +177,7 @@ class Notebook:
         return session
 
     def run(self, line: str, cell: str) -> Any:
-        try:
-            words = shlex.split(line)
-        except ValueError as e:
-            raise InvalidRequest(f"%%gpuport {line}: {e}") from None
-        options = _parser().parse_args(words)
+        options = _parser().parse_args(_words("%%gpuport", line))
         session = self.session(options)
         self.cells += 1
         label = f"<gpuport cell {self.cells}>"
@@ -164,15 +188,18 @@ class Notebook:
         return value if picklable else _Result(value)
 
     def pull(self, line: str) -> None:
-        session = self._attached()
-        for name in line.split():
+        options = _move_parser("%gpuport_pull").parse_args(_words("%gpuport_pull", line))
+        session = self.session(options, switch=False)
+        for name in options.names:
             self.shell.user_ns[name] = session.call(_get, name)
 
     def push(self, line: str) -> None:
-        session = self._attached()
-        for name in line.split():
-            if name not in self.shell.user_ns:
-                raise InvalidRequest(f"%gpuport_push {name}: no variable {name!r} here")
+        options = _move_parser("%gpuport_push").parse_args(_words("%gpuport_push", line))
+        missing = [name for name in options.names if name not in self.shell.user_ns]
+        if missing:
+            raise InvalidRequest(f"%gpuport_push {missing[0]}: no variable {missing[0]!r} here")
+        session = self.session(options, switch=False)
+        for name in options.names:
             session.call(_set, name, self.shell.user_ns[name])
 
     def close(self, line: str) -> None:
@@ -181,9 +208,6 @@ class Notebook:
         if session is None:
             raise InvalidRequest(f"%gpuport_close: no session {name!r} in this notebook")
         session.close()
-
-    def _attached(self) -> Session:
-        return self.session(_parser().parse_args([]))
 
 
 class CellFailed(RemoteError):

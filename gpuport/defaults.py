@@ -172,3 +172,10 @@ ENV_SESSION_DIR = "GPUPORT_SESSION_DIR"
 ENV_SESSION_OUTPUT = "GPUPORT_SESSION_OUTPUT"
 # ... and its idle timeout in seconds: a worker whose server is gone ends itself once idle well past it.
 ENV_SESSION_IDLE_TIMEOUT = "GPUPORT_SESSION_IDLE_TIMEOUT"
+
+# ---- environments (server/environments.py) ----
+# Share of the state dir's filesystem that built environments may take before the least recently
+# used ones not in use are evicted (`gpuport server --env-cache SIZE` sets bytes instead).
+DEFAULT_ENV_CACHE_SHARE = 0.25
+# Seconds an environment's build may take (resolving and installing) before it is stopped and fails.
+DEFAULT_ENV_BUILD_TIMEOUT = 1800.0

@@ -260,7 +260,7 @@ def cli(client_config: Path) -> object:
         ``stdio="terminal"``: on a pseudo-terminal of 100x30 instead of pipes (no ``input`` then);
         ``stdout`` and ``stderr`` of the result are then both what the terminal showed."""
         full_env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
-        full_env.update(GPUPORT_CONFIG_DIR=str(client_config), COLUMNS="200", **env)
+        full_env.update({"GPUPORT_CONFIG_DIR": str(client_config), "COLUMNS": "200", **env})  # COLUMNS: env's wins
         if stdio == "terminal":
             assert input is None and not on, "a command on a terminal reads nothing typed, and runs here"
             code, text, raw = run_on_terminal(args, full_env, cwd)

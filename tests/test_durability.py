@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -186,3 +187,41 @@ def test_twenty_kill_9s_at_random_moments_lose_no_job_and_run_none_twice(tmp_pat
                 for deployed in gpu.models():
                     gpu.undeploy(deployed.name)
         server.stop()
+
+
+def test_sessions_count_their_values_right_after_a_restart(tmp_path: Path, cli: Any) -> None:
+    state = tmp_path / "state"
+    port = restartable_ports(5)
+    first = _start(state, port, port + 4)
+    token, fingerprint = first.admin_token, first.fingerprint
+    try:
+        with first.connect() as gpu:
+            session = gpu.session(name="kept", cpus=0.1)
+            a = session.put(np.arange(4))
+            session.put("first", name="label")
+            session.put("second", name="label")  # a name holds one value: the newest
+            b = session.put([1, 2, 3])
+            session.delete(b)
+            assert [s.refs for s in gpu.sessions() if s.id == session.id] == [2]
+    finally:
+        first.stop()
+
+    second = _start(state, port, port + 4)
+    try:
+        env = {"GPUPORT_URL": second.url, "GPUPORT_TOKEN": token, "GPUPORT_FINGERPRINT": fingerprint}
+        listed = cli("sessions", **env)  # before anything touches the session
+        assert listed.code == 0, listed.output
+        header, *rows = listed.stdout.splitlines()
+        values = header.index("VALUES")
+        (row,) = [r for r in rows if r.startswith(session.id)]
+        assert row[values:].split()[0] == "2", listed.stdout
+        with gpuport.connect(second.url, token, fingerprint=fingerprint) as gpu:
+            again = gpu.session(name="kept")
+            assert (
+                np.array_equal(again.get(again.refs()[0]), np.arange(4)) and again.get(again.ref("label")) == "second"
+            )
+            assert [s.refs for s in gpu.sessions() if s.id == session.id] == [2]
+            assert a.id in [r.id for r in again.refs()]
+            again.close()
+    finally:
+        second.stop()

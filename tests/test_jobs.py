@@ -242,6 +242,27 @@ def test_cli_run_streams_logs_exits_with_the_job_code_and_downloads_outputs(
     assert again.code == 0 and "train.py" in again.stdout and "gpuport-outputs" not in again.stdout
 
 
+def test_cli_run_of_a_python_file_says_to_run_it_with_python_and_submits_nothing(
+    cli: object, server: RunningServer, admin: gpuport.Client, project: Path
+) -> None:
+    env = client_env(server)
+    name = f"py-hint-{os.getpid()}"
+    refused = cli("run", "--name", name, "train.py", "--epochs", "5", cwd=project, **env)  # type: ignore[operator]
+    assert refused.code == 1, refused.output
+    assert refused.stderr.strip() == (
+        "error: train.py is not executable: a Python file runs with python — "
+        "did you mean `gpuport run -- python train.py --epochs 5`?"
+    )
+    (project / "hello.py").write_text("#!/usr/bin/env python3\nprint('hello')\n")
+    (project / "hello.py").chmod(0o755)
+    bare = cli("run", "--name", name, "hello.py", cwd=project, **env)  # type: ignore[operator]
+    assert bare.code == 1 and "hello.py is looked up on the server's PATH, not in the workdir" in bare.stderr
+    assert not admin.jobs(all=True, name=name)  # nothing was submitted
+    # An executable script named by its path runs as it is.
+    ran = cli("run", "./hello.py", cwd=project, **env)  # type: ignore[operator]
+    assert ran.code == 0 and ran.stdout == "hello\n", ran.output
+
+
 def _job_id(text: str) -> str:
     found = re.search(r"\bj-[0-9a-f]{8}\b", text)
     assert found, text
@@ -290,6 +311,46 @@ def test_cli_detach_jobs_logs_wait_download_cancel(
     assert pushed.code == 0 and f"as cli-proj-{stdio}" in pushed.stderr
     snapshots = cli("snapshots", stdio=stdio, **env)  # type: ignore[operator]
     assert snapshots.code == 0 and f"cli-proj-{stdio}" in snapshots.stdout and "NAME" in snapshots.stdout
+
+
+def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
+    cli: object, server: RunningServer, admin: gpuport.Client, stdio: str
+) -> None:
+    """A long command is one line: piped, nothing wraps whatever the width (80 columns when no terminal
+    says otherwise); on a terminal, the command is cut to fit with an ellipsis."""
+    words = ["python", "train.py", *[f"--option-{i}=value-{i}" for i in range(12)]]
+    job = admin.submit(words, workdir=None)
+    script = admin.submit(["python", "-c", "import sys\nprint(sys.version)"], workdir=None)  # lines, on one line
+    job.wait(60)
+    script.wait(60)
+    session = admin.session(name=f"a-session-with-a-long-name-for-its-table-{stdio}-{os.getpid()}", cpus=0.1)
+    try:
+        env = client_env(server)
+        piped_env = {**env, "COLUMNS": "80"}  # as a pipe with no terminal to measure
+        for command in (("jobs",), ("sessions",)):
+            listing = cli(*command, stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
+            assert listing.code == 0, listing.output
+            rows = listing.stdout.splitlines()[1:]
+            first = r"^j-[0-9a-f]{8} " if command == ("jobs",) else r"^s-[0-9a-f]+ "
+            if stdio == "piped":  # every row one line, whatever else other tests left there
+                assert rows and all(re.match(first, row) for row in rows), listing.stdout
+            else:
+                assert max(len(line) for line in listing.stdout.splitlines()) <= 100, listing.stdout
+        jobs = cli("jobs", stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
+        lines = jobs.stdout.splitlines()
+        (at,) = [i for i, line in enumerate(lines) if line.startswith(job.id)]
+        assert " python" in lines[at]  # the command, cut as far as the other columns of the jobs there need
+        assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[at + 1]), jobs.stdout
+        (row,) = [i for i, line in enumerate(lines) if line.startswith(script.id)]
+        assert " python -c" in lines[row] and (row + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[row + 1]))
+        if stdio == "piped":
+            assert "python -c import sys\\nprint(sys.version)" in lines[row]
+        if stdio == "piped":
+            assert lines[at].rstrip().endswith("--option-1=value-1 --o...")  # its first 57 characters
+        else:
+            assert lines[at].rstrip().endswith("…")
+    finally:
+        session.close()
 
 
 # A job that checks the 20 MB file synced with it and writes 20 MB of outputs.
@@ -388,6 +449,7 @@ def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
         assert run.wait(30) == 0, run.raw
     job_id = run.text.split("gpuport logs -f ")[1].split("`")[0]
     assert "re-attach" in run.text and admin.job(job_id).status == "running"
+    assert f"detached from job {job_id}, which keeps running" in run.text
     admin.job(job_id).cancel()
 
     with _start_cli_run(server, project, client_config, stdio) as run:
@@ -397,6 +459,33 @@ def test_cli_ctrl_c_detaches_and_a_second_ctrl_c_cancels(
         run.ctrl_c()
         assert run.wait(30) == 128 + signal.SIGTERM, run.raw
     assert "cancelled" in run.text
+
+
+def test_cli_detached_from_a_queued_job_says_it_stays_queued(
+    server: RunningServer, admin: gpuport.Client, project: Path, client_config: Path, cli: object, stdio: str
+) -> None:
+    blocker = admin.submit(["sleep", "60"], workdir=None, gpus=2)  # both GPUs: the next job asking for one waits
+    queued: list[str] = []
+    try:
+        wait_for(lambda: blocker.status == "running", what="the blocker running")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPORT_")}
+        env.update(client_env(server), GPUPORT_CONFIG_DIR=str(client_config), GPUPORT_AGENT="0")
+        with Command(["run", "--gpus", "1", "--", "echo", "hi"], env, project, stdio) as run:
+            run.read_until(" queued (#")
+            run.ctrl_c()
+            assert run.wait(30) == 0, run.raw
+        queued.append(_job_id(run.text))
+        assert f"detached from job {queued[0]}, which stays queued — press Ctrl-C again" in run.text, run.text
+        assert "keeps running" not in run.text and admin.job(queued[0]).status == "queued"
+
+        detached = cli("run", "-d", "--gpus", "1", "--", "echo", "hi", cwd=project, stdio=stdio, **client_env(server))  # type: ignore[operator]
+        assert detached.code == 0, detached.output
+        queued.append(_job_id(detached.stdout))
+        assert f"job {queued[1]} is queued (#2): " in detached.stderr, detached.output
+    finally:
+        for job_id in queued:
+            admin.job(job_id).cancel()
+        blocker.cancel()
 
 
 def test_cli_logs_follow_streams_until_the_job_ends_and_ctrl_c_stops_it(

@@ -273,13 +273,21 @@ def test_on_cgroup_v2_a_jobs_group_is_made_in_its_owners(tmp_path: Path) -> None
     assert cgroups.user_group("a/../b") != "u-a/../b" and cgroups.user_group("a/../b").startswith("u-h")
 
 
-# Spins for about three seconds of wall time, then says how much CPU time it got.
+# Waits for the flag file named by argv[1], then spins; says how much CPU time it got between 2 s
+# and 7 s after the flag was made (its mtime: the same window for every job, however late each saw it).
 SPIN = """
-import time
-end = time.monotonic() + 3
-while time.monotonic() < end:
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+raised = os.stat(sys.argv[1]).st_mtime
+if time.time() > raised + 2:
+    sys.exit("saw the flag too late to measure")
+while time.time() < raised + 2:
     pass
-print("cpu", time.process_time(), flush=True)
+start = time.process_time()
+while time.time() < raised + 7:
+    pass
+print("cpu", time.process_time() - start, flush=True)
 """
 
 
@@ -287,7 +295,7 @@ def test_cpu_is_divided_between_users_not_between_their_jobs(
     server: RunningServer, admin: gpuport.Client, tmp_path: Path
 ) -> None:
     """Alice's three busy jobs together get what Bob's one gets (both want more than two cores
-    give): Bob's job gets about three times the CPU time of each of Alice's."""
+    give): Bob's job gets about three times the CPU time of each of Alice's, in the same 5 s."""
     needs_cgroups(server)
     if "CPU shared equally by users" not in limits_line(server):
         pytest.skip(f"no cpu controller here: {limits_line(server)}")
@@ -296,17 +304,19 @@ def test_cpu_is_divided_between_users_not_between_their_jobs(
     tokens = [admin.create_token(name).token for name in names]
     with server.connect(tokens[0]) as alice, server.connect(tokens[1]) as bob:
         flag = JobFlag(server.state_dir, f"spin-{uuid.uuid4().hex[:6]}")
-        try:  # all four start spinning at once, once all four run
-            go = f"while [ ! -e {flag} ]; do sleep 0.05; done; exec python spin.py"
-            theirs = [alice.submit(["sh", "-c", go], workdir=tmp_path) for _ in range(3)]
-            mine = bob.submit(["sh", "-c", go], workdir=tmp_path)
+        try:  # all four spin at once, once all four run
+            spin = ["python", "spin.py", str(flag)]
+            theirs = [alice.submit(spin, workdir=tmp_path) for _ in range(3)]
+            mine = bob.submit(spin, workdir=tmp_path)
             wait_for(lambda: all(j.refresh().state == "running" for j in [*theirs, mine]), what="four running jobs")
             flag.touch()
             logs = ["\n".join(job.wait(120).logs()) for job in [*theirs, mine]]
         finally:
             flag.close()
     cpu = [float(re.search(r"^cpu (\S+)$", log, re.MULTILINE)[1]) for log in logs]  # type: ignore[index]
-    assert cpu[3] >= 1.8 * max(cpu[:3]), cpu  # about 3x: with CPU divided by jobs, each would get the same
+    # About 3x Alice's average (less on a loaded machine: their groups get little, and unevenly);
+    # with CPU divided by processes, each would get the same.
+    assert cpu[3] >= 1.5 * sum(cpu[:3]) / 3, cpu
     for name in names:  # each user's group, made for their first job, stays for their next
         points = [point for _, point, _, options in cgroups._mounts() if "cpu" in options]
         assert any(glob.glob(f"{point}/**/gpuport/*/u-{name}", recursive=True) for point in points), name

@@ -101,3 +101,37 @@ def test_a_result_that_cannot_come_back_shows_as_its_repr(
         ["%load_ext gpuport", "%%gpuport --session nb-lock\nimport threading\nthreading.Lock()", "%gpuport_close"],
     )
     assert _result(ran.cells[1]).startswith("<unlocked _thread.lock object")
+
+
+def test_pull_and_push_take_the_session_to_use(
+    server: RunningServer, admin: gpuport.Client, kernel_env: None, tmp_path: Path
+) -> None:
+    ran = _run(
+        tmp_path,
+        "two.ipynb",
+        [
+            "%load_ext gpuport",
+            "%%gpuport --session nb-other --cpus 0.25\nz = 5",
+            "%%gpuport --session nb-main --cpus 0.25\nz = 1",
+            "%gpuport_pull --session nb-other z\nprint(z)",
+            "w = 7\n%gpuport_push --session nb-other w",
+            "%%gpuport\n('w' in globals(), z)",  # still nb-main: --session on a pull or push does not switch
+            "%%gpuport --session nb-other\nz + w",
+            "%gpuport_pull --bogus z",
+            "%gpuport_push --session nb-other nowhere",
+            "%gpuport_close nb-other\n%gpuport_close nb-main",
+        ],
+    )
+    cells = ran.cells
+    assert _text(cells[3]) == "5\n"
+    assert _result(cells[5]) == "(False, 1)"
+    assert _result(cells[6]) == "12"
+    (bad,) = [o for o in cells[7].outputs if o.output_type == "error"]
+    assert bad.evalue == (
+        "%gpuport_pull: unrecognized arguments: --bogus — its options: --session NAME, --profile NAME, "
+        "then the variables' names"
+    )
+    (missing,) = [o for o in cells[8].outputs if o.output_type == "error"]
+    assert missing.evalue == "%gpuport_push nowhere: no variable 'nowhere' here"
+    assert not [o for o in cells[9].outputs if o.output_type == "error"]
+    assert not [s for s in admin.sessions() if s.name in ("nb-other", "nb-main") and s.state != "ended"]

@@ -454,57 +454,60 @@ def test_every_protocol_refuses_a_missing_or_wrong_token(
     mlp: gpuport.ModelInfo,
     trained: tuple[gpuport.Job, Path],
 ) -> None:
-    """No token, or one the server never issued: 401 over HTTP, UNAUTHENTICATED over gRPC, through each
-    client, with a message that says which. (The tests above predict with a non-admin user's token.)
-    Health answers anyone, as probes ask it."""
+    """A token the server never issued: 401 over HTTP, UNAUTHENTICATED over gRPC, through each client,
+    with a message that says so. No credentials at all: a model that is not public is unknown, as a
+    missing one is (404 / NOT_FOUND in Triton's words); a route that names no model is 401. (The tests
+    above predict with a non-admin user's token.) Health answers anyone, as probes ask it."""
     from tensorflow_serving.apis import predict_pb2
 
     x, _ = _probe(trained)
-    says = {None: "no token was sent", WRONG_TOKEN: "not known to this server"}
+    unknown = "Request for unknown model: 'mlp' is not found — or it is not public"
+    says = {None: unknown, WRONG_TOKEN: "not known to this server"}
+    status = {None: 404, WRONG_TOKEN: 401}
 
     for token, message in says.items():
-        for method, path in (
-            ("GET", "/v2/models/mlp"),
-            ("POST", "/v1/models/mlp:predict"),
-            ("GET", "/v2/models/stats"),
-        ):
-            reply = server.rest(method, path, token=token, json={"instances": x.tolist()})
-            assert reply.status_code == 401 and message in reply.json()["error"], (path, reply.text)
+        for method, path in (("GET", "/v2/models/mlp"), ("POST", "/v1/models/mlp:predict")):
+            sent = {"json": {"instances": x.tolist()}} if method == "POST" else {}  # a GET with a body needs a token
+            reply = server.rest(method, path, token=token, **sent)
+            assert reply.status_code == status[token] and message in reply.json()["error"], (path, reply.text)
         body = {"inputs": [{"name": "features", "shape": [4, 8], "datatype": "FP32", "data": x.ravel().tolist()}]}
         reply = server.rest("POST", "/v2/models/mlp/infer", token=token, json=body)
-        assert reply.status_code == 401 and message in reply.json()["error"], reply.text
+        assert reply.status_code == status[token] and message in reply.json()["error"], reply.text
+        reply = server.rest("GET", "/v2/models/stats", token=token)  # every model's: no model to be unknown
+        assert reply.status_code == 401 and ("no token was sent" if token is None else message) in reply.json()["error"]
 
     tensor = triton_http.InferInput("features", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
     with _triton_http(server, cert) as client:
-        for headers, message in (({}, says[None]), (_bearer(WRONG_TOKEN), says[WRONG_TOKEN])):
+        for headers, token in (({}, None), (_bearer(WRONG_TOKEN), WRONG_TOKEN)):
             assert client.is_server_live(headers=headers) and client.is_server_ready(headers=headers)
-            with pytest.raises(InferenceServerException, match=message) as refused:
+            with pytest.raises(InferenceServerException, match=says[token]) as refused:
                 client.infer("mlp", [tensor], headers=dict(headers))
-            assert refused.value.status() == "401"
-            with pytest.raises(InferenceServerException, match=message):
+            assert refused.value.status() == str(status[token])
+            with pytest.raises(InferenceServerException, match=says[token]):
                 client.get_model_metadata("mlp", headers=headers)
 
     tensor = triton_grpc.InferInput("features", list(x.shape), "FP32")
     tensor.set_data_from_numpy(x)
+    code = {None: "StatusCode.NOT_FOUND", WRONG_TOKEN: "StatusCode.UNAUTHENTICATED"}
     with triton_grpc.InferenceServerClient(url=_address(server.url), ssl=True, root_certificates=str(cert)) as client:
-        for headers, message in (({}, says[None]), ({"authorization": f"Bearer {WRONG_TOKEN}"}, says[WRONG_TOKEN])):
+        for headers, token in (({}, None), ({"authorization": f"Bearer {WRONG_TOKEN}"}, WRONG_TOKEN)):
             for call in (
                 lambda: client.infer("mlp", [tensor], headers=headers),
                 lambda: client.get_model_metadata("mlp", headers=headers),
             ):
-                with pytest.raises(InferenceServerException, match=message) as refused:
+                with pytest.raises(InferenceServerException, match=says[token]) as refused:
                     call()
-                assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
+                assert refused.value.status() == code[token]
 
     request = predict_pb2.PredictRequest()
     request.model_spec.name = "mlp"
     request.inputs["features"].dtype = 1  # DT_FLOAT
-    for metadata, message in ((None, says[None]), ((("authorization", f"Bearer {WRONG_TOKEN}"),), says[WRONG_TOKEN])):
+    for metadata, token in ((None, None), ((("authorization", f"Bearer {WRONG_TOKEN}"),), WRONG_TOKEN)):
         with pytest.raises(grpc.RpcError) as refused:
             prediction_service.Predict(request, timeout=30, metadata=metadata)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert message in refused.value.details()
+        assert str(refused.value.code()) == code[token]
+        assert says[token] in refused.value.details()
 
 
 # ---- versions -------------------------------------------------------------------------------------------

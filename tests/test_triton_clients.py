@@ -30,6 +30,9 @@ import gpuport
 from tests._serving import simple
 from tests.conftest import RunningServer, needs_users
 
+# What a caller without credentials is told of a model that is not public, or not there (a pattern).
+UNKNOWN_TO_ANONYMOUS = r"Request for unknown model: '%s' is not found — or it is not public"
+
 
 def _pickled(folder: Path, model: object) -> Path:
     folder.mkdir()
@@ -320,26 +323,104 @@ def test_a_public_model_needs_no_credentials_and_health_none(
             assert client.is_model_ready("simple_public") and client.get_model_metadata("simple_public")
             inputs, a, b = _simple_inputs(triton_http)
             assert (client.infer("simple_public", inputs).as_numpy("OUTPUT0") == a + b).all()
-            with pytest.raises(InferenceServerException, match="no token was sent"):
-                client.infer("simple", inputs)
-            with pytest.raises(InferenceServerException, match="no token was sent"):
-                client.get_model_metadata("simple")
+            # Another model is unknown to a caller without credentials, as a missing one is.
+            for call in (lambda: client.infer("simple", inputs), lambda: client.get_model_metadata("simple")):
+                with pytest.raises(InferenceServerException, match=UNKNOWN_TO_ANONYMOUS % "simple") as raised:
+                    call()
+                assert raised.value.status() == "404"
         with triton_grpc.InferenceServerClient(url=_address(server.url), ssl=True, root_certificates=root) as client:
             assert client.is_server_live()
             inputs, a, b = _simple_inputs(triton_grpc)
             assert (client.infer("simple_public", inputs).as_numpy("OUTPUT1") == a - b).all()
-            with pytest.raises(InferenceServerException, match="no token was sent") as raised:
-                client.infer("simple", inputs)
-            assert raised.value.status() == "StatusCode.UNAUTHENTICATED"
+            for name in ("simple", "missing"):
+                with pytest.raises(InferenceServerException, match=UNKNOWN_TO_ANONYMOUS % name) as raised:
+                    client.infer(name, inputs)
+                assert raised.value.status() == "StatusCode.NOT_FOUND"
         # TF Serving's REST predict, as curl would post it
         body = {"inputs": {"INPUT0": a.tolist(), "INPUT1": b.tolist()}}
         reply = server.rest("POST", "/v1/models/simple_public:predict", json=body)
         assert reply.status_code == 200 and reply.json()["outputs"]["OUTPUT0"] == (a + b).tolist()
-        assert server.rest("POST", "/v1/models/simple:predict", json=body).status_code == 401
-        # Deploying still needs a token.
+        refused = server.rest("POST", "/v1/models/simple:predict", json=body)
+        assert refused.status_code == 404 and refused.json()["error"].startswith("Request for unknown model: 'simple'")
+        # A wrong token is refused as ever; routes that name no model, and deploying, still need a token.
+        assert server.rest("POST", "/v1/models/simple:predict", token="gp_wrong", json=body).status_code == 401
+        assert server.rest("GET", "/v2/models/stats").status_code == 401
         assert server.rest("GET", "/v1/status").status_code == 401
     finally:
         admin.undeploy("simple_public")
+
+
+def _simple_http_infer_client(url: str, ca_certs: str) -> int:
+    """simple_http_infer_client.py -u URL --ssl --ca-certs CERT, step by step (tritonclient's wheel does
+    not ship its examples): its exit status. It asks model "simple" twice (with outputs requested and
+    without), reads its statistics, then checks that a wrong model name is refused in Triton's words."""
+    client = triton_http.InferenceServerClient(url=url, ssl=True, ssl_options={"ca_certs": ca_certs})
+    a = np.expand_dims(np.arange(start=0, stop=16, dtype=np.int32), axis=0)
+    b = np.full(shape=(1, 16), fill_value=-1, dtype=np.int32)
+
+    def infer(model: str, outputs: bool) -> Any:
+        inputs = [
+            triton_http.InferInput("INPUT0", [1, 16], "INT32"),
+            triton_http.InferInput("INPUT1", [1, 16], "INT32"),
+        ]
+        inputs[0].set_data_from_numpy(a, binary_data=False)
+        inputs[1].set_data_from_numpy(b, binary_data=True)
+        wanted = [
+            triton_http.InferRequestedOutput("OUTPUT0", binary_data=True),
+            triton_http.InferRequestedOutput("OUTPUT1", binary_data=False),
+        ]
+        return client.infer(model, inputs, outputs=wanted if outputs else None, query_params={"test_1": 1, "test_2": 2})
+
+    with client:
+        for outputs in (True, False):
+            results = infer("simple", outputs)
+            if outputs and len(client.get_inference_statistics(model_name="simple")["model_stats"]) != 1:
+                return 1  # "FAILED: Inference Statistics"
+            if not ((results.as_numpy("OUTPUT0") == a + b).all() and (results.as_numpy("OUTPUT1") == a - b).all()):
+                return 1  # "sync infer error: incorrect sum" (or difference)
+        try:
+            infer("wrong_model_name", True)
+            return 1  # "expected error message for wrong model name"
+        except InferenceServerException as ex:
+            if not ex.message().startswith("Request for unknown model"):
+                return 1  # "improper error message for wrong model name"
+    return 0
+
+
+def test_triton_simple_http_infer_client_with_ssl_against_a_public_model(tmp_path: Path) -> None:
+    """Triton's simple_http_infer_client.py with --ssl and no credentials passes against a --public
+    "simple", its wrong-model check included: to a caller without credentials a private model and a
+    missing one are both unknown, in the same words; with a token, a private model answers and a
+    missing one is unknown; a wrong token is refused."""
+    from tests.conftest import start_server
+
+    own = start_server(tmp_path / "state")
+    try:
+        root = str(own.state_dir / "tls" / "cert.pem")
+        with own.connect() as admin:
+            admin.deploy("simple", _pickled(tmp_path / "simple", simple.Simple()), public=True)
+            admin.deploy("private", _pickled(tmp_path / "private", simple.Simple()))
+        assert _simple_http_infer_client(_address(own.http_url), root) == 0
+
+        inputs, a, b = _simple_inputs(triton_http)
+        with triton_http.InferenceServerClient(_address(own.http_url), ssl=True, ssl_options={"ca_certs": root}) as c:
+            said = {}
+            for name in ("private", "missing"):
+                with pytest.raises(InferenceServerException) as raised:
+                    c.infer(name, inputs)
+                assert raised.value.status() == "404"
+                said[name] = raised.value.message().replace(name, "NAME")
+            assert said["private"] == said["missing"] and said["private"].startswith("Request for unknown model")
+            token = {"Authorization": f"Bearer {own.admin_token}"}
+            assert (c.infer("private", inputs, headers=token).as_numpy("OUTPUT0") == a + b).all()
+            with pytest.raises(InferenceServerException, match="gpuport models` lists the deployed ones") as raised:
+                c.infer("missing", inputs, headers=token)
+            assert raised.value.status() == "404"
+            with pytest.raises(InferenceServerException, match="not known to this server") as raised:
+                c.infer("private", inputs, headers={"Authorization": "Bearer gp_wrong"})
+            assert raised.value.status() == "401"
+    finally:
+        own.stop()
 
 
 def test_readiness_follows_the_deployments_and_a_failure_is_its_owners_to_read(tmp_path: Path, cli: Any) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -17,7 +18,7 @@ from gpuport.cli._common import client, json_option
 from gpuport.cli._output import ago, err, escape, new_table, out, print_json
 from gpuport.defaults import DEFAULT_DETACH_WINDOW, DEFAULT_OUTPUT_DIR
 from gpuport.protocol.arrays import format_indices
-from gpuport.protocol.errors import InvalidRequest, NotFound, WaitTimeout
+from gpuport.protocol.errors import GpuportError, InvalidRequest, NotFound, WaitTimeout
 from gpuport.protocol.units import format_duration, format_size
 
 if TYPE_CHECKING:
@@ -342,6 +343,22 @@ def _run_array(ctx: click.Context, array: JobArray, detach: bool, output_dir: Pa
     ctx.exit(_array_status(info))
 
 
+def _check_runnable(command: tuple[str, ...], workdir: Path, project: str | None) -> None:
+    """Refuse a Python file of the workdir given as the command (``gpuport run train.py``) where the
+    job could not run it: not executable, or named without a slash (the job's PATH is searched for
+    those, not its workdir). The job would only fail on the server, after the upload."""
+    program = command[0]
+    if project or not program.endswith(".py") or not (workdir / program).is_file():
+        return
+    executable = os.access(workdir / program, os.X_OK)
+    if executable and "/" in program:
+        return
+    why = "is not executable" if not executable else "is looked up on the server's PATH, not in the workdir"
+    raise InvalidRequest(
+        f"{program} {why}: a Python file runs with python — did you mean `gpuport run -- python {shlex.join(command)}`?"
+    )
+
+
 @click.command("run", context_settings={"allow_interspersed_args": False})
 @click.option("--gpus", default=0, show_default=True, type=int, help="Whole GPUs to give the job.")
 @click.option("--gpu-memory", metavar="SIZE", help="A slice of one GPU instead (8GiB), enforced.")
@@ -406,6 +423,16 @@ def _run_array(ctx: click.Context, array: JobArray, detach: bool, output_dir: Pa
     metavar="JOB[:ok|:any]",
     help="Wait until JOB (an id, name or array) succeeded (ok, default) or ended (any); repeatable.",
 )
+@click.option(
+    "--requirements",
+    metavar="FILE",
+    help="Build the job's Python environment from this file of the workdir (default: its uv.lock, "
+    "pyproject.toml or requirements.txt, if any).",
+)
+@click.option("--no-deps-env", is_flag=True, help="Run in the server's own environment, whatever the workdir holds.")
+@click.option("--group", "groups", multiple=True, metavar="NAME", help="Include this pyproject.toml dependency group.")
+@click.option("--python", "python", metavar="VERSION", help="Run on this Python version of the server's (3.12).")
+@click.option("--isolated-env", is_flag=True, help="Build the environment without the server's own packages under it.")
 @click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
@@ -433,6 +460,11 @@ def run_command(
     array: str | None,
     sweeps: tuple[str, ...],
     after: tuple[str, ...],
+    requirements: str | None,
+    no_deps_env: bool,
+    groups: tuple[str, ...],
+    python: str | None,
+    isolated_env: bool,
     detach: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -443,8 +475,8 @@ def run_command(
 
     Only files the server lacks are uploaded (.gitignore and .gpuportignore are honoured). The
     command exits with the job's exit code. Outputs (--output paths, and whatever the job writes to
-    $GPUPORT_OUTPUT_DIR) land in ./gpuport-outputs/<job-id>/. Ctrl-C detaches from a running job;
-    a second Ctrl-C cancels it.
+    $GPUPORT_OUTPUT_DIR) land in ./gpuport-outputs/<job-id>/. Ctrl-C detaches from the job (it keeps
+    running, or stays queued); a second Ctrl-C cancels it.
 
     With --nprocs N the job runs N processes, with TF_CONFIG (or --tf-roles) and
     MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set and their log lines prefixed with the rank.
@@ -458,7 +490,14 @@ def run_command(
     GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH set (with a sweep, --array %N alone caps it). Their lines
     come prefixed with the task's index, outputs land in ./gpuport-outputs/<array-id>/<index>/, and
     the exit status is 0 only when every task succeeded. --after makes the job (or each task) wait.
+
+    A workdir with a uv.lock, a pyproject.toml with dependencies, or a requirements.txt runs in a
+    Python environment with exactly that installed, built on the server once (its log is part of
+    the job's) and shared by every job that asks for the same, over the server's own packages.
     """
+    if no_deps_env and (requirements or groups or python or isolated_env):
+        raise click.UsageError("--no-deps-env runs in the server's environment: drop it, or the environment's options")
+    _check_runnable(command, workdir, project)
     roles = _roles(tf_roles)
     if roles and nprocs == 1:
         nprocs = sum(roles.values())
@@ -486,6 +525,10 @@ def run_command(
             after=after,
             array=array,
             sweep=_sweep(sweeps),
+            requirements=None if no_deps_env else requirements or "auto",
+            groups=groups,
+            python=python,
+            isolated_env=isolated_env,
             progress=progress,
         )
     if _is_array(job):
@@ -493,19 +536,20 @@ def run_command(
         return
     if detach:
         out.print(job.id)
+        if job.info.state == "queued":
+            err.print(f"job {job.id} is queued{_why_queued(job.info)}")
         err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
         return
-    if job.info.state == "queued" and job.info.message:
-        place = f" (#{job.info.position})" if job.info.position else ""
-        err.print(f"[dim]job {job.id} queued{place}: {escape(job.info.message)}[/]")
     follower = _LogFollower(job)
     follower.start()
-    try:
+    try:  # the line about the queue too: a Ctrl-C as it is written detaches as any other
+        if job.info.state == "queued" and job.info.message:
+            err.print(f"[dim]job {job.id} queued{_why_queued(job.info)}[/]")
         follower.wait()
     except KeyboardInterrupt:
         try:  # from before the prompt is out: a second Ctrl-C at once, while it is written, cancels too
             err.print(
-                f"\ndetached from job {job.id}, which keeps running — "
+                f"\ndetached from job {job.id}{_goes_on(job)} — "
                 f"press Ctrl-C again within {DEFAULT_DETACH_WINDOW:g}s to cancel it"
             )
             time.sleep(DEFAULT_DETACH_WINDOW)
@@ -524,6 +568,30 @@ def run_command(
         _download(job, output_dir or Path(DEFAULT_OUTPUT_DIR) / job.id)
     err.print(_summary(info))
     ctx.exit(_exit_status(info))
+
+
+def _goes_on(job: Job) -> str:
+    """What a job left to itself does now, as ", which keeps running" (or "stays queued"), or "" when
+    the server does not say within the detach window. Asked in a thread of its own, as the log is: a second
+    Ctrl-C lands in the main thread's sleep, never in gRPC's code."""
+    states: list[str] = []
+
+    def ask() -> None:
+        with suppress(GpuportError):  # the server, unreachable now: the job goes on there all the same
+            states.append(job.refresh().state)
+
+    asking = threading.Thread(target=ask, name=f"state of {job.id}", daemon=True)
+    asking.start()
+    deadline = time.monotonic() + DEFAULT_DETACH_WINDOW
+    while asking.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"queued": ", which stays queued", "running": ", which keeps running"}.get(states[0] if states else "", "")
+
+
+def _why_queued(j: JobInfo) -> str:
+    """A queued job's place and reason, as " (#2): waiting for 2 GPUs", or ""."""
+    place = f" (#{j.position})" if j.position else ""
+    return f"{place}: {escape(j.message)}" if j.message else place
 
 
 def resources(j: JobInfo) -> str:
@@ -568,13 +636,17 @@ def _states(tasks: list[JobInfo]) -> str:
 
 
 def _jobs_table(jobs: list[JobInfo]) -> Table:
+    from rich.text import Text
+
     table = new_table()
     nodes = len({j.node for j in jobs if j.node}) > 1  # a cluster's: each job's node is said
     for column in ("JOB", "NAME", "OWNER", "STATE", "NODE", "RESOURCES", "SUBMITTED", "RAN", "EXIT", "COMMAND"):
         if column == "JOB":
             table.add_column(column, no_wrap=True, min_width=10)  # an id is never cut: it is what you type next
         elif column != "NODE" or nodes:
-            table.add_column(column, overflow="fold" if column == "COMMAND" else "ellipsis")
+            # Short columns never wrap, so the command (then a queued job's reason) gives way first,
+            # and is cut to fit rather than wrapped: one line per job (piped, nothing is cut).
+            table.add_column(column, overflow="ellipsis", no_wrap=column not in ("NAME", "STATE", "COMMAND"))
     for row in _grouped(jobs):
         if isinstance(row, list):  # an array's tasks: one line
             first = row[0]
@@ -597,7 +669,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
         if j.started_at:
             ran = format_duration((j.ended_at or time.time()) - j.started_at)
         exit_code = "-" if j.exit_code is None else str(j.exit_code)
-        command = " ".join(j.command)
+        command = " ".join(j.command).replace("\r", "\\r").replace("\n", "\\n")  # a script's lines: one line
         table.add_row(
             j.id,
             escape(j.name) or "-",
@@ -608,7 +680,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
             f"{ago(j.created_at)} ago",
             ran,
             exit_code,
-            escape(command if len(command) <= 60 else command[:57] + "..."),
+            Text(command if len(command) <= 60 else command[:57] + "...", no_wrap=True, overflow="ellipsis"),
         )
     return table
 

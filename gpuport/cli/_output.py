@@ -16,9 +16,14 @@ if TYPE_CHECKING:
     from gpuport.client import GPU
 
 
+# The width of a console that is no terminal (a pipe, a file): wide enough that no table wraps, so
+# `gpuport jobs | grep` and `> jobs.txt` see one line per row, whatever COLUMNS says.
+_PIPED_WIDTH = 1_000_000
+
+
 class _Console:
     """A rich ``Console`` made on first use: importing rich costs 15 ms, which a command that prints
-    nothing through it (``--version``, ``--help``) does not pay."""
+    nothing through it (``--version``, ``--help``) does not pay. Piped, it wraps nothing."""
 
     def __init__(self, **options: Any) -> None:
         self._options = options
@@ -32,6 +37,8 @@ class _Console:
             from rich.console import Console
 
             self._console = Console(**self._options)
+            if not self._console.is_terminal:
+                self._console.width = _PIPED_WIDTH
         return self._console
 
     def __getattr__(self, name: str) -> Any:

@@ -156,6 +156,12 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "(uploads in flight become snapshots within it) [default: 1h].",
 )
 @click.option(
+    "--env-cache",
+    metavar="SIZE",
+    help="Python environments built for jobs take at most this much disk, e.g. 50GiB; the least recently "
+    "used not in use are removed past it [default: 25% of the state dir's disk].",
+)
+@click.option(
     "--ray",
     "ray_address",
     metavar="ADDRESS",
@@ -187,6 +193,7 @@ def server(
     no_cgroups: bool,
     memory_floor: str | None,
     blob_grace: str | None,
+    env_cache: str | None,
     ray_address: str | None,
     ray_insecure: bool,
     print_systemd_unit: bool,
@@ -209,6 +216,7 @@ def server(
         options += ["--no-cgroups"] if no_cgroups else []
         options += ["--memory-floor", memory_floor] if memory_floor is not None else []
         options += ["--blob-grace", blob_grace] if blob_grace is not None else []
+        options += ["--env-cache", env_cache] if env_cache is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
         print(systemd_unit(options, state_dir), end="")
@@ -229,6 +237,10 @@ def server(
         grace = DEFAULT_BLOB_GRACE if blob_grace is None else parse_duration(blob_grace)
     except InvalidRequest as e:
         raise click.BadParameter(str(e), param_hint="--blob-grace") from None
+    try:
+        cache = None if env_cache is None else parse_size(env_cache)
+    except InvalidRequest as e:
+        raise click.BadParameter(str(e), param_hint="--env-cache") from None
     import logging
 
     logging.basicConfig(
@@ -249,6 +261,7 @@ def server(
             use_cgroups=not no_cgroups,
             memory_floor=floor,
             blob_grace=grace,
+            env_cache=cache,
             ray_address=ray_address,
             ray_insecure=ray_insecure,
             say=lambda text: print(text, flush=True),
@@ -375,6 +388,42 @@ def profiles_command(as_json: bool) -> None:
 
 
 # ---- the machine --------------------------------------------------------------------------------
+# ---- the machine --------------------------------------------------------------------------------
+
+
+def _print_envs(envs: list[dict], as_json: bool) -> None:
+    if as_json:
+        print_json(envs)
+        return
+    for e in envs:
+        if e["removed"]:
+            out.print(f"removed {e['hash']}")
+            continue
+        layer = "layered" if e["layered"] else "isolated"
+        out.print(
+            f"{e['hash']}  {format_size(e['size']):>9}  Python {e['python_version']:8} {layer:8} "
+            f"last used {ago(e['last_used'])}  {e['jobs']} job{'s' if e['jobs'] != 1 else ''}  "
+            f"{escape(', '.join(e['packages'][:6]))}{', ...' if len(e['packages']) > 6 else ''}"
+        )
+    if not envs:
+        out.print("No environments: a job whose project has a requirements.txt, pyproject.toml or uv.lock builds one.")
+
+
+@cli.group("envs", invoke_without_command=True)
+@json_option
+@click.pass_context
+def envs_group(ctx: click.Context, as_json: bool) -> None:
+    """The Python environments the server built for jobs: hash, size, Python, last use, jobs."""
+    if ctx.invoked_subcommand is None:
+        _print_envs(_client(ctx).environments(), as_json)
+
+
+@envs_group.command("prune")
+@json_option
+@click.pass_context
+def envs_prune_command(ctx: click.Context, as_json: bool) -> None:
+    """Remove the environments no running job uses (admins); they are built again when asked for."""
+    _print_envs(_client(ctx).environments(prune=True), as_json)
 
 
 @cli.command("gpus")

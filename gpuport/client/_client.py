@@ -62,6 +62,17 @@ class Client:
         reply = self.transport.call(self.transport.control.ListGpus, _EMPTY)
         return [GPU._from_message(g) for g in reply.gpus]
 
+    def environments(self, prune: bool = False) -> list[dict[str, Any]]:
+        """The Python environments the server built for jobs: hash, size, python_version, created_at,
+        last_used, jobs (how many ran in it), layered, packages. ``prune`` (admins) removes first
+        those no running job uses. Raises ``PermissionDenied``."""
+        reply = self.transport.call(self.transport.control.ListEnvironments, pb.EnvironmentsRequest(prune=prune))
+        fields = ("hash", "size", "python_version", "created_at", "last_used", "jobs", "layered")
+        return [
+            {**{f: getattr(e, f) for f in fields}, "packages": list(e.packages), "removed": False}
+            for e in reply.environments
+        ] + [{"hash": h, "removed": True} for h in reply.removed]
+
     def status(self) -> ServerStatus:
         """The server's version, machine, GPUs, and who you are to it."""
         s = self.transport.call(self.transport.control.Status, _EMPTY)
@@ -222,6 +233,10 @@ class Client:
         after: str | Sequence[str] = (),
         array: str | None = None,
         sweep: Mapping[str, Sequence[Any]] | None = None,
+        requirements: str | None = None,
+        groups: Sequence[str] = (),
+        python: str | None = None,
+        isolated_env: bool = False,
         progress: Progress | None = None,
     ) -> Job | JobArray:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -255,6 +270,15 @@ class Client:
         ``--lr 0.001 --batch 32`` and in GPUPORT_SWEEP_LR, GPUPORT_SWEEP_BATCH. With a sweep,
         ``array`` may be "%N" alone.
 
+        ``requirements`` gives the job a Python environment, built on the server with uv once for
+        everyone who asks for the same and reused after: "auto" (the workdir's ``uv.lock``,
+        ``pyproject.toml`` or ``requirements.txt``, whichever it has first), a file of the workdir,
+        or requirements as text ("six\\ntomli-w==1.2.0"); None: the server's own environment. Its
+        packages come first, the server's after them; ``isolated_env`` leaves the server's out.
+        ``groups``: pyproject.toml's dependency groups to include; ``python``: a version the server
+        has ("3.12"), in an environment of its own. A build that fails ends the job ``failed``,
+        with uv's words in its log.
+
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name, malformed
         array ...), ``ResourceUnavailable`` (more than the server has, or than your quota allows:
         an array over your queued cap is refused whole), ``NotFound`` (unknown project, or job to
@@ -277,7 +301,13 @@ class Client:
             nodes=nodes,
             nprocs_per_node=nprocs_per_node,
             after=[after] if isinstance(after, str) else list(after),
+            requirements=requirements or "",
+            env_groups=list(groups),
+            python=python or "",
+            isolated_env=isolated_env,
         )
+        if (groups or python or isolated_env) and not requirements:
+            spec.requirements = "auto"
         if isinstance(cmd, str):
             spec.shell = cmd
         else:

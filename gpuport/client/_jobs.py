@@ -60,6 +60,7 @@ class JobInfo:
     node: str = ""  # where it runs or ran: a cluster's node, or the server's hostname
     array_id: str = ""  # the job array it is a task of ("" : none)
     array_index: int | None = None  # its index there
+    environment: str = ""  # the hash of the Python environment it runs in ("" : the server's own)
 
     @property
     def ended(self) -> bool:
@@ -93,6 +94,7 @@ class JobInfo:
             node=m.node,
             array_id=m.array_id,
             array_index=m.array_index if m.array_id else None,
+            environment=m.environment,
         )
 
 

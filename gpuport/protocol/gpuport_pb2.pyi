@@ -129,6 +129,40 @@ class DashboardLink(_message.Message):
     http_port: int
     def __init__(self, code: _Optional[str] = ..., expires_in: _Optional[float] = ..., http_port: _Optional[int] = ...) -> None: ...
 
+class EnvironmentsRequest(_message.Message):
+    __slots__ = ("prune",)
+    PRUNE_FIELD_NUMBER: _ClassVar[int]
+    prune: bool
+    def __init__(self, prune: _Optional[bool] = ...) -> None: ...
+
+class Environment(_message.Message):
+    __slots__ = ("hash", "size", "python_version", "created_at", "last_used", "jobs", "layered", "packages")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    LAYERED_FIELD_NUMBER: _ClassVar[int]
+    PACKAGES_FIELD_NUMBER: _ClassVar[int]
+    hash: str
+    size: int
+    python_version: str
+    created_at: float
+    last_used: float
+    jobs: int
+    layered: bool
+    packages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hash: _Optional[str] = ..., size: _Optional[int] = ..., python_version: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used: _Optional[float] = ..., jobs: _Optional[int] = ..., layered: _Optional[bool] = ..., packages: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EnvironmentList(_message.Message):
+    __slots__ = ("environments", "removed")
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    environments: _containers.RepeatedCompositeFieldContainer[Environment]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, environments: _Optional[_Iterable[_Union[Environment, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TokenInfo(_message.Message):
     __slots__ = ("name", "admin", "created_at", "revoked_at", "scrape")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -306,7 +340,7 @@ class BlobList(_message.Message):
     def __init__(self, blobs: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after")
+    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after", "requirements", "env_groups", "python", "isolated_env")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +376,10 @@ class JobSpec(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     NPROCS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
+    ENV_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    ISOLATED_ENV_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     shell: str
     snapshot_id: str
@@ -363,10 +401,14 @@ class JobSpec(_message.Message):
     nodes: int
     nprocs_per_node: int
     after: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ...) -> None: ...
+    requirements: str
+    env_groups: _containers.RepeatedScalarFieldContainer[str]
+    python: str
+    isolated_env: bool
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ..., requirements: _Optional[str] = ..., env_groups: _Optional[_Iterable[str]] = ..., python: _Optional[str] = ..., isolated_env: _Optional[bool] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position", "node", "array_id", "array_index")
+    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position", "node", "array_id", "array_index", "environment")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +436,7 @@ class JobInfo(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     ARRAY_ID_FIELD_NUMBER: _ClassVar[int]
     ARRAY_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     owner: str
@@ -421,7 +464,8 @@ class JobInfo(_message.Message):
     node: str
     array_id: str
     array_index: int
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., position: _Optional[int] = ..., node: _Optional[str] = ..., array_id: _Optional[str] = ..., array_index: _Optional[int] = ...) -> None: ...
+    environment: str
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., position: _Optional[int] = ..., node: _Optional[str] = ..., array_id: _Optional[str] = ..., array_index: _Optional[int] = ..., environment: _Optional[str] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)

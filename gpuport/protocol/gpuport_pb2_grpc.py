@@ -59,6 +59,11 @@ class ControlStub:
                 request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
                 response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.DashboardLink.FromString,
                 _registered_method=True)
+        self.ListEnvironments = channel.unary_unary(
+                '/gpuport.v1.Control/ListEnvironments',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.EnvironmentsRequest.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.EnvironmentList.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -95,6 +100,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListEnvironments(self, request, context):
+        """The Python environments built for jobs (server/environments.py); with prune (admins): those no
+        running job uses are removed first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +135,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.CreateDashboardLink,
                     request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.Empty.FromString,
                     response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.DashboardLink.SerializeToString,
+            ),
+            'ListEnvironments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEnvironments,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.EnvironmentsRequest.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.EnvironmentList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +277,33 @@ class Control:
             '/gpuport.v1.Control/CreateDashboardLink',
             gpuport_dot_protocol_dot_gpuport__pb2.Empty.SerializeToString,
             gpuport_dot_protocol_dot_gpuport__pb2.DashboardLink.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEnvironments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Control/ListEnvironments',
+            gpuport_dot_protocol_dot_gpuport__pb2.EnvironmentsRequest.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.EnvironmentList.FromString,
             options,
             channel_credentials,
             insecure,

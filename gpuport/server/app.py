@@ -18,9 +18,10 @@ import psutil
 
 from gpuport._version import __version__
 from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES, DEFAULT_BLOB_GRACE
-from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest
+from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, PermissionDenied
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
+from gpuport.server.environments import Environments, env_cache_default
 from gpuport.server.executors import Executor, LocalExecutor
 from gpuport.server.history import GpuHistory
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
@@ -85,6 +86,7 @@ class ServerApp:
         memory_floor: int = 0,
         cgroups: Cgroups = cgroups_.NONE,
         blob_grace: float = DEFAULT_BLOB_GRACE,
+        env_cache: int | None = None,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -98,7 +100,15 @@ class ServerApp:
         if isinstance(inventory, FakeInventory):
             inventory.usage_dir = state.root / "fake-gpus"
             inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
-        self.executor = executor or LocalExecutor(state.jobs_dir, self.blobs, sandbox, inventory, cgroups)
+        # Python environments are built where jobs run: here, for the local executor (a Ray cluster's
+        # nodes run jobs in their own environment).
+        self.environments = None
+        if executor is None:
+            limit = env_cache if env_cache is not None else env_cache_default(state.root)
+            self.environments = Environments(state.envs_dir, sandbox, limit)
+        self.executor = executor or LocalExecutor(
+            state.jobs_dir, self.blobs, sandbox, inventory, cgroups, environments=self.environments
+        )
         self.jobs = JobService(
             self.store,
             self.snapshots,
@@ -108,6 +118,10 @@ class ServerApp:
             sandbox,
             memory_floor,
         )
+        if self.environments is not None:
+            self.jobs.environments = self.environments
+            self.environments.record = self.jobs.record_environment
+            self.environments.in_use = self.jobs.environments_in_use
         self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.known_log_size, blob_grace)
         self.jobs.storage = self.storage
         self.sessions = SessionService(self.store, self.jobs)
@@ -234,6 +248,22 @@ class ServerApp:
             user=caller.name,
             admin=caller.admin,
         )
+
+    def list_environments(self, caller: Identity, prune: bool = False) -> tuple[list[dict], list[str]]:
+        """The environments built here, each with how many jobs ran in it; ``prune`` (admins only)
+        removes first those no running job uses. Raises ``PermissionDenied``."""
+        if prune and not caller.admin:
+            raise PermissionDenied("only an admin prunes environments (they are shared by every user)")
+        if self.environments is None:
+            return [], []
+        removed = []
+        if prune:
+            in_use = self.jobs.environments_in_use()
+            removed = [m["hash"] for m in self.environments.listing() if m["hash"] not in in_use]
+            removed = [name for name in removed if self.environments.remove(name)]
+        counts = self.jobs.environment_jobs()
+        listing = [{**m, "jobs": counts.get(m["hash"], 0)} for m in self.environments.listing()]
+        return listing, removed
 
     def close(self) -> None:
         if self._watching is not None:

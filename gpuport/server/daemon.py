@@ -188,6 +188,7 @@ async def serve(
     ray_address: str | None = None,
     ray_insecure: bool = False,
     blob_grace: float = DEFAULT_BLOB_GRACE,
+    env_cache: int | None = None,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
@@ -200,7 +201,9 @@ async def serve(
     (False: none) whether each job runs in a cgroup of its own (see server/cgroups.py). Below
     ``memory_floor`` bytes of free memory (None: the default; 0: no floor), work that reserves no
     memory waits; a job that asks for no memory may use the machine's memory less the floor. Blobs
-    nobody keeps are removed once ``blob_grace`` seconds old (see services/storage.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
+    nobody keeps are removed once ``blob_grace`` seconds old (see services/storage.py). The Python
+    environments built for jobs take at most ``env_cache`` bytes (None: a share of the state dir's
+    disk; see server/environments.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -234,7 +237,16 @@ async def serve(
     if use_cgroups and not ray_address:
         room = max(0, psutil.virtual_memory().total - floor)
         limits = cgroups.detect(cgroups.server_key(state.jobs_dir), room)
-    app = ServerApp(state, inventory, isolated, executor, memory_floor=floor, cgroups=limits, blob_grace=blob_grace)
+    app = ServerApp(
+        state,
+        inventory,
+        isolated,
+        executor,
+        memory_floor=floor,
+        cgroups=limits,
+        blob_grace=blob_grace,
+        env_cache=env_cache,
+    )
     data: DataPort | None = None
     try:
         credentials = cert_credentials = None

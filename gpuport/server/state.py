@@ -83,6 +83,11 @@ class StateDir:
         return self.root / "gpu-history.json"
 
     @property
+    def envs_dir(self) -> Path:
+        """Python environments built from projects' requirements (``server/environments.py``)."""
+        return self.root / "envs"
+
+    @property
     def python_dir(self) -> Path:
         """Readable copies of the server's own code, for jobs, where its folder is closed to them."""
         return self.root / "python"

@@ -8,12 +8,16 @@ the HTTP port puts it in the ASGI scope as the ASGI TLS extension says
 from __future__ import annotations
 
 import ssl
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from gpuport.protocol.tls import fingerprint
-from gpuport.server.services.auth import AuthService, Identity
+from gpuport.server.services.auth import AuthService, Identity, NoCredentials
+
+if TYPE_CHECKING:
+    from gpuport.server.services.serving import ServingService
 
 
 def grpc_credentials(context: grpc.aio.ServicerContext) -> tuple[str | None, str | None]:
@@ -38,6 +42,16 @@ def asgi_caller(auth: AuthService, scope: dict[str, Any], authorization: str | N
     tls = scope.get("extensions", {}).get("tls") or {}
     chain = tls.get("client_cert_chain") or ()
     return auth.authenticate(None, tls.get("gpuport.fingerprint") if chain else None)
+
+
+def model_caller(authenticate: Callable[[], Identity], serving: ServingService, name: str) -> Identity:
+    """``authenticate()``'s caller, for a request about model ``name`` that is not public (or not
+    there): a caller that sent no credentials at all is told the model is unknown, as a missing one
+    is, so a private model is no more known to it than a missing one; a wrong token is still refused."""
+    try:
+        return authenticate()
+    except NoCredentials:
+        raise serving.unknown_to_anonymous(name) from None
 
 
 class _WithClientCertificate:

@@ -28,6 +28,7 @@ from gpuport.protocol.errors import (
 from gpuport.server.api.callers import grpc_caller, grpc_credentials
 from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
+from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity, TokenRecord
 from gpuport.server.services.blobs import check_hash, read_parts
 from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
@@ -130,6 +131,24 @@ def token_message(record: TokenRecord) -> pb.TokenInfo:
 
 
 class ControlServicer(_Servicer, pb_grpc.ControlServicer):
+    @rpc
+    async def ListEnvironments(self, request: pb.EnvironmentsRequest, caller: Identity) -> pb.EnvironmentList:
+        listing, removed = await asyncio.to_thread(self.app.list_environments, caller, request.prune)
+        envs = [
+            pb.Environment(
+                hash=m["hash"],
+                size=m["size"],
+                python_version=m["python_version"],
+                created_at=m["created_at"],
+                last_used=m["last_used"],
+                jobs=m["jobs"],
+                layered=m["layered"],
+                packages=m["packages"],
+            )  # fmt: skip
+            for m in listing
+        ]
+        return pb.EnvironmentList(environments=envs, removed=removed)
+
     @rpc
     async def Hello(self, request: pb.HelloRequest, caller: Identity) -> pb.HelloReply:
         return pb.HelloReply(
@@ -358,6 +377,7 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         node=job.node,
         array_id=job.array_id,
         array_index=job.array_index or 0,
+        environment=job.environment,
     )
 
 
@@ -403,6 +423,9 @@ def job_request(request: pb.JobSpec) -> JobRequest:
         retries=request.retries,
         nodes=request.nodes or 1,
         after=list(request.after),
+        environment=EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)
+        if request.requirements
+        else None,
     )
 
 

@@ -40,6 +40,7 @@ from gpuport.server.api.dashboard import LOGIN_BODY_BYTES, LOGIN_PATH, add_dashb
 from gpuport.server.api.openapi import build_openapi
 from gpuport.server.api.serving_http import Predictions, add_serving_routes, protocol_error
 from gpuport.server.app import ServerApp
+from gpuport.server.environments import EnvRequest
 from gpuport.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
@@ -92,6 +93,14 @@ class JobCreate(BaseModel):
         description="Jobs to wait for: JOB, JOB:ok (succeeded, the default) or JOB:any (ended); "
         "JOB an id, a name or a job array; a job whose JOB:ok fails is cancelled",
     )
+    requirements: str | None = Field(
+        None,
+        description='Its Python environment, built on the server with uv: "auto" (the project\'s uv.lock, '
+        "pyproject.toml or requirements.txt), a file of the project, or requirements as text; none: the server's",
+    )
+    groups: list[str] = Field(default_factory=list, description="pyproject.toml's dependency groups to include")
+    python: str = Field("", description='A Python version the server has, e.g. "3.12" (an isolated environment)')
+    isolated_env: bool = Field(False, description="Without the server's own packages under the environment")
 
 
 class ArrayCreate(JobCreate):
@@ -172,6 +181,9 @@ def job_request(body: JobCreate) -> JobRequest:
         retries=body.retries,
         nodes=body.nodes,
         after=body.after,
+        environment=EnvRequest(body.requirements, tuple(body.groups), body.python, body.isolated_env)
+        if body.requirements
+        else None,
     )
 
 

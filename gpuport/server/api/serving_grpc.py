@@ -24,7 +24,7 @@ from gpuport.defaults import MAX_INFER_BYTES
 from gpuport.protocol.datatypes import datatype_of, from_tf_enum, numpy_dtype, tf_enum
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, NotFound, ServerError, status_for
 from gpuport.protocol.serving import KSERVE_SERVICE, TFS_SERVICE, any_type_url, kserve, tfs
-from gpuport.server.api.callers import grpc_caller
+from gpuport.server.api.callers import grpc_caller, model_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, Endpoint, version_number
@@ -79,14 +79,18 @@ def _unary(
     async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             caller = endpoint = None
+            name = _name_in(request) if callable(who) else ""
             if callable(who):
                 try:
                     endpoint = who(app, request)
-                except NotFound:
-                    grpc_caller(app.auth, context)  # an unknown model, version or label: for callers with credentials
+                except NotFound:  # an unknown model, version or label: told to callers with credentials
+                    model_caller(lambda: grpc_caller(app.auth, context), app.serving, name)
                     raise
             if who != ANYONE and not (endpoint is not None and endpoint.public):
-                caller = grpc_caller(app.auth, context)
+                if name:
+                    caller = model_caller(lambda: grpc_caller(app.auth, context), app.serving, name)
+                else:
+                    caller = grpc_caller(app.auth, context)
             return await method(app, request, caller, endpoint)
         except Exception as e:
             if isinstance(e, AuthenticationError):
@@ -100,6 +104,14 @@ def _unary(
     return grpc.unary_unary_rpc_method_handler(
         handle, request_deserializer=request_type.FromString, response_serializer=response_type.SerializeToString
     )
+
+
+def _name_in(request: Any) -> str:
+    """The model a request names (KServe's ``name`` or ``model_name``, TF Serving's ``model_spec``), or ""."""
+    for field in ("name", "model_name"):
+        if hasattr(request, field):
+            return str(getattr(request, field))
+    return str(request.model_spec.name) if hasattr(request, "model_spec") else ""
 
 
 def _named(app: ServerApp, request: Any) -> Endpoint | None:

@@ -38,7 +38,7 @@ from gpuport.protocol.errors import (
     status_for,
 )
 from gpuport.server.api import openapi
-from gpuport.server.api.callers import asgi_caller
+from gpuport.server.api.callers import asgi_caller, model_caller
 from gpuport.server.app import ServerApp
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.serving import DeploymentRecord, Endpoint, message_for, version_number
@@ -96,13 +96,16 @@ def _answered(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awai
     async def answer(request: Request, **params: str) -> Response:
         try:
             name = request.path_params.get("name")
-            try:
-                public = name is not None and _server(request).serving.is_public(name, _version(request))
-            except NotFound:
-                _caller(request)  # an unknown version or label is told to callers with credentials only
-                raise
-            if not public:
+            serving = _server(request).serving
+            if name is None:
                 _caller(request)
+            else:
+                try:
+                    public = serving.is_public(name, _version(request))
+                except NotFound:
+                    public = False  # an unknown version or label is told to callers with credentials only
+                if not public:
+                    model_caller(lambda: _caller(request), serving, name)
             return await handler(request, **params)
         except GpuportError as e:
             return protocol_error(e)
@@ -406,13 +409,11 @@ class Predictions:
             try:
                 number = serving.labelled(name, version) if tfs is not None and tfs[2] == "labels" else None
                 endpoint = serving.endpoint(name, version_number(version) if number is None else number)
-            except NotFound:
-                self._authenticate(
-                    headers, scope
-                )  # an unknown model, version or label: told to callers with credentials
+            except NotFound:  # an unknown model, version or label: told to callers with credentials
+                model_caller(lambda: self._authenticate(headers, scope), serving, name)
                 raise
             if not endpoint.public:
-                self._authenticate(headers, scope)
+                model_caller(lambda: self._authenticate(headers, scope), serving, name)
             body = await _read_body(headers, receive)
             if body is None:
                 return  # the client is gone

@@ -98,6 +98,10 @@ class JobLaunch:
     host_network: bool = False
     memory: int = 0  # bytes of RAM it may use (its --memory); 0: the node's default (see server/cgroups.py)
     processes: int = DEFAULT_PROCESSES_PER_JOB  # processes and threads at once, where the kernel counts them
+    # Its Python environment (``server/environments.py``): an ``EnvRequest`` as JSON, built on the node
+    # as ``build_uid`` (None: the server's uid); None: the node's own environment.
+    environment: dict[str, Any] | None = None
+    build_uid: int | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ import psutil
 
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
+from gpuport.server.environments import Environments
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
 from gpuport.server.executors.reach import Command
 from gpuport.server.executors.workspace import JobFolders
@@ -30,10 +31,18 @@ class LocalExecutor(Executor):
     kind = "local"
 
     def __init__(
-        self, root: Path, blobs: BlobStore, sandbox: Sandbox, inventory: Inventory, cgroups: Cgroups = cgroups_.NONE
+        self,
+        root: Path,
+        blobs: BlobStore,
+        sandbox: Sandbox,
+        inventory: Inventory,
+        cgroups: Cgroups = cgroups_.NONE,
+        environments: Environments | None = None,
     ) -> None:
         self.name = socket.gethostname()
-        self.folders = JobFolders(root, blobs, sandbox, inventory, node=self.name, cgroups=cgroups)
+        self.folders = JobFolders(
+            root, blobs, sandbox, inventory, node=self.name, cgroups=cgroups, environments=environments
+        )
         self.inventory = inventory
         self._node = Node(self.name, this_machine(inventory), "127.0.0.1")
 

@@ -57,6 +57,7 @@ from gpuport.defaults import (
 )
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
+from gpuport.server.environments import Built, Environments, EnvRequest, say
 from gpuport.server.executors import reach
 from gpuport.server.executors.base import ENDPOINT_NAME, Files, JobLaunch, OnExit, Stream, Usage
 from gpuport.server.executors.reach import Command
@@ -91,6 +92,7 @@ _CODE_PATHS = _code_paths()
 _SERVER_ENV = ("LANG", "LANGUAGE", "TZ")
 _SERVER_ENV_PREFIXES = ("LC_", "CUDA_", "NVIDIA_")
 _SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
+_ARCHIVES = (".whl", ".tar.gz", ".zip")  # a project's own packages, which its requirements may name
 
 
 def base_env() -> dict[str, str]:
@@ -117,6 +119,7 @@ class JobFolders:
         inventory: Inventory,
         node: str = "",
         cgroups: Cgroups = cgroups_.NONE,
+        environments: Environments | None = None,
     ) -> None:
         self.root = root
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -125,6 +128,7 @@ class JobFolders:
         self.inventory = inventory
         self.node = node  # $GPUPORT_NODE of its jobs
         self.cgroups = cgroups  # where its jobs' groups are made (version 0: none)
+        self.environments = environments  # where jobs' Python environments are built (None: not here)
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self._lock = threading.Lock()
 
@@ -142,7 +146,14 @@ class JobFolders:
         out.mkdir()
         run.mkdir()
         write_entries(_entries(job.workdir) if job.workdir else [], self.blobs, work)
+        built = self._environment(job, work, job_dir / "log")
         env = base_env()
+        argv = list(job.argv)
+        if built is not None:  # its programs first; gpuport's workers (the box's Python) run in it too
+            env["PATH"] = os.pathsep.join([str(built.path / "bin"), env["PATH"]])
+            env["VIRTUAL_ENV"] = str(built.path)
+            if argv and argv[0] == sys.executable:
+                argv[0] = built.python
         env.update(job.env)
         # Python jobs run worker/bootstrap/sitecustomize.py first: live, ordered and fast output.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (*_CODE_PATHS, env.get("PYTHONPATH")) if p)
@@ -164,7 +175,7 @@ class JobFolders:
             fake_gpus = self.inventory.usage_dir / job.job_id if self.sandbox.isolated else self.inventory.usage_dir
             env[ENV_FAKE_GPU_DIR] = str(fake_gpus)
         spec: dict[str, Any] = {
-            "argv": job.argv,
+            "argv": argv,
             "cwd": str(work),
             "env": env,
             "grace": job.grace,
@@ -181,12 +192,36 @@ class JobFolders:
         if job.rank_env and job.nprocs > 1:
             spec["rank_env"], spec["rank_base"] = job.rank_env, job.rank_base
         if self.sandbox.isolated:
-            spec.update(self._sandbox(job, work, out, env, fake_gpus))
+            spec.update(self._sandbox(job, work, out, env, fake_gpus, built))
         elif "HOME" not in job.user_env:  # no sandbox: the job runs as the server's user, at its home
             env["HOME"] = os.path.expanduser("~")
         return spec
 
-    def _sandbox(self, job: JobLaunch, work: Path, out: Path, env: dict[str, str], fake_gpus: Path | None) -> dict:
+    def _environment(self, job: JobLaunch, work: Path, log_path: Path) -> Built | None:
+        """The job's Python environment, built here now where it is missing (its progress and uv's
+        output go to the job's log); None: the node's own. Raises ``BuildFailed``."""
+        if job.environment is None:
+            return None
+        with open(log_path, "ab", buffering=0) as log_file:
+            if self.environments is None:
+                say(log_file, "this node builds no environments: the job runs in the node's own")
+                return None
+            wheels = [f"{e[0]}:{e[1]}" for e in job.workdir.entries if e[0].endswith(_ARCHIVES)] if job.workdir else []
+            request = EnvRequest.from_json(job.environment)
+            built = self.environments.ensure(request, work, wheels, log_file, job.build_uid)
+        if built is not None:
+            self.environments.record(job.job_id, built)
+        return built
+
+    def _sandbox(
+        self,
+        job: JobLaunch,
+        work: Path,
+        out: Path,
+        env: dict[str, str],
+        fake_gpus: Path | None,
+        built: Built | None = None,
+    ) -> dict:
         """The sandbox a job runs in: only its own folders, its datasets read-only, as its owner's uid
         (when the server is root), which then owns what the job may write."""
         uid = job.uid if self.sandbox.mode == "uids" else None
@@ -200,6 +235,8 @@ class JobFolders:
         readable = [work.parent / "datasets"] if job.datasets else []
         for folder in readable:  # made for this job just now, and read-only to it
             let_read(folder)
+        if built is not None:  # the server's, sealed: read-only to every job, bound read-only too
+            readable.append(built.path)
         if uid is not None:
             for folder in (work, out):  # copies made for this job just now: the job's to change
                 own_tree(folder, uid)

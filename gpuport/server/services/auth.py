@@ -52,6 +52,11 @@ _SPENT_CODE_SECONDS = 600.0
 _CODES_KEPT = 10_000
 
 
+class NoCredentials(AuthenticationError):
+    """The caller sent no credentials at all (no token, no client certificate): an anonymous caller,
+    which some routes answer as they answer anyone (a model that is not public is unknown to it)."""
+
+
 @dataclass(frozen=True)
 class Identity:
     """The caller behind a token."""
@@ -122,7 +127,7 @@ class AuthService:
         if not authorization:
             if client_cert:
                 return self._scoped(self._by_certificate(client_cert), scope)
-            raise AuthenticationError("no token was sent")
+            raise NoCredentials("no token was sent")
         scheme, _, token = authorization.partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token.startswith(TOKEN_PREFIX):

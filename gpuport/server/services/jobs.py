@@ -65,6 +65,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
+from gpuport.server.environments import BUILD_OWNER, BuildFailed, Built, Environments, EnvRequest, check_request
 from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, Placement
 from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
@@ -177,6 +178,7 @@ class JobRequest:
     kind: str = "job"
     internal_env: dict[str, str] = field(default_factory=dict)
     folders: list[str] = field(default_factory=list)  # of the server's, which the job's processes may write
+    environment: EnvRequest | None = None  # its Python environment's requirements; None: the box's own
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,7 @@ class JobRecord:
     placement: list[tuple[str, list[int]]] = field(default_factory=list)  # several nodes: (node, GPUs) each
     array_id: str = ""  # the job array it is a task of
     array_index: int | None = None
+    environment: str = ""  # the hash of the Python environment it runs in ("" : the box's own)
 
 
 @dataclass(frozen=True)
@@ -331,6 +334,7 @@ class JobService:
         self._memory_read = (-1e9, 0)  # (when, bytes available) of the last look at free memory
         self._caps: dict[str, int] = {}  # job array → the most of its tasks running at once (%N)
         self._waiters: dict[str, set[str]] = {}  # job or array id → queued jobs waiting for it
+        self.environments: Environments | None = None  # set by the app: where jobs' environments are built
 
     @property
     def cluster(self) -> Cluster:
@@ -396,6 +400,11 @@ class JobService:
             "folders": request.folders,
             "retries": request.retries,
         }
+        if request.environment is not None:
+            check_request(request.environment)
+            if request.environment.python and self.environments is not None:
+                self.environments.python_for(request.environment.python)  # the box has it, or a clear error
+            spec["environment_request"] = request.environment.to_json()
         return argv, snapshot, outputs, spec
 
     def _check_resources(self, caller: Identity, request: JobRequest) -> None:
@@ -712,6 +721,7 @@ class JobService:
             placement=[(node, gpus) for node, gpus in json.loads(row["placement"] or "[]")],
             array_id=row["array_id"],
             array_index=row["array_index"],
+            environment=json.loads(row["spec"]).get("environment", ""),
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -1400,6 +1410,9 @@ class JobService:
             async with gate:
                 await asyncio.to_thread(self.executor.start, job, self._exit_callback(job_id))
                 await self._set_up(job_id)
+        except BuildFailed as e:
+            self._end(job_id, JobState.FAILED, None, f"its environment could not be built: {e}")
+            return
         except Exception as e:
             log.exception("job %s: preparing or starting it on %s failed", job_id, row["node"] or "this machine")
             self._end(job_id, JobState.FAILED, None, f"the server could not prepare the job: {e}")
@@ -1448,6 +1461,7 @@ class JobService:
                 if name not in spec["env"]:
                     env[name] = threads
         tf_roles = spec.get("tf_roles")
+        environment = spec.get("environment_request")
         return JobLaunch(
             job_id=row["id"],
             owner=row["owner"],
@@ -1470,7 +1484,29 @@ class JobService:
             parts=tuple(Placement(node, tuple(gpus)) for node, gpus in json.loads(row["placement"] or "[]")),
             memory=row["memory"],
             processes=self.quotas.processes(row["owner"]),
+            environment=environment,
+            build_uid=self.uids.uid(BUILD_OWNER) if environment is not None and self.sandbox.mode == "uids" else None,
         )
+
+    def record_environment(self, job_id: str, built: Built) -> None:
+        """Note on the job the environment it runs in (from the thread that set the job up)."""
+        with self.store.transaction() as db:
+            db.execute("UPDATE jobs SET spec = json_set(spec, '$.environment', ?) WHERE id = ?", (built.hash, job_id))
+
+    def environments_in_use(self) -> set[str]:
+        """The environments of the running jobs: never evicted nor pruned."""
+        rows = self.store.query(
+            "SELECT DISTINCT json_extract(spec, '$.environment') AS env FROM jobs WHERE state = 'running'"
+        )
+        return {r["env"] for r in rows if r["env"]}
+
+    def environment_jobs(self) -> Counter[str]:
+        """How many jobs (of every state) ran in each environment."""
+        rows = self.store.query(
+            "SELECT json_extract(spec, '$.environment') AS env, COUNT(*) AS n FROM jobs "
+            "WHERE json_extract(spec, '$.environment') IS NOT NULL GROUP BY 1"
+        )
+        return Counter({r["env"]: r["n"] for r in rows})
 
     def _caps_env(self, row: Any, gpu_indices: list[int]) -> dict[str, str]:
         """A slice's limit for each framework, read by the job's bootstrap or by the framework itself.

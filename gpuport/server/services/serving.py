@@ -453,6 +453,15 @@ class ServingService:
         what = f"'{name}'" + (f" version {version}" if version else "")
         return f"Request for unknown model: {what} is not found — `gpuport models` lists the deployed ones"
 
+    def unknown_to_anonymous(self, name: str) -> NotFound:
+        """What a caller without credentials is told of model ``name`` when it is not public: the same
+        whether it is private or missing (its name stays private), in the words Triton says of a
+        missing model, which Triton's clients check for."""
+        return NotFound(
+            f"Request for unknown model: '{name}' is not found — or it is not public: the other models "
+            "answer callers with credentials only (a token, or a client certificate)"
+        )
+
     def find(self, name: str, version: int = 0) -> DeploymentRecord:
         d = self._find(name, version)
         if d is None:

@@ -51,6 +51,7 @@ from gpuport.defaults import (
 from gpuport.protocol.errors import (
     AuthenticationError,
     Conflict,
+    GpuportError,
     InvalidRequest,
     NotFound,
     ResourceUnavailable,
@@ -79,6 +80,7 @@ _QUICK_REPLY = 0.001
 _KEEP_MAP_BYTES = 16 * 1024 * 1024  # uploads from this size keep the server's map for reuse (see _Live.sent)
 _STATE_EVERY = 25  # output polls between looks at a followed session's state (0.5 s)
 _REAP_EVERY = 1.0
+_RECOUNT_WAIT = 5.0  # seconds a starting server waits for the workers it picks up to count their values
 _STDERR_TAIL_LINES = 20
 _MAX_IDLE_TIMEOUT = 30 * 24 * 3600.0
 _OUTPUT = ("stdout", "stderr")  # the worker's files of fds 1 and 2
@@ -470,20 +472,44 @@ class SessionService:
         self.staging = Staging()
         self.data_port = 0  # set by the daemon once the data port listens
         self._reaper: asyncio.Task[None] | None = None
+        self._recounting: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
-        """Pick up the sessions a previous server left; their workers (jobs) run on."""
+        """Pick up the sessions a previous server left; their workers (jobs) run on, holding their
+        values, which are counted again before the server says it is ready (a worker busy with a call
+        from before answers in the background, once it is free)."""
         self._loop = asyncio.get_running_loop()
         for row in self.store.query("SELECT * FROM sessions WHERE ended_at IS NULL ORDER BY seq"):
             live = _Live(row["id"], row["owner"], row["name"], row["job_id"], row["idle_timeout"])
             live.workers = [tuple(w) for w in json.loads(row["workers"] or "[]")] or [(live.job_id, 0, 0)]
             self._live[row["id"]] = live
+        self._recounting = {asyncio.create_task(self._recount(live)) for live in self._live.values()}
+        if self._recounting:
+            await asyncio.wait(self._recounting, timeout=_RECOUNT_WAIT)
         self._reaper = asyncio.create_task(self._reap())
+
+    async def _recount(self, live: _Live) -> None:
+        """Ask a running worker how many values it holds (the count is the worker's: this server has
+        not seen the calls that made them); a worker not running holds none."""
+        if self.jobs.get(Identity(live.owner, admin=True), live.job_id).state is not JobState.RUNNING:
+            return
+        async with live.lock:
+            try:
+                link = await self._link(live, None)
+                await link.send({"op": "refs"})
+                self._out(live, await link.recv())
+            except (_Died, GpuportError, EOFError, OSError) as e:  # a call will find it again, and say
+                log.info("session %s: its values could not be counted after the restart: %s", live.id, e)
+                if live.link is not None:
+                    live.link.close()
+                    live.link = None
 
     def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for task in self._recounting:
+            task.cancel()
         for live in self._live.values():
             if live.link is not None:
                 live.link.close()
@@ -911,7 +937,9 @@ class SessionService:
                 out.ref = h["ref"]
             elif "refs" in h:
                 out.refs = h["refs"]
-            if "refs" in h:
+            if "values" in h:
+                live.refs = h["values"]
+            elif "refs" in h:  # a worker an older server started, which does not count its values itself
                 live.refs = len(h["refs"])
             elif "ref" in h:
                 live.refs += 1

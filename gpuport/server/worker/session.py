@@ -324,6 +324,7 @@ class Worker:
         sys.stderr.flush()
         header["stdout"] = os.fstat(1).st_size
         header["stderr"] = os.fstat(2).st_size
+        header["values"] = len(self.values)  # the server's count (`gpuport sessions`) is this one
         try:
             wire.send(conn, header, buffers, fds)
         except OSError:

@@ -1,0 +1,712 @@
+"""Environments: what a project declares (``uv.lock``, ``pyproject.toml``, ``requirements.txt``) made
+into a Python environment on the box with uv, built once and shared read-only.
+
+A job's ``EnvRequest`` names where its requirements are. ``Environments.ensure`` (called where the
+job's workdir has just been written, before its sandbox starts) finds them there and:
+
+1. keys the request by its files' text (and any wheels of the project), the interpreter, the
+   platform, the layering and the index settings, and looks the key up in ``keys/``: a warm launch
+   reads one small file;
+2. on a miss, resolves it in a build sandbox: ``uv export --frozen`` of a lock, else ``uv pip
+   compile`` (over the box's own versions as preferences, when layered), and records the resolution
+   under the key;
+3. hashes what is to be installed (the resolution, less what the box already has at that very
+   version when layered), the Python version and the platform: that hash names the environment,
+   ``<root>/<hash>/``, so that requests that resolve alike, from any user, share one;
+4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
+   others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
+   shared (``cache/``) and the network only where the index is not on this machine's disk; then makes
+   it the server's and read-only (``seal_tree``), and writes ``meta.json`` last: an environment
+   without it is a build that did not finish, made again.
+
+Layered (the default), the environment's ``site-packages`` comes first and the box's after it (a
+``.pth`` file): the box's CUDA builds are used, and a version the project pins wins. Isolated, it
+holds only what the project names. A failed build raises ``BuildFailed`` with uv's own words; its
+folder is removed, and nothing is recorded.
+
+Layout of ``<state dir>/envs/``::
+
+    <hash>/            an environment (bin/python, lib/..., meta.json once complete); its mtime: last use
+    <hash>.lock        flock'ed while it is built
+    keys/<key>         the hash a request resolved to ("-": the box has all of it)
+    cache/             uv's cache, the build uid's
+    builds/<random>/   a build's scratch: the resolution, the list to install
+"""
+
+from __future__ import annotations
+
+import collections
+import configparser
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gpuport._files import atomic_write, own_folder, own_tree, read_small_beneath, seal_tree
+from gpuport.defaults import DEFAULT_ENV_BUILD_TIMEOUT, DEFAULT_ENV_CACHE_SHARE
+from gpuport.protocol.errors import InvalidRequest
+from gpuport.protocol.units import format_size
+from gpuport.server.isolation import Sandbox
+
+log = logging.getLogger(__name__)
+
+# Where requirements are found in a workdir, in this order: a lock says exactly what to install.
+REQUIREMENT_FILES = ("uv.lock", "pyproject.toml", "requirements.txt")
+AUTO = "auto"  # an EnvRequest's requirements: whatever of REQUIREMENT_FILES the workdir holds
+BUILD_OWNER = ":build"  # the UidMap owner whose uid builds environments (no user's name has a ':')
+_UV = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv") or ""
+_MAX_REQUIREMENTS = 1024 * 1024  # bytes of a requirements file, a pyproject.toml or a lock read
+_HASH_CHARS = 16  # an environment's name: the first 64 bits of its hash
+_PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+_LAYER_PTH = "_gpuport_box.pth"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+class BuildFailed(Exception):
+    """An environment could not be built: ``str()`` says why, in uv's own words."""
+
+
+@dataclass(frozen=True)
+class EnvRequest:
+    """Where a job's requirements are and how to build them, as a job's spec stores it."""
+
+    requirements: str = AUTO  # AUTO, a file of the workdir, or requirements as text
+    groups: tuple[str, ...] = ()  # pyproject.toml's dependency groups to include
+    python: str = ""  # a version ("3.12") the box must have; "": the box's own
+    isolated: bool = False  # without the box's packages
+
+    def to_json(self) -> dict[str, Any]:
+        return {"requirements": self.requirements, "groups": list(self.groups), "python": self.python,
+                "isolated": self.isolated}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EnvRequest:
+        return cls(data["requirements"], tuple(data.get("groups") or ()), data.get("python", ""), data["isolated"])
+
+
+def check_request(request: EnvRequest) -> None:
+    """Refuse what no workdir could make valid: raises ``InvalidRequest`` saying what to change."""
+    if len(request.requirements.encode()) > _MAX_REQUIREMENTS or "\0" in request.requirements:
+        raise InvalidRequest("requirements: give a file of the project, or the requirements' text (at most 1 MiB)")
+    for group in request.groups:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", group):
+            raise InvalidRequest(f"dependency group {group[:80]!r}: a name of pyproject.toml's [dependency-groups]")
+    if request.python and not re.fullmatch(r"3(\.[0-9]{1,2}){1,2}", request.python):
+        raise InvalidRequest(f"--python {request.python[:40]!r}: give a version such as 3.12")
+
+
+@dataclass(frozen=True)
+class Built:
+    """The environment a job runs in: its folder and what it holds."""
+
+    hash: str
+    path: Path
+    python: str  # its interpreter, as jobs run it
+    packages: list[str]  # name==version, as installed in it (layered: over the box's)
+
+
+@dataclass
+class _Source:
+    """A request as found in a workdir: how to resolve it, and what its key covers."""
+
+    kind: str  # "lock", "pyproject" or "requirements"
+    file: str  # below the workdir ("" for text, written to the build's scratch)
+    text: str
+    extra: list[str] = field(default_factory=list)  # what else the key covers: the project's wheels
+
+
+# ---- the box's configuration, passed to uv explicitly ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """Where packages come from, as the admin configured this box for pip and uv: uv's arguments,
+    the variables it gets, the local folders a build must see, and whether it needs the network."""
+
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    folders: tuple[str, ...] = ()
+    network: bool = True
+
+    def describe(self) -> str:
+        return " ".join(self.args) or "PyPI"
+
+
+def _pip_config() -> dict[str, str]:
+    """pip's settings of the box ([global], then [install]), from the files pip reads, then PIP_*."""
+    files = ["/etc/pip.conf", "/etc/xdg/pip/pip.conf", os.path.expanduser("~/.pip/pip.conf")]
+    files.append(os.path.expanduser("~/.config/pip/pip.conf"))
+    if os.environ.get("PIP_CONFIG_FILE"):
+        files.append(os.environ["PIP_CONFIG_FILE"])
+    parser = configparser.RawConfigParser()
+    with contextlib.suppress(configparser.Error):
+        parser.read([f for f in files if os.path.isfile(f)])
+    found: dict[str, str] = {}
+    for section in ("global", "install"):
+        if parser.has_section(section):
+            found.update(parser.items(section))
+    for name in ("index-url", "extra-index-url", "find-links", "cert", "constraint"):
+        value = os.environ.get("PIP_" + name.upper().replace("-", "_"))
+        if value:
+            found[name] = value
+    return found
+
+
+def index_settings() -> IndexSettings:
+    """The box's index settings for uv: UV_* first, then pip's (``pip.conf``, PIP_*): the index, its
+    extra indexes, find-links folders, a constraints file, the CA bundle, a proxy; and uv's own
+    ``uv.toml`` of the server's user (the system's, under /etc, uv finds itself)."""
+    pip = _pip_config()
+    env = os.environ
+    index = env.get("UV_INDEX_URL") or env.get("UV_DEFAULT_INDEX") or pip.get("index-url", "")
+    extra = (env.get("UV_EXTRA_INDEX_URL") or env.get("UV_INDEX") or pip.get("extra-index-url", "")).split()
+    links = (env.get("UV_FIND_LINKS", "").replace(",", " ") or pip.get("find-links", "")).split()
+    constraint = env.get("UV_CONSTRAINT") or pip.get("constraint", "")
+    args: list[str] = []
+    if index:
+        args += ["--index-url", index]
+    for url in extra:
+        args += ["--extra-index-url", url]
+    for link in links:
+        args += ["--find-links", link]
+    folders: list[str] = []
+    for constraint_file in constraint.split():
+        if os.path.isfile(constraint_file):
+            args += ["--constraint", constraint_file]
+            folders.append(constraint_file)
+    passed: dict[str, str] = {}
+    cert = env.get("SSL_CERT_FILE") or pip.get("cert", "")
+    if cert and os.path.exists(cert):
+        passed["SSL_CERT_FILE"] = cert
+        folders.append(cert)
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY", "https_proxy", "http_proxy", "no_proxy"):
+        if env.get(name):
+            passed[name] = env[name]
+    config = env.get("UV_CONFIG_FILE") or os.path.expanduser("~/.config/uv/uv.toml")
+    if os.path.isfile(config):
+        passed["UV_CONFIG_FILE"] = config
+        folders.append(config)
+    local = [u for u in [index, *extra, *links] if u]
+    for url in local:
+        path = url.removeprefix("file://") if url.startswith("file://") else url if "://" not in url else ""
+        if path and os.path.exists(path):
+            folders.append(path.rstrip("/"))
+    # Only an index on this machine's disk (and a configured one: none means PyPI) lets it go without.
+    network = not index or any("://" in u and not u.startswith("file://") for u in local) or "UV_CONFIG_FILE" in passed
+    return IndexSettings(tuple(args), tuple(sorted(passed.items())), tuple(dict.fromkeys(folders)), network)
+
+
+def box_packages() -> dict[str, str]:
+    """What the server's own environment holds: canonical name → version."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(_canonical(name), dist.version)
+    return found
+
+
+def _box_site_dirs() -> list[str]:
+    """The folders of the server's environment that a layered one adds after its own."""
+    return [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and os.path.isdir(p)]
+
+
+def interpreters() -> dict[str, str]:
+    """The Pythons this box has, by version (``3.12.4``): its own, and those uv finds (on PATH,
+    pyenv's, uv's own)."""
+    found = {platform.python_version(): sys.executable}
+    if _UV:
+        done = subprocess.run(
+            [_UV, "python", "list", "--only-installed", "--output-format", "json", "--python-preference", "system"],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={"PATH": os.environ.get("PATH", ""), "HOME": os.path.expanduser("~")},
+        )
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            for item in json.loads(done.stdout or "[]"):
+                if item.get("path") and item.get("implementation") == "cpython":
+                    found.setdefault(item["version"], item["path"])
+    return found
+
+
+def pick_python(wanted: str, have: dict[str, str]) -> tuple[str, str]:
+    """The (version, path) of the box's interpreter that ``wanted`` (3.12, or 3.12.4) names; raises
+    ``InvalidRequest`` listing the versions the box has otherwise."""
+    for version in sorted(have, key=lambda v: [int(p) for p in v.split(".") if p.isdigit()], reverse=True):
+        if version == wanted or version.startswith(wanted + "."):
+            return version, have[version]
+    listed = ", ".join(sorted(have)) or "none"
+    raise InvalidRequest(
+        f"Python {wanted} is not on this server; it has {listed}: ask for one of those (--python), or ask "
+        f"the server's admin to install {wanted} (uv python install {wanted}, or the system's packages)"
+    )
+
+
+def env_cache_default(state_root: Path) -> int:
+    """Bytes the environments may take by default: ``DEFAULT_ENV_CACHE_SHARE`` of the state dir's disk."""
+    return int(shutil.disk_usage(state_root).total * DEFAULT_ENV_CACHE_SHARE)
+
+
+# ---- the store of environments -------------------------------------------------------------------
+
+
+class Environments:
+    """The environments of one machine, under ``root`` (see the module's docstring)."""
+
+    def __init__(self, root: Path, sandbox: Sandbox, cache_limit: int = 0) -> None:
+        self.root = root
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in ("keys", "builds"):
+            (self.root / name).mkdir(mode=0o700, exist_ok=True)
+        (self.root / "cache").mkdir(mode=0o700, exist_ok=True)
+        self.sandbox = sandbox
+        self.cache_limit = cache_limit  # bytes the environments may take; 0: no limit
+        self.index = index_settings()
+        self._interpreters: dict[str, str] | None = None
+        # The environments that running jobs use (never evicted); and where a job's is recorded.
+        self.in_use: Callable[[], set[str]] = set
+        self.record: Callable[[str, Built], None] = lambda job_id, built: None
+
+    # ---- a job's environment ---------------------------------------------------------------------
+
+    def python_for(self, wanted: str) -> tuple[str, str]:
+        """The (version, path) of the interpreter a request for ``wanted`` ("" : the box's) builds on."""
+        if not wanted:
+            return platform.python_version(), sys.executable
+        if self._interpreters is None:
+            self._interpreters = interpreters()
+        return pick_python(wanted, self._interpreters)
+
+    def ensure(
+        self, request: EnvRequest, work: Path, wheels: list[str], log_file: BinaryIO, build_uid: int | None
+    ) -> Built | None:
+        """The environment ``request`` names for the workdir ``work`` (built now where it is missing,
+        its progress and uv's output written to ``log_file``); None where it names nothing there, or
+        (layered) nothing the box lacks. ``wheels``: the project's own wheels and source archives
+        (path:blob), which its requirements may name. Raises ``BuildFailed`` or ``InvalidRequest``."""
+        source = self._source(request, work, wheels)
+        if source is None:
+            return None
+        version, python = self.python_for(request.python)
+        layered = not request.isolated and python == sys.executable
+        key = self._key(request, source, version, layered)
+        recorded = read_small_beneath(self.root / "keys", key)
+        if recorded is not None:
+            name = recorded.decode().strip()
+            if name == "-":
+                return None
+            built = self._load(name)
+            if built is not None:
+                return built
+        if build_uid is not None:  # for the build to read (bound read-only); the job's uid gets it after
+            own_tree(work, build_uid)
+        with self._scratch(build_uid) as scratch:
+            say(log_file, f"resolving {source.file or 'the requirements'} with uv")
+            resolved = self._resolve(source, request, work, scratch, python, layered, log_file, build_uid)
+            install = self._to_install(resolved, layered)
+            packages = [line for line in install if _PIN.match(line)]
+            if not packages and layered:
+                say(log_file, "the box's environment has every package the project names")
+                atomic_write(self.root / "keys" / key, b"-\n", 0o600)
+                return None
+            identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
+            if layered:
+                identity += "\n" + "\n".join(_box_site_dirs())
+            name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
+            built = self._build(name, install, packages, work, scratch, python, version, layered, log_file, build_uid)
+            atomic_write(self.root / "keys" / key, name.encode() + b"\n", 0o600)
+            return built
+
+    def _source(self, request: EnvRequest, work: Path, wheels: list[str]) -> _Source | None:
+        """What the request names in ``work``: read without following a link (the snapshot is the user's)."""
+        names = REQUIREMENT_FILES if request.requirements == AUTO else (request.requirements,)
+        for name in names:
+            if "\n" in name or name.startswith("/") or ".." in name.split("/"):
+                continue  # text, or no file of the workdir
+            data = read_small_beneath(work, name, _MAX_REQUIREMENTS + 1)
+            if data is None:
+                continue
+            if len(data) > _MAX_REQUIREMENTS:
+                raise InvalidRequest(f"{name} is larger than {format_size(_MAX_REQUIREMENTS)}")
+            text = data.decode(errors="replace")
+            base = name.rsplit("/", 1)[-1]
+            if base == "uv.lock":
+                project = read_small_beneath(work, name[: -len("uv.lock")] + "pyproject.toml", _MAX_REQUIREMENTS)
+                if project is None:
+                    raise BuildFailed(f"{name} has no pyproject.toml beside it: uv exports a lock with its project")
+                return _Source("lock", name, text + "\0" + project.decode(errors="replace"))
+            if base == "pyproject.toml":
+                if request.requirements == AUTO and not re.search(r"(?m)^\s*dependencies\s*=", text):
+                    continue  # a pyproject.toml of tools' settings only
+                return _Source("pyproject", name, text, wheels)
+            return _Source("requirements", name, text, wheels)
+        if request.requirements == AUTO:
+            return None
+        if "\n" not in request.requirements and re.fullmatch(r"[\w./-]+\.(txt|toml|lock|in)", request.requirements):
+            raise InvalidRequest(f"requirements file {request.requirements!r} is not in the job's workdir")
+        return _Source("requirements", "", request.requirements, wheels)
+
+    def _key(self, request: EnvRequest, source: _Source, version: str, layered: bool) -> str:
+        parts = [source.kind, source.file, source.text, *source.extra, *request.groups, version, _platform()]
+        parts += ["layered" if layered else "isolated", self.index.describe(), repr(self.index.env)]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+    def _resolve(
+        self,
+        source: _Source,
+        request: EnvRequest,
+        work: Path,
+        scratch: Path,
+        python: str,
+        layered: bool,
+        log_file: BinaryIO,
+        build_uid: int | None,
+    ) -> list[str]:
+        out = scratch / "resolved.txt"
+        if source.kind == "lock":
+            folder = str(work / source.file).removesuffix("uv.lock") or str(work)
+            argv = [_UV, "export", "--frozen", "--no-hashes", "--no-emit-project", "--no-header", "--no-annotate"]
+            argv += ["--no-default-groups", "--format", "requirements-txt", "--project", folder, "-o", str(out)]
+            for group in request.groups:
+                argv += ["--group", group]
+        else:
+            given = str(work / source.file)
+            if not source.file:
+                given = str(scratch / "requirements.in")
+                atomic_write(Path(given), source.text.encode(), 0o644)
+            if layered:  # the box's versions, as an earlier resolution: uv keeps them where they fit
+                box = "".join(f"{n}=={v}\n" for n, v in sorted(box_packages().items()))
+                atomic_write(out, box.encode(), 0o644)
+            argv = [_UV, "pip", "compile", given, "-o", str(out), "--python", python, "--emit-find-links"]
+            argv += ["--no-header", "--no-annotate", *self.index.args]
+            if source.kind == "pyproject":
+                for group in request.groups:
+                    argv += ["--group", group]
+            elif request.groups:
+                raise InvalidRequest("dependency groups (--group) are pyproject.toml's: this project has none")
+        if build_uid is not None:
+            own_tree(scratch, build_uid)
+        self._run(argv, work, scratch, None, log_file, build_uid, "resolving the requirements")
+        data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
+        if data is None:
+            raise BuildFailed("uv wrote no resolution")
+        return [line.strip() for line in data.decode(errors="replace").splitlines()]
+
+    def _to_install(self, resolved: list[str], layered: bool) -> list[str]:
+        """The lines to install: options (find-links) and pins, less (layered) the box's own versions."""
+        box = box_packages() if layered else {}
+        install = []
+        for line in resolved:
+            if not line or line.startswith("#"):
+                continue
+            pin = _PIN.match(line)
+            if pin and box.get(_canonical(pin[1])) == pin[2]:
+                continue
+            install.append(line)
+        return install
+
+    def _build(
+        self,
+        name: str,
+        install: list[str],
+        packages: list[str],
+        work: Path,
+        scratch: Path,
+        python: str,
+        version: str,
+        layered: bool,
+        log_file: BinaryIO,
+        build_uid: int | None,
+    ) -> Built:
+        folder = self.root / name
+        fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                say(log_file, f"waiting for environment {name}, being built for another job")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            built = self._load(name)
+            if built is not None:
+                say(log_file, f"environment {name} is built")
+                return built
+            shutil.rmtree(folder, ignore_errors=True)  # a build that did not finish
+            listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
+            say(log_file, f"building environment {name} ({len(packages)} packages: {listed})…")
+            started = time.monotonic()
+            folder.mkdir(mode=0o755)
+            if build_uid is not None:
+                own_folder(folder, build_uid)
+                os.chmod(folder, 0o755)
+            lines = "".join(f"{_absolute(line, work)}\n" for line in install)
+            atomic_write(scratch / "install.txt", lines.encode(), 0o644)
+            if build_uid is not None:
+                own_tree(scratch, build_uid)
+            script = _BUILD_SCRIPT
+            argv = ["/bin/sh", "-c", script, "gpuport-build", _UV, str(folder), python, str(scratch / "install.txt")]
+            argv += ["\n".join(_box_site_dirs()) if layered else "", *self.index.args]
+            try:
+                self._run(argv, work, scratch, folder, log_file, build_uid, "building the environment")
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            own_tree(folder, os.getuid())  # the server's: no build or job may change it now
+            seal_tree(folder)
+            installed = _installed(folder)
+            meta = {
+                "hash": name,
+                "python_version": version,
+                "python": str(folder / "bin" / "python"),
+                "platform": _platform(),
+                "layered": layered,
+                "packages": installed,
+                "created_at": time.time(),
+                "build_seconds": round(time.monotonic() - started, 3),
+                "size": _size(folder),
+            }
+            path = folder / "meta.json"
+            os.chmod(folder, 0o755 | 0o200)  # a moment, to add its last file as the server
+            try:
+                atomic_write(path, json.dumps(meta, indent=2).encode(), 0o444)
+            finally:
+                os.chmod(folder, 0o555)
+            say(log_file, f"environment {name} built in {meta['build_seconds']:.1f}s ({format_size(meta['size'])})")
+            self.evict(keep=name)
+            return self._load(name) or _unreadable(name)
+        finally:
+            os.close(fd)
+
+    def _run(
+        self,
+        argv: list[str],
+        work: Path,
+        scratch: Path,
+        target: Path | None,
+        log_file: BinaryIO,
+        build_uid: int | None,
+        what: str,
+    ) -> None:
+        """Run uv (``argv``) in a build sandbox: the workdir and the index's folders read-only, the
+        scratch, uv's cache and the environment being built (``target``) writable, as ``build_uid``."""
+        cache = self.root / "cache"
+        if build_uid is not None:
+            own_folder(cache, build_uid)
+        env = {
+            "PATH": os.pathsep.join([os.path.dirname(_UV), "/usr/local/bin:/usr/bin:/bin"]),
+            "HOME": "/tmp",
+            "UV_CACHE_DIR": str(cache),
+            "UV_PYTHON_DOWNLOADS": "never",
+            "UV_NO_PROGRESS": "1",
+            "UV_LINK_MODE": "copy",  # never a hard link into the cache: an environment must not change
+            **dict(self.index.env),
+        }
+        for name in ("LANG", "LC_ALL"):
+            if os.environ.get(name):
+                env[name] = os.environ[name]
+        writable = [scratch, cache, *([target] if target else [])]
+        readable = [work, *(Path(f) for f in self.index.folders)]
+        if self.sandbox.isolated:
+            prefix = self.sandbox.argv(
+                uid=build_uid,
+                writable=writable,
+                readable=readable,
+                cwd=work,
+                host_network=self.index.network,
+            )
+            argv = [*prefix, *argv]
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+        )
+        timed_out = threading.Event()
+        timer = threading.Timer(DEFAULT_ENV_BUILD_TIMEOUT, lambda: (timed_out.set(), process.kill()))
+        timer.start()
+        tail: collections.deque[str] = collections.deque(maxlen=40)
+        try:
+            assert process.stdout is not None
+            for line in process.stdout:  # into the job's log as it comes: `gpuport run` shows it live
+                log_file.write(line)
+                tail.append(line.decode(errors="replace").strip())
+            code = process.wait()
+        finally:
+            timer.cancel()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        if code != 0:
+            if timed_out.is_set():
+                raise BuildFailed(f"{what} took longer than {DEFAULT_ENV_BUILD_TIMEOUT:.0f}s")
+            raise BuildFailed(f"{what} failed: {_uv_error(list(tail))}")
+
+    @contextlib.contextmanager
+    def _scratch(self, build_uid: int | None) -> Iterator[Path]:
+        scratch = self.root / "builds" / secrets.token_hex(8)
+        scratch.mkdir(mode=0o755)
+        try:
+            yield scratch
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    # ---- what is here ------------------------------------------------------------------------------
+
+    def _load(self, name: str) -> Built | None:
+        if not re.fullmatch(r"[0-9a-f]{16}", name):
+            return None
+        meta = self.meta(name)
+        if meta is None:
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(self.root / name)  # its last use, for `gpuport envs` and eviction
+        return Built(name, self.root / name, meta["python"], list(meta["packages"]))
+
+    def meta(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.root / name / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every built environment's meta, with ``last_used`` (the newest first)."""
+        found = []
+        for folder in self.root.iterdir():
+            meta = self.meta(folder.name) if re.fullmatch(r"[0-9a-f]{16}", folder.name) else None
+            if meta is not None:
+                meta["last_used"] = folder.stat().st_mtime
+                found.append(meta)
+        return sorted(found, key=lambda m: -m["last_used"])
+
+    def remove(self, name: str) -> bool:
+        """Remove environment ``name`` unless it is being built or set up now; whether it was removed."""
+        fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            folder = self.root / name
+            if not folder.is_dir():
+                return False
+            # Sealed and the server's: no other uid can swap a folder for a link meanwhile.
+            os.chmod(folder, 0o700)
+            for top, folders, _ in os.walk(folder):
+                for inner in folders:
+                    path = os.path.join(top, inner)
+                    if not os.path.islink(path):
+                        os.chmod(path, 0o700)
+            shutil.rmtree(folder, ignore_errors=True)
+            (self.root / f"{name}.lock").unlink(missing_ok=True)
+            return True
+        finally:
+            os.close(fd)
+
+    def evict(self, keep: str = "") -> list[str]:
+        """Remove the least recently used environments not in use until they fit ``cache_limit``."""
+        if not self.cache_limit:
+            return []
+        in_use = self.in_use()
+        envs = self.listing()
+        total = sum(m["size"] for m in envs)
+        removed = []
+        for meta in reversed(envs):  # the least recently used first
+            if total <= self.cache_limit:
+                break
+            if meta["hash"] == keep or meta["hash"] in in_use:
+                continue
+            if self.remove(meta["hash"]):
+                total -= meta["size"]
+                removed.append(meta["hash"])
+                log.info("environment %s evicted (--env-cache %s)", meta["hash"], format_size(self.cache_limit))
+        return removed
+
+
+# The build, in the sandbox: a venv on the interpreter, the layering .pth (the box's folders after
+# its own), then the pinned list without resolving again. $1 uv, $2 the folder, $3 the interpreter,
+# $4 the list, $5 the box's site folders (layered) or "", then the index's arguments.
+_BUILD_SCRIPT = r"""set -e
+uv=$1 env=$2 python=$3 list=$4 box=$5
+shift 5
+"$uv" venv --quiet --python "$python" --no-project "$env"
+if [ -n "$box" ]; then
+  "$env/bin/python" -I -c 'import sys, sysconfig
+lines = ["import site; site.addsitedir(%r)" % p for p in sys.argv[2].splitlines()]
+open(sysconfig.get_paths()["purelib"] + "/" + sys.argv[1], "w").write("\n".join(lines) + "\n")' \
+    _gpuport_box.pth "$box"
+fi
+"$uv" pip install --python "$env/bin/python" --no-deps --requirements "$list" "$@"
+"""
+
+
+def say(log_file: BinaryIO, text: str) -> None:
+    """A line of gpuport's own in the job's log."""
+    log_file.write(f"gpuport: {text}\n".encode())
+    log_file.flush()
+
+
+def _uv_error(lines: list[str]) -> str:
+    """uv's error among its last lines of output, for the job's message (the whole is in its log)."""
+    lines = [line for line in lines if line and not line.startswith("gpuport:")]
+    for index, line in enumerate(lines):
+        if line.startswith(("error:", "×", "x ")):
+            return " ".join(lines[index:])[:1000]
+    return " ".join(lines[-3:])[:1000] or "uv said nothing"
+
+
+def _absolute(line: str, work: Path) -> str:
+    """A --find-links line relative to the project made absolute (uv reads the list from elsewhere)."""
+    for flag in ("--find-links ", "-f "):
+        if line.startswith(flag):
+            where = line[len(flag) :].strip()
+            if "://" not in where and not where.startswith("/"):
+                return f"{flag}{work / where}"
+    return line
+
+
+def _platform() -> str:
+    libc = "-".join(platform.libc_ver()) or "nolibc"
+    return f"{sys.platform}-{platform.machine()}-{libc}"
+
+
+def _installed(folder: Path) -> list[str]:
+    """name==version of each distribution in the environment's own site-packages."""
+    found = []
+    for info in folder.glob("lib/python*/site-packages/*.dist-info"):
+        name, _, rest = info.name.removesuffix(".dist-info").partition("-")
+        found.append(f"{_canonical(name)}=={rest}")
+    return sorted(found)
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for top, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_size
+    return total
+
+
+def _unreadable(name: str) -> Built:
+    raise BuildFailed(f"environment {name} was built but its meta.json cannot be read")

@@ -115,6 +115,9 @@ ENV_CACHE_DIR = "GPUPORT_CACHE_DIR"
 # Environment every job gets: its id, where to write outputs, where datasets are.
 ENV_JOB_ID = "GPUPORT_JOB_ID"
 ENV_OUTPUT_DIR = "GPUPORT_OUTPUT_DIR"
+# The folder of a job's worker endpoints (sockets the server connects to) and the files it reads of a
+# worker (a session's output, a replica's load error): the executor's, reached by name through it.
+ENV_RUN_DIR = "GPUPORT_RUN_DIR"
 ENV_DATASETS_DIR = "GPUPORT_DATASETS_DIR"
 # The name of the node the job runs on, as `gpuport gpus` shows it (this machine's hostname on one machine).
 ENV_NODE = "GPUPORT_NODE"
@@ -163,8 +166,10 @@ DEFAULT_MAX_QUEUE_DELAY = 0.002
 MAX_SERVING_QUEUE = 4096
 # A prediction request's body (REST) or message (gRPC) may have at most this many bytes.
 MAX_INFER_BYTES = 64 * 1024 * 1024
-# Environment a session's worker gets: the folder of its session (output files, socket).
+# Environment a session's worker sets for the code it runs: the folder of its endpoints (its run folder).
 ENV_SESSION_DIR = "GPUPORT_SESSION_DIR"
+# ... and gets: where its stdout and stderr start ("OUT,ERR": where the session's earlier worker's ended).
+ENV_SESSION_OUTPUT = "GPUPORT_SESSION_OUTPUT"
 # ... and its idle timeout in seconds: a worker whose server is gone ends itself once idle well past it.
 ENV_SESSION_IDLE_TIMEOUT = "GPUPORT_SESSION_IDLE_TIMEOUT"
 

@@ -419,3 +419,32 @@ def test_sessions_and_serving_are_refused_on_a_cluster_saying_why(server: Runnin
             gpu.session()
         with pytest.raises(gpuport.InvalidRequest, match="models are served by a one-machine gpuport server"):
             gpu.deploy("m", "some-snapshot")
+
+
+def test_listing_jobs_while_a_node_hangs_answers_with_the_last_known_log_size(
+    server: RunningServer, cluster: RayCluster
+) -> None:
+    flags = Flags(cluster)
+    try:
+        job = _submit(server, "print('x' * 99, flush=True)\n" + HOLD)
+        with server.connect() as gpu:
+
+            def listed() -> gpuport.JobInfo:
+                return next(j.info for j in gpu.jobs() if j.id == job["job_id"])
+
+            # Its node is asked for its log's size off the listing's way; the listing shows it once known.
+            wait_for(lambda: listed().log_bytes == 100, 60, "the listing to show the log's size")
+            node = next(n for n in cluster.nodes if n.name == listed().node)
+            agents = [p for p in node.processes() if "NodeAgent" in " ".join(p.cmdline())]
+            assert agents, [p.cmdline() for p in node.processes()]
+            for agent in agents:
+                agent.suspend()  # the node's agent hangs: an actor call to it waits until it times out
+            try:
+                assert listed().log_bytes == 100  # as last known, rather than 0 after a call timed out
+            finally:
+                for agent in agents:
+                    agent.resume()
+        flags.touch()
+        assert _ended(server, job["job_id"])["state"] == "succeeded"
+    finally:
+        flags.close()

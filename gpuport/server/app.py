@@ -122,9 +122,9 @@ class ServerApp:
             self.jobs.environments = self.environments
             self.environments.record = self.jobs.record_environment
             self.environments.in_use = self.jobs.environments_in_use
-        self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.log_size, blob_grace)
+        self.storage = StorageService(self.store, self.blobs, self.quotas, self.executor.known_log_size, blob_grace)
         self.jobs.storage = self.storage
-        self.sessions = SessionService(self.store, self.jobs, state.sessions_dir)
+        self.sessions = SessionService(self.store, self.jobs)
         self.serving = ServingService(self.store, self.jobs, self.snapshots, state.models_dir)
         self.watchdog = Watchdog(self.jobs)
         self.transfers = Transfers()  # bytes in and out, counted where they move

@@ -225,6 +225,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN depends_on TEXT NOT NULL DEFAULT '';
     CREATE INDEX jobs_array ON jobs(array_id, array_index) WHERE array_id != '';
     """,
+    # 20: a session's workers in turn, each with where its output starts (its files are its job's)
+    """
+    ALTER TABLE sessions ADD COLUMN workers TEXT NOT NULL DEFAULT '';  -- JSON [[job id, stdout, stderr]...]
+    """,
 ]
 
 

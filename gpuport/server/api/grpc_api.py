@@ -167,7 +167,7 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
 
     @rpc
     async def Status(self, request: pb.Empty, caller: Identity) -> pb.StatusReply:
-        s = self.app.status(caller)
+        s = await asyncio.to_thread(self.app.status, caller)  # its GPUs: read on the nodes
         return pb.StatusReply(
             server_version=s.server_version,
             python_version=s.python_version,
@@ -183,7 +183,7 @@ class ControlServicer(_Servicer, pb_grpc.ControlServicer):
 
     @rpc
     async def ListGpus(self, request: pb.Empty, caller: Identity) -> pb.GpuList:
-        return gpu_list_message(self.app.gpus(caller))
+        return gpu_list_message(await asyncio.to_thread(self.app.gpus, caller))  # read on the nodes
 
     async def CreateDashboardLink(
         self, request: pb.Empty, context: grpc.aio.ServicerContext

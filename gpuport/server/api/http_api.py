@@ -429,11 +429,11 @@ def build_http_app(app: ServerApp) -> Predictions:
 
     @api.get("/v1/status", summary="Server, machine and GPUs")
     async def status(identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.status(identity))
+        return dataclasses.asdict(await asyncio.to_thread(app.status, identity))
 
     @api.get("/v1/gpus", summary="Each GPU, read live")
     async def gpus(identity: Caller) -> dict[str, Any]:
-        return dataclasses.asdict(app.gpus(identity))
+        return dataclasses.asdict(await asyncio.to_thread(app.gpus, identity))  # read on the nodes
 
     @api.get("/v1/tokens", summary="Tokens (admin)")
     async def list_tokens(identity: Caller, include_revoked: bool = False) -> list[dict[str, Any]]:
@@ -513,7 +513,7 @@ def build_http_app(app: ServerApp) -> Predictions:
     async def job_logs(
         job_id: str, identity: Caller, offset: int = 0, limit: int = LOG_CHUNK_BYTES, tail: int | None = None
     ) -> dict[str, Any]:
-        job, offset, data = app.jobs.read_log(identity, job_id, offset, limit, tail)
+        job, offset, data = await app.jobs.read_log(identity, job_id, offset, limit, tail)
         text, used = _decode_whole(data, final=job.state.is_terminal() and len(data) < limit)
         next_offset = offset + used
         return {

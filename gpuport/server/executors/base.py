@@ -10,10 +10,17 @@ touches a path or a process of a job.
 Two executors: ``LocalExecutor`` (``local.py``) runs jobs on this machine, a cluster of one node;
 ``RayExecutor`` (``ray.py``) runs them on the nodes of a Ray cluster, each through a gpuport agent
 on that node which does there what ``LocalExecutor`` does here (``workspace.py``, shared by both).
+
+Workers the server talks to (a session's, a model replica) are jobs too. Each listens on named
+endpoints and leaves named files in its run folder (``$GPUPORT_RUN_DIR``); the services reach them
+only by job id and name: ``connect`` gives a byte stream to an endpoint, ``read_file`` a file's
+bytes. Where the bytes travel (a Unix socket here, which also carries descriptors of shared memory;
+a node's agent elsewhere) and how an endpoint is known to be the worker's own is the executor's.
 """
 
 from __future__ import annotations
 
+import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -22,6 +29,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
 from gpuport.protocol.errors import InvalidRequest
+
+# A worker's endpoint or file name: what $GPUPORT_RUN_DIR/NAME(.sock) may be called.
+ENDPOINT_NAME = re.compile(r"[a-z][a-z0-9-]{0,63}")
 from gpuport.server.inventory import GpuInfo
 from gpuport.server.scheduler import Machine
 
@@ -94,6 +104,19 @@ class JobLaunch:
     build_uid: int | None = None
 
 
+@dataclass
+class Stream:
+    """A byte stream to a worker's endpoint (``Executor.connect``): a blocking stream socket. With
+    ``passes_fds``, descriptors travel along it (``SCM_RIGHTS``): the worker shares this machine's
+    memory, and large values move as memfds instead of bytes."""
+
+    sock: socket.socket
+    passes_fds: bool = False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 @dataclass(frozen=True)
 class Usage:
     """What a running job's processes use now."""
@@ -107,6 +130,13 @@ class Executor(ABC):
     """Runs jobs on the nodes of a cluster. Methods may block (the job service calls them off its loop)."""
 
     kind: str = ""  # "local" or "ray", for the banner and `gpuport status`
+    # Its nodes run jobs as a uid per user whatever this machine's sandbox does (a cluster's nodes).
+    uid_per_user: bool = False
+    # Several nodes: a job may span them (``JobLaunch.parts``).
+    spans_nodes: bool = False
+    # Its jobs run on this machine: starting one waits until the last is set up (their set-ups would
+    # fight over this machine's CPUs).
+    runs_here: bool = True
     # Called (from any thread) when the cluster's nodes change: the job service plans again.
     on_change: Callable[[], None] | None = None
 
@@ -147,6 +177,11 @@ class Executor(ABC):
     @abstractmethod
     def log_size(self, job_id: str) -> int:
         """The length of the job's log so far."""
+
+    def known_log_size(self, job_id: str) -> int:
+        """The length of the job's log as last known here, at once: it never waits on a node (listings
+        call it on the server's event loop). Where logs are read here: ``log_size``."""
+        return self.log_size(job_id)
 
     def log_data_offset(self, job_id: str, offset: int) -> int:
         """Where the job's log has bytes from ``offset`` on: past a part cut from a log that passed
@@ -192,6 +227,29 @@ class Executor(ABC):
         """Start ``argv`` in the running job (its sandbox, uid, environment and workdir), on a new
         pseudo-terminal with ``tty``. Raises ``Conflict`` (not running), ``InvalidRequest``."""
         raise InvalidRequest(self.reach_problem())
+
+    # ---- workers the server talks to --------------------------------------------------------------
+
+    def workers_problem(self) -> str:
+        """Why the server cannot reach the endpoints of workers here ("": it can)."""
+        return f"this server places jobs on a {self.kind} cluster"
+
+    def connect(self, job_id: str, name: str) -> Stream:
+        """A byte stream to the endpoint ``name`` of the running job's worker, checked to be the
+        worker's own (a job of another user must not pass for it). Raises ``ConnectionError`` or
+        ``FileNotFoundError`` while nothing listens there (the worker is starting), ``PermissionError``
+        for an endpoint that is not the worker's, ``InvalidRequest`` where workers cannot be reached."""
+        raise InvalidRequest(self.workers_problem())
+
+    def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to ``limit`` bytes from ``offset`` of the file ``name`` the job's worker left in its run
+        folder (a negative ``offset`` counts from its end); b"" for none. Never follows a link the
+        job put there. Raises ``InvalidRequest`` where workers cannot be reached."""
+        raise InvalidRequest(self.workers_problem())
+
+    def file_size(self, job_id: str, name: str) -> int:
+        """The length of the file ``name`` in the job's run folder (0 for none)."""
+        raise InvalidRequest(self.workers_problem())
 
     def close(self) -> None:
         """Let go of the cluster (the jobs keep running)."""

@@ -12,7 +12,7 @@ import psutil
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Environments
-from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
 from gpuport.server.executors.reach import Command
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
@@ -107,3 +107,15 @@ class LocalExecutor(Executor):
 
     def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:
         return self.folders.run_command(job_id, argv, tty=tty, term=term, rows=rows, cols=cols)
+
+    def workers_problem(self) -> str:
+        return ""
+
+    def connect(self, job_id: str, name: str) -> Stream:
+        return self.folders.connect(job_id, name)
+
+    def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        return self.folders.read_file(job_id, name, offset, limit)
+
+    def file_size(self, job_id: str, name: str) -> int:
+        return self.folders.file_size(job_id, name)

@@ -56,6 +56,8 @@ _CALL_TIMEOUT = 30.0  # seconds for an agent's answer
 # Seconds for an answer the server's event loop waits for (a running job's log, the GPUs): a node
 # that hangs must not hold every other request for long.
 _QUICK_TIMEOUT = 3.0
+_SIZES_EVERY = 1.0  # seconds between asks of the nodes for the log sizes listings showed
+_SIZES_KEPT = 60.0  # seconds a job's log size is kept asked for after a listing last showed it
 _LOST_AFTER = 6.0  # seconds an agent may stay unreachable before its node counts as lost
 _REFRESH = 2.0  # seconds between looks at the cluster's nodes
 
@@ -427,6 +429,9 @@ class _LogPump:
 
 class RayExecutor(Executor):
     kind = "ray"
+    uid_per_user = True
+    spans_nodes = True
+    runs_here = False
 
     def __init__(self, address: str, root: Path, blobs: BlobStore, *, insecure: bool = False) -> None:
         check_cluster(address, insecure)
@@ -453,6 +458,12 @@ class RayExecutor(Executor):
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
         self._stopped = threading.Event()
+        # The log sizes of jobs running on a node, as last asked (known_log_size): job → size, and
+        # when a listing last wanted each; asked by a thread of their own, never by the listing.
+        self._log_sizes: dict[str, int] = {}
+        self._sizes_wanted: dict[str, float] = {}
+        self._sizes_asked = threading.Event()
+        self._sizer: threading.Thread | None = None
         self.refresh()
         if not self._nodes:
             log.warning("the Ray cluster at %s has no node gpuport can use yet", address)
@@ -910,6 +921,51 @@ class RayExecutor(Executor):
         if self._placement(job_id) is None:
             return 0
         return int(self._call(job_id, "log_size", job_id, default=0))
+
+    def known_log_size(self, job_id: str) -> int:
+        """The log's size here (an ended job's log, or one pumped from its nodes), else as its node
+        last said: asked by ``_ask_sizes`` off the caller's thread, so a node that hangs holds no one."""
+        with contextlib.suppress(OSError):
+            return (self.root / job_id / "log").stat().st_size
+        with self._lock:
+            self._sizes_wanted[job_id] = time.monotonic()
+            size = self._log_sizes.get(job_id)
+            if self._sizer is None:
+                self._sizer = threading.Thread(target=self._ask_sizes, name="ray log sizes", daemon=True)
+                self._sizer.start()
+        if size is None:
+            self._sizes_asked.set()  # a job not sized yet: ask now rather than at the next round
+        return size or 0
+
+    def _ask_sizes(self) -> None:
+        """Ask the nodes for the log sizes that listings want, every ``_SIZES_EVERY`` seconds (at once
+        for a job not sized yet), all at once and each within ``_QUICK_TIMEOUT``."""
+        while not self._stopped.is_set():
+            self._sizes_asked.wait(_SIZES_EVERY)
+            self._sizes_asked.clear()
+            now = time.monotonic()
+            with self._lock:
+                for job_id in [j for j, when in self._sizes_wanted.items() if now - when > _SIZES_KEPT]:
+                    del self._sizes_wanted[job_id]
+                    self._log_sizes.pop(job_id, None)
+                wanted = list(self._sizes_wanted)
+            refs: dict[Any, str] = {}
+            for job_id in wanted:
+                _, handle = self._handle(job_id)
+                if handle is not None:
+                    refs[handle.log_size.remote(job_id)] = job_id
+            if not refs:
+                continue
+            try:
+                ready, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=_QUICK_TIMEOUT)
+                sizes = dict(zip((refs[r] for r in ready), self._ray.get(ready))) if ready else {}
+            except Exception as e:
+                log.debug("asking the nodes for log sizes failed: %s", e)
+                continue
+            with self._lock:
+                for job_id, size in sizes.items():
+                    if job_id in self._sizes_wanted:
+                        self._log_sizes[job_id] = int(size)
 
     def exit_status(self, job_id: str) -> dict[str, Any] | None:
         with contextlib.suppress(OSError, ValueError):

@@ -7,6 +7,7 @@ each Ray node on that node (``executors/ray.py``). Layout of ``ROOT/<job id>/``:
     work/             the workdir, from the snapshot     exit.json    exit code and times (atomic)
     out/              $GPUPORT_OUTPUT_DIR                supervisor.lock  held while the job runs
     datasets/<name>/  read-only named snapshots          supervisor.json  its pid, once started
+    run/              $GPUPORT_RUN_DIR: a worker's endpoints (NAME.sock) and the files the server reads
 
 Each job runs under ``worker/supervisor.py`` in its own session, so it outlives the process that
 started it (a server restarted, even after SIGKILL, finds it running): a thread per running job
@@ -36,19 +37,35 @@ from typing import Any, BinaryIO
 
 import psutil
 
-from gpuport._files import atomic_write, files_beneath, let_read, open_beneath, open_file_beneath, own_folder, own_tree
-from gpuport.defaults import DEFAULT_LOG_LIMIT, ENV_DATASETS_DIR, ENV_FAKE_GPU_DIR, ENV_NODE, ENV_OUTPUT_DIR
+from gpuport._files import (
+    atomic_write,
+    files_beneath,
+    let_read,
+    open_beneath,
+    open_file_beneath,
+    open_nofollow,
+    own_folder,
+    own_tree,
+)
+from gpuport.defaults import (
+    DEFAULT_LOG_LIMIT,
+    ENV_DATASETS_DIR,
+    ENV_FAKE_GPU_DIR,
+    ENV_NODE,
+    ENV_OUTPUT_DIR,
+    ENV_RUN_DIR,
+)
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Built, Environments, EnvRequest, say
 from gpuport.server.executors import reach
-from gpuport.server.executors.base import Files, JobLaunch, OnExit, Usage
+from gpuport.server.executors.base import ENDPOINT_NAME, Files, JobLaunch, OnExit, Stream, Usage
 from gpuport.server.executors.reach import Command
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.snapshots import Entry, write_entries
-from gpuport.server.worker import bootstrap, supervisor
+from gpuport.server.worker import bootstrap, supervisor, wire
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +142,9 @@ class JobFolders:
         job_dir = self.folder(job.job_id)
         shutil.rmtree(job_dir, ignore_errors=True)
         job_dir.mkdir()
-        work, out = job_dir / "work", job_dir / "out"
+        work, out, run = job_dir / "work", job_dir / "out", job_dir / "run"
         out.mkdir()
+        run.mkdir()
         write_entries(_entries(job.workdir) if job.workdir else [], self.blobs, work)
         built = self._environment(job, work, job_dir / "log")
         env = base_env()
@@ -147,6 +165,7 @@ class JobFolders:
         if job.hyperparameters is not None:
             (work / "hyperparameters.json").write_text(json.dumps(job.hyperparameters, indent=2))
         env[ENV_OUTPUT_DIR] = str(out)
+        env[ENV_RUN_DIR] = str(run)
         if self.node:
             env[ENV_NODE] = self.node
         if job.rank_env and job.nprocs == 1:  # one process of a job over several nodes: run direct
@@ -206,7 +225,7 @@ class JobFolders:
         """The sandbox a job runs in: only its own folders, its datasets read-only, as its owner's uid
         (when the server is root), which then owns what the job may write."""
         uid = job.uid if self.sandbox.mode == "uids" else None
-        writable = [work, out, *(Path(folder) for folder in job.folders)]
+        writable = [work, out, work.parent / "run", *(Path(folder) for folder in job.folders)]
         pidns_file = None
         if fake_gpus is not None:
             shutil.rmtree(fake_gpus, ignore_errors=True)  # made anew: an earlier run of the job wrote there
@@ -417,6 +436,35 @@ class JobFolders:
             return marshal.loads((self.folder(job_id) / "spec.marshal").read_bytes()).get("uid")
         except (OSError, ValueError, EOFError):
             return None
+
+    # ---- a worker's endpoints and files ------------------------------------------------------------
+
+    def _run_path(self, job_id: str, name: str) -> Path:
+        if not ENDPOINT_NAME.fullmatch(name):
+            raise ValueError(f"{name[:40]!r} is not an endpoint's name")
+        return self.folder(job_id) / "run" / name
+
+    def connect(self, job_id: str, name: str) -> Stream:
+        """The worker's Unix socket ``run/NAME.sock``, refused (``PermissionError``) when the process
+        listening on it is not one of the job's: the folder is the job's to write, so a job could put
+        a link there to another worker's socket, which the server would follow."""
+        path = self._run_path(job_id, name)
+        return Stream(wire.connect(f"{path}.sock", lambda pid: pid in self.pids(job_id)), passes_fds=True)
+
+    def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        try:
+            with open_nofollow(self._run_path(job_id, name)) as f:  # the job's folder: no link followed
+                f.seek(offset if offset >= 0 else max(0, os.fstat(f.fileno()).st_size + offset))
+                return f.read(max(0, limit))
+        except OSError:
+            return b""
+
+    def file_size(self, job_id: str, name: str) -> int:
+        try:  # lstat: a link the job put there is not its file
+            found = os.lstat(self._run_path(job_id, name))
+        except OSError:
+            return 0
+        return found.st_size if stat.S_ISREG(found.st_mode) else 0
 
     # ---- what a job leaves ------------------------------------------------------------------------
 

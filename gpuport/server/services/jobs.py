@@ -31,7 +31,7 @@ import shlex
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -455,7 +455,7 @@ class JobService:
             return
         if not 1 <= request.nodes <= _MAX_NODES:
             raise InvalidRequest(f"nodes must be 1 .. {_MAX_NODES}, not {request.nodes}")
-        if self.executor.kind == "local":
+        if not self.executor.spans_nodes:
             raise InvalidRequest(
                 f"a job over {request.nodes} nodes needs a server in front of a cluster (gpuport server --ray); "
                 "this one runs jobs on one machine — use --nprocs for several processes here"
@@ -681,7 +681,8 @@ class JobService:
         return self._record(row)
 
     def _record(self, row: Any) -> JobRecord:
-        log_bytes = self.executor.log_size(row["id"]) if row["state"] != JobState.QUEUED.value else 0
+        # As last known: a listing never waits on a node for it (it runs on the event loop).
+        log_bytes = self.executor.known_log_size(row["id"]) if row["state"] != JobState.QUEUED.value else 0
         message, position = row["message"], 0
         if row["state"] == JobState.QUEUED.value:
             if self._plan is None:
@@ -1088,7 +1089,7 @@ class JobService:
                 await asyncio.wait_for(self._ended_event(job.id).wait(), timeout)
         return self._load(job.id)
 
-    def read_log(
+    async def read_log(
         self, caller: Identity, job_id: str, offset: int, limit: int, tail: int | None = None
     ) -> tuple[JobRecord, int, bytes]:
         """The job (as it was before the read), and up to ``limit`` bytes of its log from ``offset``
@@ -1102,14 +1103,18 @@ class JobService:
             raise InvalidRequest(f"the lines to show from the log's end must be 0 or more, not {tail}")
         if job.state is JobState.QUEUED:
             return job, 0 if tail is not None else offset, b""
-        if tail is not None:
-            offset = self.tail_offset(job.id, tail)
-        data = self.executor.read_log(job.id, offset, max(0, min(limit, LOG_CHUNK_BYTES)))
-        if not data:
-            start = self.executor.log_data_offset(job.id, offset)
-            if start != offset:
-                return job, start, self.executor.read_log(job.id, start, max(0, min(limit, LOG_CHUNK_BYTES)))
+        offset, data = await asyncio.to_thread(self._read_log_at, job.id, offset, limit, tail)  # it may ask a node
         return job, offset, data
+
+    def _read_log_at(self, job_id: str, offset: int, limit: int, tail: int | None) -> tuple[int, bytes]:
+        if tail is not None:
+            offset = self.tail_offset(job_id, tail)
+        data = self.executor.read_log(job_id, offset, max(0, min(limit, LOG_CHUNK_BYTES)))
+        if not data:
+            start = self.executor.log_data_offset(job_id, offset)
+            if start != offset:
+                return start, self.executor.read_log(job_id, start, max(0, min(limit, LOG_CHUNK_BYTES)))
+        return offset, data
 
     def tail_offset(self, job_id: str, lines: int) -> int:
         """Where the last ``lines`` lines of the job's log start, found by reading back from its end
@@ -1418,11 +1423,13 @@ class JobService:
 
     async def _set_up(self, job_id: str) -> None:
         """Until the job's supervisor has set it up and started it (or it ended), at most _SETUP_WAIT."""
-        if self.executor.kind != "local":  # elsewhere: on other machines, their CPUs and kernels
+        if not self.executor.runs_here:  # elsewhere: on other machines, their CPUs and kernels
             return
         deadline = time.monotonic() + _SETUP_WAIT
         while time.monotonic() < deadline:
-            if self.executor.was_started(job_id) or not self.executor.is_running(job_id):
+            if await asyncio.to_thread(
+                lambda: self.executor.was_started(job_id) or not self.executor.is_running(job_id)
+            ):
                 return
             await asyncio.sleep(_SETUP_POLL)
 
@@ -1463,7 +1470,7 @@ class JobService:
             env=env,
             user_env=frozenset(spec["env"]),
             # A cluster's nodes run jobs as a uid per user when they can, whatever this machine does.
-            uid=self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" or self.executor.kind != "local" else None,
+            uid=self.uids.uid(row["owner"]) if self.sandbox.mode == "uids" or self.executor.uid_per_user else None,
             workdir=workdir,
             datasets=datasets,
             hyperparameters=spec["hyperparameters"],
@@ -1625,14 +1632,6 @@ class JobService:
             assert self.storage is not None
             used, quota = self.storage.used(owner), self.quotas.storage(owner)
             raise ResourceUnavailable(over_quota(owner, used, quota, e.total, "its outputs")) from None
-
-    def pids(self, job_id: str) -> list[int]:
-        """The pids of a running job's processes on this machine (every rank's, and their descendants)."""
-        return self.executor.pids(job_id)
-
-    def process_of(self, job_id: str) -> Callable[[int], bool]:
-        """Whether a pid is one of job ``job_id``'s processes (a worker's socket is checked so)."""
-        return lambda pid: pid in self.pids(job_id)
 
     def kill(self, job_id: str, reason: str) -> None:
         """Stop a running job at once (SIGKILL) for ``reason``; it ends as ``killed`` with that message."""

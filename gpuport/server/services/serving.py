@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuport._files import let_read, open_nofollow
+from gpuport._files import let_read
 from gpuport.defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY, MAX_SERVING_QUEUE
 from gpuport.protocol.errors import (
     Conflict,
@@ -229,10 +229,10 @@ class ServingService:
     # ---- deploying --------------------------------------------------------------------------------
 
     def deploy(self, caller: Identity, spec: DeploySpec) -> DeploymentRecord:
-        if self.jobs.executor.kind != "local":
+        problem = self.jobs.executor.workers_problem()
+        if problem:
             raise InvalidRequest(
-                "models are served by a one-machine gpuport server for now; this server places jobs on a "
-                f"{self.jobs.executor.kind} cluster — deploy on a server without --ray"
+                f"models are served by a one-machine gpuport server for now; {problem} — deploy on a one-machine server"
             )
         self._check(spec)
         snapshot, path = self._source(caller, spec.source)
@@ -584,16 +584,16 @@ class ServingService:
     async def _connect(self, d: _Deployment, r: _Replica) -> None:
         """Wait for the replica's worker to load the model and listen, then connect to it."""
         owner = Identity(d.owner, admin=True)
-        path = str(d.folder / f"replica-{r.index}.sock")
         started: float | None = None
         while True:
             job = self.jobs.get(owner, r.job_id)
             if job.state.is_terminal():
-                raise _Failed(self._why_ended(d, r, job))
+                raise _Failed(await asyncio.to_thread(self._why_ended, d, r, job))
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
-                with contextlib.suppress(FileNotFoundError, ConnectionRefusedError):
-                    r.link = await wire.Link.connect(path, self.jobs.process_of(r.job_id))
+                with contextlib.suppress(FileNotFoundError, ConnectionError):
+                    stream = await asyncio.to_thread(self.jobs.executor.connect, r.job_id, "replica")
+                    r.link = wire.Link(stream.sock)
                     return
                 if time.monotonic() - started > _CONNECT_TIMEOUT:
                     raise _Failed(
@@ -603,8 +603,9 @@ class ServingService:
 
     def _why_ended(self, d: _Deployment, r: _Replica, job: JobRecord) -> str:
         if job.exit_code == LOAD_FAILED:
-            with contextlib.suppress(OSError), open_nofollow(d.folder / f"error-{r.index}") as error:
-                return f"the model did not load: {error.read(65536).decode(errors='replace').strip()}"
+            error = self.jobs.executor.read_file(job.id, "error", 0, 65536)
+            if error:
+                return f"the model did not load: {error.decode(errors='replace').strip()}"
         return f"its worker (replica {r.index}) {job.message or 'ended'}"
 
     async def _restart(self, d: _Deployment, r: _Replica, job: JobRecord) -> None:
@@ -614,9 +615,8 @@ class ServingService:
             r.link.close()
             r.link = None
         if len(r.crashes) >= _RESTARTS:
-            raise _Failed(
-                f"replica {r.index} crashed {len(r.crashes)} times in a minute; last: {self._why_ended(d, r, job)}"
-            )
+            last = await asyncio.to_thread(self._why_ended, d, r, job)
+            raise _Failed(f"replica {r.index} crashed {len(r.crashes)} times in a minute; last: {last}")
         log.warning("model %s v%d: replica %d ended (%s); restarting it", d.name, d.version, r.index, job.message)
         r.job_id = self._start_replica(d, r.index).id
         with self.store.transaction() as db:

@@ -5,8 +5,10 @@ placed, capped, watched and listed in ``gpuport gpus`` like any job, and it outl
 restart like any job. This service keeps what is a session's own: its name, its idle timeout, the
 server's connection to its worker, values being uploaded or downloaded, and who follows its output.
 
-Layout of ``STATE_DIR/sessions/<id>/``: ``stdout`` and ``stderr`` (appended by each of its workers in
-turn, so offsets only grow) and ``worker.sock`` (the current worker's socket).
+The server reaches a worker only through the executor, by its job id: its endpoint ``worker``
+(``tunnel-NAME`` for a tunnel), and its files ``stdout`` and ``stderr``. Each worker's output starts
+where the one before it ended (a session's offsets only grow): the session keeps its workers in turn,
+each with where its output starts, and reads an offset from the worker that wrote it.
 
 Ending: ``close``; a session with no call for ``idle_timeout`` seconds; an unnamed session that no
 client has followed for ``min(idle_timeout, DETACHED_GRACE)`` (its client left without closing it).
@@ -24,23 +26,20 @@ import mmap
 import os
 import re
 import secrets
-import shutil
 import socket
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import psutil
 
-from gpuport._files import open_nofollow
 from gpuport.defaults import (
     DEFAULT_SESSION_IDLE_TIMEOUT,
-    ENV_SESSION_DIR,
     ENV_SESSION_IDLE_TIMEOUT,
+    ENV_SESSION_OUTPUT,
     LOG_CHUNK_BYTES,
     LOG_POLL_INTERVAL,
     MAX_NAME_LENGTH,
@@ -73,7 +72,8 @@ _END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it end
 _STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
 _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
 _FOR_STAGED = ("upload", "download")  # tickets for a staged value; the others (channel, tunnel, blobs) name none
-_TUNNEL_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")  # a worker's tunnel-NAME.sock
+_TUNNEL_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")  # a worker's endpoint tunnel-NAME
+_TAIL_BYTES = 8192  # of a dead worker's stderr, for its last lines
 # Seconds the server waits for a worker's reply before it turns to other work: most calls answer
 # within it, and then cost no extra turns of the event loop (which is blocked that long at most).
 _QUICK_REPLY = 0.001
@@ -83,6 +83,7 @@ _REAP_EVERY = 1.0
 _RECOUNT_WAIT = 5.0  # seconds a starting server waits for the workers it picks up to count their values
 _STDERR_TAIL_LINES = 20
 _MAX_IDLE_TIMEOUT = 30 * 24 * 3600.0
+_OUTPUT = ("stdout", "stderr")  # the worker's files of fds 1 and 2
 _ERRORS = {cls.__name__: cls for cls in (InvalidRequest, NotFound, Conflict, ResourceUnavailable)}
 
 
@@ -344,6 +345,8 @@ class _Live:
     attached: int = 0
     detached_since: float = field(default_factory=time.time)
     link: wire.Link | None = None
+    # Its workers in turn: (job id, where its stdout starts, where its stderr starts); the last is job_id.
+    workers: list[tuple[str, int, int]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     refs: int = 0
     counting: threading.Lock = field(default_factory=threading.Lock)  # calls come from channel threads too
@@ -461,11 +464,10 @@ class Direct:
 
 
 class SessionService:
-    def __init__(self, store: Store, jobs: JobService, root: Path) -> None:
+    def __init__(self, store: Store, jobs: JobService) -> None:
         self.store = store
         self.jobs = jobs
-        self.root = root
-        self.root.mkdir(exist_ok=True)
+        self.executor = jobs.executor
         self._live: dict[str, _Live] = {}
         self.staging = Staging()
         self.data_port = 0  # set by the daemon once the data port listens
@@ -479,7 +481,9 @@ class SessionService:
         from before answers in the background, once it is free)."""
         self._loop = asyncio.get_running_loop()
         for row in self.store.query("SELECT * FROM sessions WHERE ended_at IS NULL ORDER BY seq"):
-            self._live[row["id"]] = _Live(row["id"], row["owner"], row["name"], row["job_id"], row["idle_timeout"])
+            live = _Live(row["id"], row["owner"], row["name"], row["job_id"], row["idle_timeout"])
+            live.workers = [tuple(w) for w in json.loads(row["workers"] or "[]")] or [(live.job_id, 0, 0)]
+            self._live[row["id"]] = live
         self._recounting = {asyncio.create_task(self._recount(live)) for live in self._live.values()}
         if self._recounting:
             await asyncio.wait(self._recounting, timeout=_RECOUNT_WAIT)
@@ -515,11 +519,11 @@ class SessionService:
 
     def open(self, caller: Identity, spec: SessionSpec) -> SessionRecord:
         """A new session for ``caller``, or their live session named ``spec.name``."""
-        if self.jobs.executor.kind != "local":
+        problem = self.executor.workers_problem()
+        if problem:
             raise InvalidRequest(
-                "sessions run on a one-machine gpuport server for now; this server places jobs on a "
-                f"{self.jobs.executor.kind} cluster — send jobs (`gpuport run`), or open sessions on a "
-                "server without --ray"
+                f"sessions run on a one-machine gpuport server for now; {problem} — send jobs (`gpuport run`), "
+                "or open sessions on a one-machine server"
             )
         if spec.python_version or spec.cloudpickle_version:
             problem = check_compatible(spec.python_version, spec.cloudpickle_version, remote="client", local="server")
@@ -542,8 +546,6 @@ class SessionService:
             if row is not None:
                 return self._record(self._live[row["id"]], reattached=True)
         session_id = "s-" + secrets.token_hex(4)
-        folder = self.root / session_id
-        folder.mkdir(mode=0o700)
         stored = {
             "gpus": spec.gpus,
             "gpu_memory": spec.gpu_memory,
@@ -552,22 +554,28 @@ class SessionService:
             "priority": spec.priority,
             "env": spec.env,
         }
-        try:
-            job = self._start_worker(caller, session_id, spec.name, stored, idle)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
+        job = self._start_worker(caller, session_id, spec.name, stored, idle, (0, 0))
+        workers = [(job.id, 0, 0)]
         try:
             with self.store.transaction() as db:
                 db.execute(
-                    "INSERT INTO sessions (id, owner, name, job_id, spec, idle_timeout, created_at) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (session_id, caller.name, spec.name, job.id, json.dumps(stored), idle, time.time()),
+                    "INSERT INTO sessions (id, owner, name, job_id, spec, idle_timeout, created_at, workers) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        session_id,
+                        caller.name,
+                        spec.name,
+                        job.id,
+                        json.dumps(stored),
+                        idle,
+                        time.time(),
+                        json.dumps(workers),
+                    ),
                 )
         except Exception:
             self.jobs.cancel(caller, job.id)
             raise
-        live = self._live[session_id] = _Live(session_id, caller.name, spec.name, job.id, idle)
+        live = self._live[session_id] = _Live(session_id, caller.name, spec.name, job.id, idle, workers=workers)
         log.info(
             "session %s%s opened for %s (worker %s)",
             session_id,
@@ -578,8 +586,9 @@ class SessionService:
         return self._record(live)
 
     def _start_worker(
-        self, caller: Identity, session_id: str, name: str, spec: dict[str, Any], idle: float
+        self, caller: Identity, session_id: str, name: str, spec: dict[str, Any], idle: float, starts: tuple[int, int]
     ) -> JobRecord:
+        """A new worker for the session, its output starting at ``starts`` (stdout, stderr)."""
         return self.jobs.submit(
             caller,
             JobRequest(
@@ -592,8 +601,7 @@ class SessionService:
                 env=spec["env"],
                 name=f"session {name or session_id}",
                 kind="session",
-                internal_env={ENV_SESSION_DIR: str(self.root / session_id), ENV_SESSION_IDLE_TIMEOUT: str(idle)},
-                folders=[str(self.root / session_id)],
+                internal_env={ENV_SESSION_IDLE_TIMEOUT: str(idle), ENV_SESSION_OUTPUT: "{},{}".format(*starts)},
             ),
         )
 
@@ -678,11 +686,21 @@ class SessionService:
                 await self.jobs.wait(Identity(live.owner, admin=True), old.id, _END_WAIT)
             row = self.store.query_one("SELECT spec FROM sessions WHERE id = ?", (live.id,))
             assert row is not None
+            starts = await asyncio.to_thread(self._offsets, live)  # the next worker's output goes on from there
             job = self._start_worker(
-                Identity(live.owner, admin=False), live.id, live.name, json.loads(row["spec"]), live.idle_timeout
+                Identity(live.owner, admin=False),
+                live.id,
+                live.name,
+                json.loads(row["spec"]),
+                live.idle_timeout,
+                starts,
             )
+            live.workers = [*live.workers, (job.id, *starts)]
             with self.store.transaction() as db:
-                db.execute("UPDATE sessions SET job_id = ? WHERE id = ?", (job.id, live.id))
+                db.execute(
+                    "UPDATE sessions SET job_id = ?, workers = ? WHERE id = ?",
+                    (job.id, json.dumps(live.workers), live.id),
+                )
             live.job_id, live.refs, live.last_call_at = job.id, 0, time.time()
             live.drop_spare()
             log.info("session %s restarted: worker %s", live.id, job.id)
@@ -695,7 +713,6 @@ class SessionService:
         if live.link is not None:
             return live.link
         owner = Identity(live.owner, admin=True)
-        path = str(self.root / live.id / "worker.sock")
         started: float | None = None
         while True:
             job = self.jobs.get(owner, live.job_id)
@@ -704,17 +721,26 @@ class SessionService:
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 try:
-                    live.link = await wire.Link.connect(path, self.jobs.process_of(live.job_id))
+                    stream = await asyncio.to_thread(self._connect, live.job_id)
+                    live.link = wire.Link(stream.sock)
                     return live.link
-                except (FileNotFoundError, ConnectionRefusedError):
+                except (FileNotFoundError, ConnectionError):
                     if time.monotonic() - started > _CONNECT_TIMEOUT:
                         raise ServerError(
                             f"the worker of session {live.id} did not start listening within "
-                            f"{_CONNECT_TIMEOUT:g}s — {self.root / live.id / 'stderr'} and the server's log may say why"
+                            f"{_CONNECT_TIMEOUT:g}s — its output and the server's log may say why"
                         ) from None
             if deadline is not None and time.monotonic() > deadline:
                 raise ResourceUnavailable(f"session {live.id} is still queued: {job.message}")
             await asyncio.sleep(0.01 if job.state is JobState.RUNNING else 0.1)
+
+    def _connect(self, job_id: str) -> Any:
+        """A stream to the worker's endpoint, which must carry descriptors: values move as shared memory."""
+        stream = self.executor.connect(job_id, "worker")
+        if not stream.passes_fds:
+            stream.close()
+            raise InvalidRequest(f"the worker {job_id} shares no memory with this server: its values cannot reach it")
+        return stream
 
     async def call(self, caller: Identity, request: CallIn) -> CallOut:
         live = self._find(caller, request.session_id)
@@ -803,7 +829,7 @@ class SessionService:
             return None
         job_id = live.job_id
         try:
-            direct.sock = wire.connect(str(self.root / live.id / "worker.sock"), self.jobs.process_of(job_id))
+            direct.sock = self._connect(job_id).sock
         except OSError:
             return None
         direct.job_id = job_id
@@ -823,7 +849,7 @@ class SessionService:
         try:
             link = await self._link(live, None)
         except _Died as died:
-            return self._died(live, died.job)
+            return await self._died(live, died.job)
         try:
             await link.send(header, buffers, fds)
             receive = link.recv(_QUICK_REPLY)
@@ -840,13 +866,14 @@ class SessionService:
             live.link.close()
             live.link = None
         job = await self.jobs.wait(Identity(live.owner, admin=True), live.job_id, _END_WAIT)
-        out = self._died(live, job)
+        out = await self._died(live, job)
         if timeout and out.failure is not None:
             out.failure["kind"] = "timeout"
         return out
 
-    def _died(self, live: _Live, job: JobRecord) -> CallOut:
+    async def _died(self, live: _Live, job: JobRecord) -> CallOut:
         live.refs = 0
+        tail, (stdout, stderr) = await asyncio.to_thread(lambda: (self._stderr_tail(live), self._offsets(live)))
         message = job.message or "it ended"
         if not job.state.is_terminal():
             message = "it closed its connection to the server"
@@ -856,31 +883,34 @@ class SessionService:
             "message": f"the worker of session {live.id} died: {message}",
             "traceback": "",
             "exit_code": job.exit_code,
-            "stderr_tail": self._stderr_tail(live),
+            "stderr_tail": tail,
         }
-        stdout, stderr = self._offsets(live)
         return CallOut(failure=failure, stdout_offset=stdout, stderr_offset=stderr)
 
     def _offsets(self, live: _Live) -> tuple[int, int]:
-        """Where the session's stdout and stderr end now."""
-        folder = self.root / live.id
-        sizes = []
-        for name in ("stdout", "stderr"):
-            try:
-                sizes.append(os.lstat(folder / name).st_size)  # lstat: the worker's folder holds what it made
-            except OSError:
-                sizes.append(0)
-        return sizes[0], sizes[1]
+        """Where the session's stdout and stderr end now (blocks: the worker's files are read)."""
+        job_id, *starts = live.workers[-1]
+        ends = [max(start, self.executor.file_size(job_id, name)) for start, name in zip(starts, _OUTPUT)]
+        return ends[0], ends[1]
 
     def _stderr_tail(self, live: _Live) -> str:
-        try:
-            with open_nofollow(self.root / live.id / "stderr") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 8192))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
+        job_id, _, start = live.workers[-1]
+        end = self.executor.file_size(job_id, "stderr")
+        at = max(start, end - _TAIL_BYTES)
+        lines = self.executor.read_file(job_id, "stderr", at, end - at).decode(errors="replace").splitlines()
         return "\n".join(lines[-_STDERR_TAIL_LINES:])
+
+    def _read_output(self, live: _Live, fd: int, offset: int) -> tuple[int, bytes]:
+        """The session's output ``fd`` from ``offset``: from the worker that wrote it, up to where the
+        next one's starts; (the next one's start, b"") past the end of an earlier worker's."""
+        workers = list(live.workers)
+        at = max([i for i, worker in enumerate(workers) if worker[fd] <= offset], default=0)
+        end = workers[at + 1][fd] if at + 1 < len(workers) else None
+        limit = LOG_CHUNK_BYTES if end is None else min(LOG_CHUNK_BYTES, end - offset)
+        data = self.executor.read_file(workers[at][0], _OUTPUT[fd - 1], offset, limit) if limit > 0 else b""
+        if not data and end is not None:
+            return end, b""
+        return offset, data
 
     def _out(self, live: _Live, frame: wire.Frame) -> CallOut:
         h = frame.header
@@ -978,7 +1008,7 @@ class SessionService:
     ) -> tuple[str, str]:
         """A ticket for the data port: to upload ``size`` bytes (a new staged key), to download the
         staged result ``key``, with ``channel`` for a channel carrying the session's calls, with
-        ``tunnel`` for a byte stream to the worker's socket ``tunnel-NAME.sock`` (a TensorFlow server
+        ``tunnel`` for a byte stream to the worker's endpoint ``tunnel-NAME`` (a TensorFlow server
         the worker runs), or with ``blobs`` (and no session) for an upload of snapshot blobs. Returns
         (key, ticket)."""
         if not self.data_port:
@@ -1007,13 +1037,13 @@ class SessionService:
         return key, self.staging.ticket(key, "upload", caller)
 
     def tunnel_socket(self, session_id: str, name: str) -> socket.socket:
-        """A connection to the socket ``tunnel-NAME.sock`` that session ``session_id``'s worker listens
-        on (checked to be the worker's). Raises OSError when there is none, PermissionError when
-        another process listens there."""
+        """A connection to the endpoint ``tunnel-NAME`` of session ``session_id``'s worker (checked to be
+        the worker's). Raises OSError when there is none, PermissionError when another process listens
+        there."""
         live = self._live.get(session_id)
         if live is None:
             raise FileNotFoundError(f"session {session_id} has ended")
-        return wire.connect(str(self.root / live.id / f"tunnel-{name}.sock"), self.jobs.process_of(live.job_id))
+        return self.executor.connect(live.job_id, f"tunnel-{name}").sock
 
     def _memory_for(self, live: _Live, size: int) -> tuple[int, mmap.mmap | None]:
         """A memfd of ``size`` bytes to receive a value into: one the worker let go of (with the
@@ -1050,37 +1080,27 @@ class SessionService:
         data, ""), while it lives; a change of state comes as (0, 0, b"", state). Following it keeps
         an unnamed session alive."""
         live = self._find(caller, session_id)
-        folder = self.root / live.id
-        offsets = {}
-        for fd, name, asked in ((1, "stdout", stdout_offset), (2, "stderr", stderr_offset)):
-            if asked < 0:  # from where it stands now
-                try:
-                    asked = os.lstat(folder / name).st_size
-                except OSError:
-                    asked = 0
-            offsets[fd] = asked
-        files: dict[int, Any] = {}
+        offsets = {1: stdout_offset, 2: stderr_offset}
+        if min(offsets.values()) < 0:  # from where it stands now
+            now = await asyncio.to_thread(self._offsets, live)
+            offsets = {fd: now[fd - 1] if asked < 0 else asked for fd, asked in offsets.items()}
         live.attached += 1
         state, polls = "", 0
         try:
             for fd in (1, 2):  # where the stream starts, so that the client knows its offsets
                 yield fd, offsets[fd], b"", ""
             while True:
-                sent = False
-                for fd, name in ((1, "stdout"), (2, "stderr")):
-                    f = files.get(fd)
-                    if f is None:
-                        try:
-                            f = files[fd] = open_nofollow(folder / name)  # the worker's file: no link followed
-                        except OSError:
-                            continue
-                    f.seek(offsets[fd])
-                    data = f.read(LOG_CHUNK_BYTES)
+                read = await asyncio.to_thread(
+                    lambda: [(fd, *self._read_output(live, fd, offsets[fd])) for fd in (1, 2)]
+                )
+                moved = False
+                for fd, at, data in read:
+                    moved = moved or at != offsets[fd] or bool(data)
+                    offsets[fd] = at
                     if data:
-                        yield fd, offsets[fd], data, ""
+                        yield fd, at, data, ""
                         offsets[fd] += len(data)
-                        sent = True
-                if sent:
+                if moved:
                     continue
                 polls += 1
                 ended = live.id not in self._live
@@ -1097,8 +1117,6 @@ class SessionService:
             live.attached -= 1
             if not live.attached:
                 live.detached_since = time.time()
-            for f in files.values():
-                f.close()
 
     # ---- ending idle sessions ---------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ Started as the command of a job of kind "model" (so it queues, holds its GPU sli
 watched like any job): ``python -m gpuport.server.worker.model``, with ``GPUPORT_MODEL_DIR`` naming
 the deployment's folder (the model's files under ``model/``, ``deployment.json``) and
 ``GPUPORT_MODEL_REPLICA`` its replica number. It loads the model (``serving/formats.py``), then
-listens on ``replica-<n>.sock`` in that folder for the server's batches (wire.py's frames):
+listens on ``replica.sock`` in its job's run folder (``GPUPORT_RUN_DIR``) for the server's batches
+(wire.py's frames):
 
 - ``{"op": "metadata"}`` → ``{"format", "inputs": [spec...], "outputs": [spec...]}``;
 - ``{"op": "predict", "tensors": [{"name", "dtype", "shape"}...]}`` and one buffer per tensor →
@@ -13,7 +14,7 @@ listens on ``replica-<n>.sock`` in that folder for the server's batches (wire.py
 Numeric tensors travel as their raw bytes; byte strings (numpy object arrays) as the binary tensor
 format of the prediction protocols: each element a 4-byte little-endian length, then its bytes.
 A model that does not load ends the process with exit code 3 after writing the loader's message to
-``error-<n>`` in the folder, which the deployment shows as its reason for ``failed``.
+``error`` in its run folder, which the deployment shows as its reason for ``failed``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from gpuport.defaults import ENV_RUN_DIR
 from gpuport.protocol.errors import GpuportError
 from gpuport.server.serving.tensors import pack_bytes, unpack_bytes
 from gpuport.server.worker import wire
@@ -121,7 +123,7 @@ class Worker:
 
 def main() -> None:
     folder = Path(os.environ[ENV_MODEL_DIR])
-    replica = int(os.environ.get(ENV_MODEL_REPLICA, "0"))
+    run = Path(os.environ[ENV_RUN_DIR])
     spec = json.loads((folder / "deployment.json").read_text())
     device = "gpu" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
     from gpuport.server.serving import formats
@@ -130,11 +132,11 @@ def main() -> None:
         model = formats.load(folder / spec["path"], spec.get("format") or None, device=device)
     except Exception as e:
         message = str(e) if isinstance(e, GpuportError) else f"{type(e).__name__}: {e}"
-        (folder / f"error-{replica}").write_text(message)
+        (run / "error").write_text(message)
         print(f"gpuport: the model did not load: {message}", file=sys.stderr, flush=True)
         sys.exit(LOAD_FAILED)
     print(f"gpuport: {model.format} model loaded on the {device}", file=sys.stderr, flush=True)
-    Worker(model).serve(wire.listen(str(folder), f"replica-{replica}.sock"), folder)
+    Worker(model).serve(wire.listen(str(run), "replica.sock"), folder)
 
 
 if __name__ == "__main__":

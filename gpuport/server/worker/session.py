@@ -1,9 +1,10 @@
 """A session's worker: one Python process holding the session's allocation, its values and its functions.
 
 Started as the command of a job of kind "session" (so it queues, holds its GPUs, is capped and
-watched like any job): ``python -m gpuport.server.worker.session``, with ``GPUPORT_SESSION_DIR`` set.
-In that folder it writes its output (``stdout``, ``stderr``, appended across the session's workers, so
-that offsets only grow) and listens on ``worker.sock`` for the server: its own connection and one per
+watched like any job): ``python -m gpuport.server.worker.session``. In its job's run folder
+(``GPUPORT_RUN_DIR``, the executor's) it writes its output (``stdout``, ``stderr``, starting where the
+session's earlier worker's ended, ``GPUPORT_SESSION_OUTPUT``, so that offsets only grow) and listens
+on ``worker.sock`` for the server: its own connection and one per
 data-port channel, answered one request at a time (see wire.py for the frames). The server reconnects
 after its own restart; the values stay here.
 
@@ -27,7 +28,7 @@ from typing import Any
 
 import cloudpickle
 
-from gpuport.defaults import ENV_SESSION_DIR, ENV_SESSION_IDLE_TIMEOUT
+from gpuport.defaults import ENV_RUN_DIR, ENV_SESSION_DIR, ENV_SESSION_IDLE_TIMEOUT, ENV_SESSION_OUTPUT
 from gpuport.defaults import SESSION_INLINE_BYTES as _INLINE_BYTES  # larger results go back in a memfd
 from gpuport.protocol import refs, values
 from gpuport.server.worker import wire
@@ -367,17 +368,22 @@ def _address(buffer: memoryview) -> int | None:
         return None
 
 
-def _output(folder: Path) -> None:
-    """Point fds 1 and 2 at the session's output files, which the server follows."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
+def _output(folder: Path, starts: str) -> None:
+    """Point fds 1 and 2 at the session's output files, which the server follows: each starts (a hole)
+    where the earlier worker's ended, so that an offset names the same byte whichever worker wrote it."""
+    at = [int(n) for n in starts.split(",")] if starts else [0, 0]
+    for fd, name, start in ((1, "stdout", at[0]), (2, "stderr", at[1])):
         target = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        if os.fstat(target).st_size < start:
+            os.ftruncate(target, start)
         os.dup2(target, fd)
         os.close(target)
 
 
 def main() -> None:
-    folder = Path(os.environ[ENV_SESSION_DIR])
-    _output(folder)
+    folder = Path(os.environ[ENV_RUN_DIR])
+    os.environ[ENV_SESSION_DIR] = str(folder)  # where code in the session opens its own endpoints (tunnels)
+    _output(folder, os.environ.pop(ENV_SESSION_OUTPUT, ""))
     listener = wire.listen(str(folder), "worker.sock")
     # The user's functions import their modules from the session's workdir, as a script's would.
     sys.path.insert(0, os.getcwd())

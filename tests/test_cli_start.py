@@ -267,9 +267,7 @@ def test_a_helper_serves_one_network_namespace_and_root_whatever_the_mount_names
     assert _socket_path(env, ("unshare", "--net")) != here
 
 
-def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(
-    server: RunningServer, tmp_path: Path
-) -> None:
+def test_a_helper_is_not_used_once_the_code_changes_and_ends_when_idle(server: RunningServer, tmp_path: Path) -> None:
     # A copy of the package: touching its client code gives another socket (a new helper for it).
     copy = tmp_path / "site"
     package = Path(gpuport.__file__).parent
@@ -299,3 +297,47 @@ def test_gpuport_run_through_the_helper_streams_its_job_and_exits_with_its_statu
     assert here.returncode == there.returncode == 3, there.stderr
     assert here.stdout == there.stdout == "hello from the job\n"
     assert "exited with code 3" in there.stderr
+
+
+def test_gpuport_exec_without_a_terminal_runs_in_the_helper(helper: Helper, admin: gpuport.Client) -> None:
+    process = helper.start()
+    job = admin.submit(["python", "-c", "import time; print('up', flush=True); time.sleep(600)"], workdir=None)
+    try:
+        wait_for(lambda: "up" in list(job.logs()), 60, "the job to run")
+        argv = ["sh", "-c", "echo out; echo err >&2; exit 4"]
+        here = helper.run("exec", job.id, "--", *argv, GPUPORT_AGENT="0")
+        there = helper.run("exec", job.id, "--", *argv)
+        assert here.returncode == there.returncode == 4, there.stderr
+        assert (here.stdout, here.stderr) == (there.stdout, there.stderr) == ("out\n", "err\n")
+        # Its piped stdin passed on, from the helper's child while it waits for its end.
+        piped = subprocess.Popen(
+            [sys.executable, "-m", "gpuport", "exec", job.id, "--", "tr", "a-z", "A-Z"],
+            env=helper.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        wait_for(lambda: len(process.children()) == 1, 30, "the command's child in the helper")
+        out, err = piped.communicate(b"shout\n", timeout=60)
+        assert (piped.returncode, out) == (0, b"SHOUT\n"), err
+    finally:
+        job.cancel()
+
+
+@pytest.mark.parametrize(
+    ("args", "own_process"),
+    [
+        (["exec", "job", "--", "ls"], False),
+        (["exec", "job", "--", "ls", "-t", "-i"], False),  # the command's options, not exec's
+        (["exec", "-t", "job", "--", "top"], True),
+        (["exec", "-it", "job", "--", "bash"], True),
+        (["exec", "--tty", "job", "--", "top"], True),
+        (["exec", "--interactive", "job", "--", "cat"], os.isatty(0)),
+    ],
+)
+def test_gpuport_exec_on_a_terminal_runs_in_its_own_process(args: list[str], own_process: bool) -> None:
+    """The helper's child is not in the terminal's foreground process group: a command that sets
+    its mode or reads it (-t, or -i on a terminal) runs on its own."""
+    from gpuport.cli._agent import _on_terminal
+
+    assert _on_terminal(args) is own_process

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 import gpuport
+from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import Conflict, PermissionDenied
 from tests.conftest import CLIENT_ENV, RunningServer, client_env, wait_for
 
@@ -278,4 +279,81 @@ def test_forward_from_the_cli_prints_where_and_ends_with_the_job(
         if process.poll() is None:
             process.kill()
         process.communicate()
+        _stop(job)
+
+
+def _spare(transport: object, ticket: object) -> socket.socket:
+    """A data-port connection that presented a forward's ticket (its answer not read yet)."""
+    conn = transport.connect_data_port(ticket.port)  # type: ignore[attr-defined]
+    conn.sendall(ticket.ticket.encode() + b"\n")  # type: ignore[attr-defined]
+    return conn
+
+
+def _answer(conn: socket.socket) -> bytes:
+    """The data port's answer to a ticket: ``R``, or ``E`` and why."""
+    conn.settimeout(30)
+    data = b""
+    while not data.endswith((b"R", b"\n")):
+        chunk = conn.recv(1000)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def test_a_forwards_ticket_serves_each_connection_until_its_token_is_revoked(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    name = f"reused-{uuid.uuid4().hex[:8]}"
+    token = admin.create_token(name).token
+    with server.connect(token) as client:
+        job = _serving(client)
+        try:
+            transport = client.transport
+            ticket = transport.call(transport.jobs.Reach, pb.ReachRequest(job_id=job.id, port=_PORT))
+            # One ticket, many connections: each is made ready ahead, then reaches the job on its G.
+            for n in range(5):
+                conn = _spare(transport, ticket)
+                with conn:
+                    assert _answer(conn) == b"R"
+                    conn.sendall(b"G")
+                    assert _get(conn, f"/again{n}") == f"hello from /again{n}".encode()
+            waiting = _spare(transport, ticket)
+            assert _answer(waiting) == b"R"  # ready, not used yet
+            admin.revoke_token(name)
+            assert waiting.recv(100) == b""  # cut at once
+            waiting.close()
+            with _spare(transport, ticket) as refused:
+                assert b"revoked" in _answer(refused)
+        finally:
+            _stop(admin.job(job.id))
+
+
+def test_a_forwards_ticket_reaches_nothing_once_its_job_has_ended(user: gpuport.Client) -> None:
+    job = _serving(user)
+    transport = user.transport
+    ticket = transport.call(transport.jobs.Reach, pb.ReachRequest(job_id=job.id, port=_PORT))
+    ready = _spare(transport, ticket)
+    assert _answer(ready) == b"R"
+    job.cancel()
+    job.wait(60)
+    with ready:  # made ahead, used after the job's end: closed, nothing reached
+        with contextlib.suppress(OSError):
+            ready.sendall(b"G" + b"GET / HTTP/1.1\r\nHost: job\r\n\r\n")
+        ready.settimeout(30)
+        with contextlib.suppress(OSError):
+            assert ready.recv(100) == b""
+    with _spare(transport, ticket) as late:
+        assert b"not running" in _answer(late)
+
+
+def test_many_connections_one_after_another_through_one_forward(user: gpuport.Client) -> None:
+    job = _serving(user)
+    try:
+        with job.forward(_PORT) as forward:
+            for n in range(30):  # more than its spares: made again as they are used
+                with socket.create_connection(("127.0.0.1", forward.local_port), timeout=30) as conn:
+                    assert _get(conn, f"/n{n}") == f"hello from /n{n}".encode()
+            assert not forward.closed
+    finally:
         _stop(job)

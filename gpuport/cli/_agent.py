@@ -2,8 +2,8 @@
 
 Most of a command's time is Python importing gRPC, protobuf, click and rich (about 100 ms on a
 small VM) before it says a word to the server. So the commands that only talk to the server
-(``FAST``) are run by a helper: a process of the same user that imported all of that once and
-forks a child per command. The child takes the command's terminal (its stdin, stdout and stderr,
+(``FAST``, and ``exec`` where it does not take the terminal: ``_on_terminal``) are run by a
+helper: a process of the same user that imported all of that once and forks a child per command. The child takes the command's terminal (its stdin, stdout and stderr,
 passed over a Unix socket), working folder, environment and umask, runs the command as the CLI
 would, and reports its exit status; Ctrl-C and termination are passed on to it. What runs is the
 same code on the same inputs: only the imports are done ahead.
@@ -45,7 +45,9 @@ def main() -> None:
     wanted = os.environ.get(ENV_AGENT, "1") != "0" and sys.platform.startswith("linux")
     # Help is click's to write, and the helper has click loaded: `gpuport --help` and a fast
     # command's --help are written there too.
-    if wanted and (command in FAST or (not command and "--help" in args)):
+    if wanted and (
+        command in FAST or (command == "exec" and not _on_terminal(args)) or (not command and "--help" in args)
+    ):
         code = _through_helper(args)
         if code is not None:
             sys.stderr.flush()
@@ -56,6 +58,23 @@ def main() -> None:
 
 
 # ---- the command's side ---------------------------------------------------------------------------
+
+
+def _on_terminal(args: list[str]) -> bool:
+    """Whether `gpuport exec` (its options in ``args``, before its JOB) takes this terminal as its
+    own: with -t (raw mode, window sizes) or with -i and a terminal for stdin. Those run here: the
+    helper's child is not in the terminal's foreground process group, and one that sets a terminal's
+    mode or reads from it is stopped (SIGTTOU, SIGTTIN). Without them it only writes, as ``FAST``
+    commands do, and reads a piped stdin."""
+    interactive = False
+    for arg in args[args.index("exec") + 1 :]:
+        if not arg.startswith("-") or arg == "--":
+            break  # JOB, or the end of the options
+        short = arg[1:] if not arg.startswith("--") else ""
+        if arg == "--tty" or "t" in short:
+            return True
+        interactive |= arg == "--interactive" or "i" in short
+    return interactive and os.isatty(0)
 
 
 def socket_path() -> str | None:
@@ -239,6 +258,7 @@ def _preload() -> None:
     command would otherwise import on first use included: a child's imports are lost with it)."""
     import queue  # noqa: F401
     import shutil  # noqa: F401
+    import ssl  # noqa: F401
     import tempfile  # noqa: F401
 
     import grpc._channel  # noqa: F401
@@ -251,6 +271,7 @@ def _preload() -> None:
     import gpuport.cli.main  # noqa: F401
     import gpuport.client._client  # noqa: F401
     import gpuport.client._jobs  # noqa: F401
+    import gpuport.client._reach  # noqa: F401
     import gpuport.client._sync  # noqa: F401
 
     "localhost".encode("idna")  # a host name's first encoding loads its codec

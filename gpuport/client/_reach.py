@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import select
 import socket
@@ -19,16 +20,28 @@ from typing import TYPE_CHECKING
 
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol import reach
-from gpuport.protocol.errors import AuthenticationError, ConnectionFailed, GpuportError, NotFound
+from gpuport.protocol.errors import (
+    AuthenticationError,
+    Conflict,
+    ConnectionFailed,
+    GpuportError,
+    NotFound,
+    PermissionDenied,
+)
 from gpuport.protocol.relay import relay
 
 if TYPE_CHECKING:
     from gpuport.client._jobs import Job
     from gpuport.client._transport import Transport
 
-# Seconds a connection to the data port made ahead, with its ticket, stays usable: the server
-# waits 10 s for a ticket line, and a ticket lasts a minute.
-_SPARE_FOR = 8.0
+# Seconds a forward's spare (a data-port connection made ahead, its ticket taken: see the data
+# port's doc) is kept for its use; then it is made again. The server waits 120 s for its use.
+_SPARE_FOR = 60.0
+# Spares a forward keeps: connections that come one after another faster than a spare is made (a
+# TLS handshake and the server's socket into the job: about 5 ms on a loaded 2-core VM) find one.
+# Each holds a thread on the server and counts among its user's channels (64).
+_SPARES = 2
+_STALE_TICKET = "unknown, used or expired"  # the data port's words for a ticket it does not hold
 
 
 def _open(transport: Transport, request: pb.ReachRequest) -> tuple[socket.socket, bytes]:
@@ -56,6 +69,10 @@ class Forward:
     the server's data port; many at once. It closes when the job ends, when the token is revoked, or
     with ``close()`` (or the end of a ``with`` block). Made by ``Job.forward``.
 
+    One ticket (``Jobs.Reach``) serves all its connections, and a data-port connection is kept ready
+    ahead (a spare: TLS shaken hands, ticket taken, the server's socket into the job made), so a new
+    connection costs one byte to the server and its connect to the job's port.
+
     >>> with job.forward(6006) as tensorboard:
     ...     print(f"http://127.0.0.1:{tensorboard.local_port}")
     ...     tensorboard.wait()   # until the job ends
@@ -68,18 +85,19 @@ class Forward:
         self.port = port
         self._request = pb.ReachRequest(job_id=job if isinstance(job, str) else job.id, port=port)
         self._lock = threading.Lock()
-        self._spare: tuple[tuple[socket.socket, bytes], float] | None = None
+        self._spares: list[tuple[socket.socket, float]] = []  # made ahead, each with when
         self._spare_wanted = threading.Event()
         self._conns: set[socket.socket] = set()
         self._closed = threading.Event()
         self.why = ""  # why it closed, once it has
-        # The checks at once (the job is the caller's, running, reachable here); kept for the first connection.
-        self._spare = (_open(transport, self._request), time.monotonic())
+        # The checks at once (the job is the caller's, running, reachable here), and the first spare.
+        self._renew()
+        self._spares.append((self._ready(), time.monotonic()))
         if isinstance(job, str):
             try:
                 reply = transport.call(transport.jobs.Get, pb.JobRef(job_id=job))
             except BaseException:
-                self._drop_spare()
+                self._drop_spares()
                 raise
             job = Job(transport, JobInfo._from_message(reply))
         self.job = job
@@ -88,65 +106,130 @@ class Forward:
             self._listener.bind(("127.0.0.1", local_port))
         except OSError as e:
             self._listener.close()
-            self._drop_spare()
+            self._drop_spares()
             raise ConnectionFailed(f"cannot listen on 127.0.0.1:{local_port}: {e.strerror} — pick another") from None
         self._listener.listen(64)
         self.local_port: int = self._listener.getsockname()[1]
         for target, name in ((self._accept, "accept"), (self._watch, "watch"), (self._keep_spare, "spare")):
             threading.Thread(target=target, name=f"gpuport forward {name}", daemon=True).start()
 
-    def _take_spare(self) -> tuple[socket.socket, bytes]:
-        """A data-port connection and its ticket: the one made ahead while fresh, else a new one."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-        self._spare_wanted.set()
-        if spare is not None and time.monotonic() - spare[1] < _SPARE_FOR:
-            return spare[0]
-        if spare is not None:
-            spare[0][0].close()
-        return _open(self._transport, self._request)
+    def _renew(self) -> tuple[bytes, int]:
+        """A ticket for the forward's connections, and the data port to present it on."""
+        ticket = self._transport.call(self._transport.jobs.Reach, self._request)
+        self._ticket: tuple[bytes, int] = (ticket.ticket.encode() + b"\n", ticket.port)
+        return self._ticket
+
+    def _ready(self) -> socket.socket:
+        """A spare: a data-port connection whose ticket the server took, ready for ``G``; with a new
+        ticket when the server no longer holds the one it had (it restarted, or it was unused for 10 min)."""
+        try:
+            return self._present()
+        except ConnectionFailed as e:
+            if _STALE_TICKET not in str(e):
+                raise
+        self._renew()
+        return self._present()
+
+    def _present(self) -> socket.socket:
+        line, data_port = self._ticket
+        conn = self._transport.connect_data_port(data_port)
+        if conn is None:
+            raise ConnectionFailed("the server's data port cannot be reached: forwards and `gpuport exec` need it")
+        try:
+            conn.sendall(line)
+        except BaseException:
+            conn.close()
+            raise
+        _answer(conn, b"R", f"the server refused the forward to port {self.port}")  # closes it when refused
+        return conn
+
+    def _take_spare(self) -> socket.socket:
+        """A spare for a new connection: one made ahead while fresh and open, else a new one."""
+        while True:
+            with self._lock:
+                spare = self._spares.pop(0) if self._spares else None
+            self._spare_wanted.set()
+            if spare is None:
+                return self._ready()
+            conn, made = spare
+            # Readable: the server closed it (a spare is sent nothing before its G).
+            if time.monotonic() - made < _SPARE_FOR and not select.select([conn], [], [], 0)[0]:
+                return conn
+            conn.close()
 
     def _keep_spare(self) -> None:
-        """Make the next connection's data-port connection ahead, after each use."""
+        """Keep ``_SPARES`` spares ready: new ones after each use, and before the server would drop
+        those kept; after a failure, at the next use."""
         while not self._closed.is_set():
-            self._spare_wanted.wait()
-            self._spare_wanted.clear()
-            if self._closed.is_set():
-                return
-            try:
-                conn = _open(self._transport, self._request)
-            except AuthenticationError as e:
-                self.close(str(e))
-                return
-            except (GpuportError, OSError):
-                continue  # the next connection asks for its own, and says why it cannot
+            now = time.monotonic()
             with self._lock:
-                old, self._spare = self._spare, (conn, time.monotonic())
-            if old is not None:
-                old[0][0].close()
+                stale = [s for s in self._spares if now - s[1] >= _SPARE_FOR]
+                self._spares = [s for s in self._spares if now - s[1] < _SPARE_FOR]
+                wanted = len(self._spares) < _SPARES
+                renew_at = min((s[1] for s in self._spares), default=now) + _SPARE_FOR
+            for conn, _ in stale:
+                conn.close()
+            if wanted:
+                try:
+                    conn = self._ready()
+                except (GpuportError, OSError) as e:
+                    if self._ended(e):
+                        return
+                    renew_at = math.inf  # the next connection asks for its own, and says why it cannot
+                else:
+                    with self._lock:
+                        if not self._closed.is_set():
+                            self._spares.append((conn, time.monotonic()))
+                            continue
+                    conn.close()  # closed meanwhile
+                    return
+            self._spare_wanted.wait(None if renew_at == math.inf else max(renew_at - time.monotonic(), 0.1))
+            self._spare_wanted.clear()
 
-    def _drop_spare(self) -> None:
+    def _ended(self, error: BaseException) -> bool:
+        """After a spare could not be made (``error``): close the forward when its token was revoked
+        or its job is no longer the caller's running job (a new ticket says which), and say True."""
+        if not isinstance(error, AuthenticationError):
+            try:
+                self._renew()
+                return False
+            except (AuthenticationError, Conflict, NotFound, PermissionDenied) as e:
+                error = e
+            except (GpuportError, OSError):
+                return False
+        self.close(str(error))
+        return True
+
+    def _drop_spares(self) -> None:
         with self._lock:
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            spare[0][0].close()
+            spares, self._spares = self._spares, []
+        for conn, _ in spares:
+            conn.close()
 
     def _accept(self) -> None:
+        """Keep one thread waiting in ``accept``: each takes one connection and relays it, and this
+        thread starts the next meanwhile, so a new connection waits for no thread to start."""
         while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._relay, args=(conn,), name="gpuport forward", daemon=True).start()
+            taken = threading.Event()
+            threading.Thread(target=self._take_one, args=(taken,), name="gpuport forward", daemon=True).start()
+            taken.wait()
+
+    def _take_one(self, taken: threading.Event) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return  # closed
+        finally:
+            taken.set()
+        self._relay(conn)
 
     def _relay(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.add(conn)
         try:
             try:
-                remote, ticket = self._take_spare()
-                remote.sendall(ticket)
-                _answer(remote, b"T", f"the server refused the forward to port {self.port}")
+                remote = self._take_spare()
+                remote.sendall(b"G")  # the server connects to the job's port now
             except AuthenticationError as e:
                 self.close(str(e))
                 return
@@ -193,7 +276,7 @@ class Forward:
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; a close alone would not
         self._listener.close()
-        self._drop_spare()
+        self._drop_spares()
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)

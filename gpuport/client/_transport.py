@@ -49,6 +49,7 @@ from gpuport.protocol.paths import check_entries
 
 if TYPE_CHECKING:
     import socket
+    import ssl
 
     from gpuport.client import _sync  # imported by the methods that sync: other commands need none of it
 
@@ -118,6 +119,7 @@ class Transport:
             self.channel.close()
             raise
         self.data_port: int = self.hello.data_port  # 0: none; after a failed connection, too (gRPC instead)
+        self._data_context: ssl.SSLContext | None = None  # the data port's TLS settings, once made
 
     @functools.cached_property
     def pickle_problem(self) -> str | None:
@@ -173,35 +175,39 @@ class Transport:
         self, request: pb.TransferRequest | pb.ReachRequest, method: Any = None
     ) -> tuple[pb.TransferTicket, socket.socket | None]:
         """A ticket for ``request`` (from ``method``: ``Sessions.Transfer`` unless given) and a
-        connection to the server's data port to present it on: TLS with the pinned certificate. The
-        connection is None (and gRPC is used from then on) when the port cannot be reached, as behind
-        a firewall that lets only the gRPC port through."""
+        connection to the server's data port to present it on (``connect_data_port``)."""
+        ticket: pb.TransferTicket = self.call(method or self.sessions.Transfer, request)
+        return ticket, self.connect_data_port(ticket.port, stacklevel=5)
+
+    def connect_data_port(self, port: int, stacklevel: int = 4) -> socket.socket | None:
+        """A connection to the server's data port (``port``, as a ticket names it): TLS with the
+        pinned certificate. None (and gRPC is used from then on) when the port cannot be reached, as
+        behind a firewall that lets only the gRPC port through."""
         import socket  # here: a command without sessions needs no socket of its own, nor Python's TLS
         import ssl
 
-        ticket: pb.TransferTicket = self.call(method or self.sessions.Transfer, request)
         target = self.target
         try:
-            raw = socket.create_connection(
-                (target.host, target.local_port(ticket.port)), timeout=DEFAULT_CONNECT_TIMEOUT
-            )
+            raw = socket.create_connection((target.host, target.local_port(port)), timeout=DEFAULT_CONNECT_TIMEOUT)
         except OSError as e:
             warnings.warn(
-                f"cannot reach the server's data port {target.host}:{ticket.port} ({e.strerror or e}); large "
+                f"cannot reach the server's data port {target.host}:{port} ({e.strerror or e}); large "
                 "values go through the gRPC port instead, about half as fast — open that port too",
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
             self.data_port = 0
-            return ticket, None
+            return None
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         raw.settimeout(None)
         if self._certificate is None:  # --insecure, on loopback only
-            return ticket, raw
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = False  # the pinned certificate is the only one trusted: names do not matter
-        context.load_verify_locations(cadata=self._certificate)
+            return raw
+        if self._data_context is None:  # made once: loading the certificate is a third of a handshake here
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.check_hostname = False  # the pinned certificate is the only one trusted: names do not matter
+            context.load_verify_locations(cadata=self._certificate)
+            self._data_context = context
         try:
-            return ticket, context.wrap_socket(raw)
+            return self._data_context.wrap_socket(raw)
         except (OSError, ssl.SSLError) as e:
             raw.close()
             raise ConnectionFailed(f"the TLS handshake with the server's data port failed: {e}") from None

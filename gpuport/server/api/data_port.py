@@ -27,11 +27,16 @@ and answers each connection there with a connection to its server, passed as a f
 connection until either side closes, or ``E`` and why when the worker has no such socket. It counts
 among its user's channels, and closes with their token.
 
-A running job is reached the same way, with a ticket from ``Jobs.Reach`` (its owner's only): a
-forward (``forward:PORT``) is answered ``T`` and relayed as a tunnel is, to a connection to that
-port on the job's own loopback (``executors/reach.py``); a command (``exec``) runs in the job's
-sandbox, its streams framed as ``protocol/reach.py`` says (``api/reach.py``). Both count among the
-user's channels, and close with their token.
+A running job is reached the same way, with a ticket from ``Jobs.Reach`` (its owner's only). A
+forward's (``forward:PORT``) is good for each of its connections, until its owner's token is
+revoked (``Staging.redeem``). Its client keeps connections here ready ahead, spares: on each, the
+ticket is checked and the sockets into the job's network namespace made (``executors/reach.py``'s
+``Dialer``), then it is answered ``R``; when a connection comes to the forward, the client sends ``G``,
+and only then is the job's port connected to (the job sees a connection only when its user makes
+one) and relayed as a tunnel is; closed at once where it cannot be (as a refused connect). A spare
+waits for its ``G`` for ``_SPARE_WAIT`` seconds. A command (``exec``) runs in the job's sandbox,
+its streams framed as ``protocol/reach.py`` says (``api/reach.py``). Both count among the user's
+channels (a spare too), and close with their token.
 
 Blobs (``TransferRequest.blobs``: a folder's files for a snapshot, no session) are answered ``B``,
 then come as a header each (``_BLOB_HEAD``: ``F``, the blob's 64 hex digits, its size as 8 bytes
@@ -104,6 +109,7 @@ _MAX_UNREDEEMED_PER_SOURCE = 32  # of those, from one address (an IPv6 /64)
 _MAX_CHANNELS = 64  # channels, tunnels and blob uploads one user holds open
 _PARK_AFTER = 2.0  # seconds without a call after which a channel gives its thread up
 _IDLE_TIMEOUT = 60.0  # seconds a transfer may stall before the server gives up on it
+_SPARE_WAIT = 120.0  # seconds a forward's spare connection waits for its use (the client renews it before)
 _SLICE = 1024 * 1024  # bytes per send or receive call
 _LENGTH = struct.Struct("<I")
 _REPLY = struct.Struct("<IB")  # length, kind
@@ -520,12 +526,24 @@ class DataPort:
                 serve_exec(conn, self.executor, found.key)
                 return
             try:
-                target = self.executor.open_port(found.key, int(found.kind.partition(":")[2]))
+                dialer = self.executor.dial_port(found.key, int(found.kind.partition(":")[2]))
             except GpuportError as e:
                 conn.sendall(b"E" + str(e).encode() + b"\n")
                 return
+            try:
+                conn.sendall(b"R")
+                conn.settimeout(_SPARE_WAIT)
+                if conn.recv(1) != b"G":
+                    return  # the client let its spare go
+                conn.settimeout(None)
+                try:
+                    target = dialer.connect()
+                except GpuportError as e:  # the client's connection closes: as a refused connect would
+                    log.info("a forward of %s found no way in: %s", found.caller.name, e)
+                    return
+            finally:
+                dialer.close()
             with target:
-                conn.sendall(b"T")
                 relay(conn, target)
         except (OSError, ValueError, EOFError) as e:
             log.info("a %s from %s ended: %s", found.kind.partition(":")[0], peer, e)

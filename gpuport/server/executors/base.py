@@ -36,7 +36,7 @@ from gpuport.server.inventory import GpuInfo
 from gpuport.server.scheduler import Machine
 
 if TYPE_CHECKING:
-    from gpuport.server.executors.reach import Command
+    from gpuport.server.executors.reach import Command, Dialer
 
 OnExit = Callable[[], None]
 # What collecting outputs gives to the snapshot service: (path in the snapshot, open file) pairs.
@@ -218,9 +218,9 @@ class Executor(ABC):
         """Why a running job's port or a command in it cannot be reached here ("": they can)."""
         return f"jobs run by the {self.kind} executor cannot be reached from outside yet"
 
-    def open_port(self, job_id: str, port: int) -> socket.socket:
-        """A connection to TCP ``port`` on the running job's own loopback. Raises ``Conflict`` (not
-        running), ``NotFound`` (nothing listens there), ``InvalidRequest``."""
+    def dial_port(self, job_id: str, port: int) -> Dialer:
+        """What makes a connection to TCP ``port`` on the running job's own loopback, ready for it
+        (``Dialer.connect``). Raises ``Conflict`` (not running), ``InvalidRequest``."""
         raise InvalidRequest(self.reach_problem())
 
     def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:

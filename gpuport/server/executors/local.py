@@ -13,7 +13,7 @@ from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Environments
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
-from gpuport.server.executors.reach import Command
+from gpuport.server.executors.reach import Command, Dialer
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -102,8 +102,8 @@ class LocalExecutor(Executor):
             )
         return ""
 
-    def open_port(self, job_id: str, port: int) -> socket.socket:
-        return self.folders.open_port(job_id, port)
+    def dial_port(self, job_id: str, port: int) -> Dialer:
+        return self.folders.dial_port(job_id, port)
 
     def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:
         return self.folders.run_command(job_id, argv, tty=tty, term=term, rows=rows, cols=cols)

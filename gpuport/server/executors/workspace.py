@@ -26,7 +26,6 @@ import marshal
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -419,10 +418,10 @@ class JobFolders:
 
     # ---- reaching a running job --------------------------------------------------------------------
 
-    def open_port(self, job_id: str, port: int) -> socket.socket:
-        """A connection to TCP ``port`` on the running job's own loopback (see ``reach.py``)."""
+    def dial_port(self, job_id: str, port: int) -> reach.Dialer:
+        """What connects to TCP ``port`` on the running job's own loopback, ready (see ``reach.py``)."""
         sandboxed = self.sandbox.isolated
-        return reach.open_port(self.folder(job_id), job_id, port, sandboxed, lambda: self.is_running(job_id))
+        return reach.dial_port(self.folder(job_id), job_id, port, sandboxed, lambda: self.is_running(job_id))
 
     def run_command(self, job_id: str, argv: list[str], *, tty: bool, term: str, rows: int, cols: int) -> Command:
         """Start ``argv`` in the running job's sandbox, as its uid, in its workdir (see ``reach.py``)."""

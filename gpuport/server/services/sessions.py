@@ -71,6 +71,9 @@ _CONNECT_TIMEOUT = 60.0  # seconds from a worker's start to its socket accepting
 _END_WAIT = 10.0  # seconds to wait for a dead worker's job to record how it ended
 _STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
 _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
+# Seconds a forward's ticket stays valid after its last use: it is good for every connection through
+# the forward (one Jobs.Reach per forward, not per connection), until its owner's token is revoked.
+_FORWARD_TICKET_TTL = 600.0
 _FOR_STAGED = ("upload", "download")  # tickets for a staged value; the others (channel, tunnel, blobs) name none
 _TUNNEL_NAME = re.compile(r"[a-z][a-z0-9-]{0,31}")  # a worker's endpoint tunnel-NAME
 _TAIL_BYTES = 8192  # of a dead worker's stderr, for its last lines
@@ -232,7 +235,8 @@ class Staging:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Staged] = {}
-        # ticket → (key, "upload" | "download" | "channel" | "tunnel:NAME" | "blobs", expiry, caller)
+        # ticket → (key, "upload" | "download" | "channel" | "tunnel:NAME" | "blobs" | "forward:PORT" | "exec",
+        # expiry, caller)
         self._tickets: dict[str, tuple[str, str, float, Identity | None]] = {}
         # The tickets of revoked tokens, until they would have expired: ticket → (name, expiry), so that
         # presenting one is refused with the reason, not as an unknown ticket.
@@ -255,8 +259,9 @@ class Staging:
 
     def ticket(self, key: str, kind: str, caller: Identity) -> str:
         ticket = secrets.token_hex(32)
+        lasts = _FORWARD_TICKET_TTL if kind.startswith("forward:") else _TICKET_TTL
         with self._lock:
-            self._tickets[ticket] = (key, kind, time.monotonic() + _TICKET_TTL, caller)
+            self._tickets[ticket] = (key, kind, time.monotonic() + lasts, caller)
         return ticket
 
     def forget(self, name: str) -> None:
@@ -284,10 +289,14 @@ class Staging:
             return self._revocations.get(name, 0)
 
     def redeem(self, ticket: str) -> Redeemed | None:
-        """What a ticket is for (once: a ticket is used up), or None for an unknown, used or expired
-        one. Raises ``AuthenticationError`` for a ticket whose token was revoked since it was handed out."""
+        """What a ticket is for (once: a ticket is used up; a forward's, ``forward:PORT``, again and
+        again, each use keeping it for ``_FORWARD_TICKET_TTL`` more), or None for an unknown, used or
+        expired one. Raises ``AuthenticationError`` for a ticket whose token was revoked since it was
+        handed out."""
         with self._lock:
             found = self._tickets.pop(ticket, None)
+            if found is not None and found[1].startswith("forward:") and found[2] >= time.monotonic():
+                self._tickets[ticket] = (*found[:2], time.monotonic() + _FORWARD_TICKET_TTL, found[3])
             if found is None or found[2] < time.monotonic():
                 revoked = self._revoked.pop(ticket, None)
                 if revoked is not None and revoked[1] >= time.monotonic():

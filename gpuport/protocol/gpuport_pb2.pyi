@@ -19,7 +19,12 @@ class HelloRequest(_message.Message):
     client_version: str
     python_version: str
     cloudpickle_version: str
-    def __init__(self, client_version: _Optional[str] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        client_version: _Optional[str] = ...,
+        python_version: _Optional[str] = ...,
+        cloudpickle_version: _Optional[str] = ...,
+    ) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("server_version", "python_version", "hostname", "user", "admin", "cloudpickle_version", "data_port")
@@ -37,7 +42,16 @@ class HelloReply(_message.Message):
     admin: bool
     cloudpickle_version: str
     data_port: int
-    def __init__(self, server_version: _Optional[str] = ..., python_version: _Optional[str] = ..., hostname: _Optional[str] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., cloudpickle_version: _Optional[str] = ..., data_port: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        server_version: _Optional[str] = ...,
+        python_version: _Optional[str] = ...,
+        hostname: _Optional[str] = ...,
+        user: _Optional[str] = ...,
+        admin: _Optional[bool] = ...,
+        cloudpickle_version: _Optional[str] = ...,
+        data_port: _Optional[int] = ...,
+    ) -> None: ...
 
 class GpuProcess(_message.Message):
     __slots__ = ("pid", "memory_used", "job_id")
@@ -47,7 +61,9 @@ class GpuProcess(_message.Message):
     pid: int
     memory_used: int
     job_id: str
-    def __init__(self, pid: _Optional[int] = ..., memory_used: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self, pid: _Optional[int] = ..., memory_used: _Optional[int] = ..., job_id: _Optional[str] = ...
+    ) -> None: ...
 
 class GpuAllocation(_message.Message):
     __slots__ = ("job_id", "owner", "memory", "memory_used")
@@ -59,10 +75,27 @@ class GpuAllocation(_message.Message):
     owner: str
     memory: int
     memory_used: int
-    def __init__(self, job_id: _Optional[str] = ..., owner: _Optional[str] = ..., memory: _Optional[int] = ..., memory_used: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        job_id: _Optional[str] = ...,
+        owner: _Optional[str] = ...,
+        memory: _Optional[int] = ...,
+        memory_used: _Optional[int] = ...,
+    ) -> None: ...
 
 class Gpu(_message.Message):
-    __slots__ = ("index", "uuid", "name", "memory_total", "memory_used", "utilization", "processes", "jobs", "allocations", "node")
+    __slots__ = (
+        "index",
+        "uuid",
+        "name",
+        "memory_total",
+        "memory_used",
+        "utilization",
+        "processes",
+        "jobs",
+        "allocations",
+        "node",
+    )
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -83,7 +116,19 @@ class Gpu(_message.Message):
     jobs: _containers.RepeatedScalarFieldContainer[str]
     allocations: _containers.RepeatedCompositeFieldContainer[GpuAllocation]
     node: str
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_used: _Optional[int] = ..., utilization: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ..., jobs: _Optional[_Iterable[str]] = ..., allocations: _Optional[_Iterable[_Union[GpuAllocation, _Mapping]]] = ..., node: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        index: _Optional[int] = ...,
+        uuid: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        memory_total: _Optional[int] = ...,
+        memory_used: _Optional[int] = ...,
+        utilization: _Optional[int] = ...,
+        processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ...,
+        jobs: _Optional[_Iterable[str]] = ...,
+        allocations: _Optional[_Iterable[_Union[GpuAllocation, _Mapping]]] = ...,
+        node: _Optional[str] = ...,
+    ) -> None: ...
 
 class GpuList(_message.Message):
     __slots__ = ("inventory", "note", "gpus")
@@ -93,10 +138,26 @@ class GpuList(_message.Message):
     inventory: str
     note: str
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
-    def __init__(self, inventory: _Optional[str] = ..., note: _Optional[str] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        inventory: _Optional[str] = ...,
+        note: _Optional[str] = ...,
+        gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...,
+    ) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("server_version", "hostname", "started_at", "cpus", "memory_total", "memory_available", "gpus", "user", "admin", "python_version")
+    __slots__ = (
+        "server_version",
+        "hostname",
+        "started_at",
+        "cpus",
+        "memory_total",
+        "memory_available",
+        "gpus",
+        "user",
+        "admin",
+        "python_version",
+    )
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -117,7 +178,19 @@ class StatusReply(_message.Message):
     user: str
     admin: bool
     python_version: str
-    def __init__(self, server_version: _Optional[str] = ..., hostname: _Optional[str] = ..., started_at: _Optional[float] = ..., cpus: _Optional[int] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., gpus: _Optional[_Union[GpuList, _Mapping]] = ..., user: _Optional[str] = ..., admin: _Optional[bool] = ..., python_version: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        server_version: _Optional[str] = ...,
+        hostname: _Optional[str] = ...,
+        started_at: _Optional[float] = ...,
+        cpus: _Optional[int] = ...,
+        memory_total: _Optional[int] = ...,
+        memory_available: _Optional[int] = ...,
+        gpus: _Optional[_Union[GpuList, _Mapping]] = ...,
+        user: _Optional[str] = ...,
+        admin: _Optional[bool] = ...,
+        python_version: _Optional[str] = ...,
+    ) -> None: ...
 
 class DashboardLink(_message.Message):
     __slots__ = ("code", "expires_in", "http_port")
@@ -127,7 +200,9 @@ class DashboardLink(_message.Message):
     code: str
     expires_in: float
     http_port: int
-    def __init__(self, code: _Optional[str] = ..., expires_in: _Optional[float] = ..., http_port: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, code: _Optional[str] = ..., expires_in: _Optional[float] = ..., http_port: _Optional[int] = ...
+    ) -> None: ...
 
 class EnvironmentsRequest(_message.Message):
     __slots__ = ("prune",)
@@ -153,7 +228,17 @@ class Environment(_message.Message):
     jobs: int
     layered: bool
     packages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hash: _Optional[str] = ..., size: _Optional[int] = ..., python_version: _Optional[str] = ..., created_at: _Optional[float] = ..., last_used: _Optional[float] = ..., jobs: _Optional[int] = ..., layered: _Optional[bool] = ..., packages: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(
+        self,
+        hash: _Optional[str] = ...,
+        size: _Optional[int] = ...,
+        python_version: _Optional[str] = ...,
+        created_at: _Optional[float] = ...,
+        last_used: _Optional[float] = ...,
+        jobs: _Optional[int] = ...,
+        layered: _Optional[bool] = ...,
+        packages: _Optional[_Iterable[str]] = ...,
+    ) -> None: ...
 
 class EnvironmentList(_message.Message):
     __slots__ = ("environments", "removed")
@@ -161,7 +246,11 @@ class EnvironmentList(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     environments: _containers.RepeatedCompositeFieldContainer[Environment]
     removed: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, environments: _Optional[_Iterable[_Union[Environment, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(
+        self,
+        environments: _Optional[_Iterable[_Union[Environment, _Mapping]]] = ...,
+        removed: _Optional[_Iterable[str]] = ...,
+    ) -> None: ...
 
 class TokenInfo(_message.Message):
     __slots__ = ("name", "admin", "created_at", "revoked_at", "scrape")
@@ -175,7 +264,14 @@ class TokenInfo(_message.Message):
     created_at: float
     revoked_at: float
     scrape: bool
-    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., created_at: _Optional[float] = ..., revoked_at: _Optional[float] = ..., scrape: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        name: _Optional[str] = ...,
+        admin: _Optional[bool] = ...,
+        created_at: _Optional[float] = ...,
+        revoked_at: _Optional[float] = ...,
+        scrape: _Optional[bool] = ...,
+    ) -> None: ...
 
 class CreateTokenRequest(_message.Message):
     __slots__ = ("name", "admin", "client_cert", "scrape")
@@ -187,7 +283,13 @@ class CreateTokenRequest(_message.Message):
     admin: bool
     client_cert: bool
     scrape: bool
-    def __init__(self, name: _Optional[str] = ..., admin: _Optional[bool] = ..., client_cert: _Optional[bool] = ..., scrape: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        name: _Optional[str] = ...,
+        admin: _Optional[bool] = ...,
+        client_cert: _Optional[bool] = ...,
+        scrape: _Optional[bool] = ...,
+    ) -> None: ...
 
 class CreateTokenReply(_message.Message):
     __slots__ = ("info", "token", "cert_pem", "key_pem", "server_cert_pem", "cert_port")
@@ -203,7 +305,15 @@ class CreateTokenReply(_message.Message):
     key_pem: str
     server_cert_pem: str
     cert_port: int
-    def __init__(self, info: _Optional[_Union[TokenInfo, _Mapping]] = ..., token: _Optional[str] = ..., cert_pem: _Optional[str] = ..., key_pem: _Optional[str] = ..., server_cert_pem: _Optional[str] = ..., cert_port: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        info: _Optional[_Union[TokenInfo, _Mapping]] = ...,
+        token: _Optional[str] = ...,
+        cert_pem: _Optional[str] = ...,
+        key_pem: _Optional[str] = ...,
+        server_cert_pem: _Optional[str] = ...,
+        cert_port: _Optional[int] = ...,
+    ) -> None: ...
 
 class ListTokensRequest(_message.Message):
     __slots__ = ("include_revoked",)
@@ -237,7 +347,14 @@ class ManifestEntry(_message.Message):
     size: int
     mode: int
     link: str
-    def __init__(self, path: _Optional[str] = ..., blob: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., link: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        path: _Optional[str] = ...,
+        blob: _Optional[str] = ...,
+        size: _Optional[int] = ...,
+        mode: _Optional[int] = ...,
+        link: _Optional[str] = ...,
+    ) -> None: ...
 
 class CreateSnapshotRequest(_message.Message):
     __slots__ = ("entries", "name")
@@ -245,7 +362,9 @@ class CreateSnapshotRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ManifestEntry]
     name: str
-    def __init__(self, entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self, entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ..., name: _Optional[str] = ...
+    ) -> None: ...
 
 class NameSnapshotRequest(_message.Message):
     __slots__ = ("snapshot_id", "name")
@@ -265,7 +384,13 @@ class CreateSnapshotReply(_message.Message):
     missing: _containers.RepeatedScalarFieldContainer[str]
     files: int
     bytes: int
-    def __init__(self, snapshot_id: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        snapshot_id: _Optional[str] = ...,
+        missing: _Optional[_Iterable[str]] = ...,
+        files: _Optional[int] = ...,
+        bytes: _Optional[int] = ...,
+    ) -> None: ...
 
 class SnapshotRef(_message.Message):
     __slots__ = ("snapshot_id", "name")
@@ -289,7 +414,15 @@ class Snapshot(_message.Message):
     files: int
     bytes: int
     entries: _containers.RepeatedCompositeFieldContainer[ManifestEntry]
-    def __init__(self, snapshot_id: _Optional[str] = ..., name: _Optional[str] = ..., created_at: _Optional[float] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        snapshot_id: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        created_at: _Optional[float] = ...,
+        files: _Optional[int] = ...,
+        bytes: _Optional[int] = ...,
+        entries: _Optional[_Iterable[_Union[ManifestEntry, _Mapping]]] = ...,
+    ) -> None: ...
 
 class SnapshotList(_message.Message):
     __slots__ = ("snapshots",)
@@ -307,7 +440,13 @@ class BlobPart(_message.Message):
     offset: int
     data: bytes
     last: bool
-    def __init__(self, blob: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        blob: _Optional[str] = ...,
+        offset: _Optional[int] = ...,
+        data: _Optional[bytes] = ...,
+        last: _Optional[bool] = ...,
+    ) -> None: ...
 
 class BlobBatch(_message.Message):
     __slots__ = ("parts",)
@@ -340,7 +479,33 @@ class BlobList(_message.Message):
     def __init__(self, blobs: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after", "requirements", "env_groups", "python", "isolated_env")
+    __slots__ = (
+        "command",
+        "shell",
+        "snapshot_id",
+        "project",
+        "datasets",
+        "gpus",
+        "env",
+        "outputs",
+        "name",
+        "hyperparameters_json",
+        "time_limit",
+        "gpu_memory",
+        "cpus",
+        "memory",
+        "priority",
+        "nprocs",
+        "tf_roles",
+        "retries",
+        "nodes",
+        "nprocs_per_node",
+        "after",
+        "requirements",
+        "env_groups",
+        "python",
+        "isolated_env",
+    )
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +513,7 @@ class JobSpec(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
     class TfRolesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +521,7 @@ class JobSpec(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     SHELL_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -405,10 +572,66 @@ class JobSpec(_message.Message):
     env_groups: _containers.RepeatedScalarFieldContainer[str]
     python: str
     isolated_env: bool
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ..., requirements: _Optional[str] = ..., env_groups: _Optional[_Iterable[str]] = ..., python: _Optional[str] = ..., isolated_env: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        command: _Optional[_Iterable[str]] = ...,
+        shell: _Optional[str] = ...,
+        snapshot_id: _Optional[str] = ...,
+        project: _Optional[str] = ...,
+        datasets: _Optional[_Iterable[str]] = ...,
+        gpus: _Optional[int] = ...,
+        env: _Optional[_Mapping[str, str]] = ...,
+        outputs: _Optional[_Iterable[str]] = ...,
+        name: _Optional[str] = ...,
+        hyperparameters_json: _Optional[str] = ...,
+        time_limit: _Optional[float] = ...,
+        gpu_memory: _Optional[int] = ...,
+        cpus: _Optional[float] = ...,
+        memory: _Optional[int] = ...,
+        priority: _Optional[int] = ...,
+        nprocs: _Optional[int] = ...,
+        tf_roles: _Optional[_Mapping[str, int]] = ...,
+        retries: _Optional[int] = ...,
+        nodes: _Optional[int] = ...,
+        nprocs_per_node: _Optional[int] = ...,
+        after: _Optional[_Iterable[str]] = ...,
+        requirements: _Optional[str] = ...,
+        env_groups: _Optional[_Iterable[str]] = ...,
+        python: _Optional[str] = ...,
+        isolated_env: _Optional[bool] = ...,
+    ) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position", "node", "array_id", "array_index", "environment")
+    __slots__ = (
+        "job_id",
+        "name",
+        "owner",
+        "state",
+        "command",
+        "gpus",
+        "gpu_indices",
+        "created_at",
+        "started_at",
+        "ended_at",
+        "has_exit_code",
+        "exit_code",
+        "message",
+        "snapshot_id",
+        "output_snapshot_id",
+        "outputs",
+        "log_bytes",
+        "time_limit",
+        "gpu_memory",
+        "cpus",
+        "memory",
+        "priority",
+        "nprocs",
+        "position",
+        "node",
+        "array_id",
+        "array_index",
+        "environment",
+    )
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -465,7 +688,37 @@ class JobInfo(_message.Message):
     array_id: str
     array_index: int
     environment: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., position: _Optional[int] = ..., node: _Optional[str] = ..., array_id: _Optional[str] = ..., array_index: _Optional[int] = ..., environment: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        job_id: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        owner: _Optional[str] = ...,
+        state: _Optional[str] = ...,
+        command: _Optional[_Iterable[str]] = ...,
+        gpus: _Optional[int] = ...,
+        gpu_indices: _Optional[_Iterable[int]] = ...,
+        created_at: _Optional[float] = ...,
+        started_at: _Optional[float] = ...,
+        ended_at: _Optional[float] = ...,
+        has_exit_code: _Optional[bool] = ...,
+        exit_code: _Optional[int] = ...,
+        message: _Optional[str] = ...,
+        snapshot_id: _Optional[str] = ...,
+        output_snapshot_id: _Optional[str] = ...,
+        outputs: _Optional[_Iterable[str]] = ...,
+        log_bytes: _Optional[int] = ...,
+        time_limit: _Optional[float] = ...,
+        gpu_memory: _Optional[int] = ...,
+        cpus: _Optional[float] = ...,
+        memory: _Optional[int] = ...,
+        priority: _Optional[int] = ...,
+        nprocs: _Optional[int] = ...,
+        position: _Optional[int] = ...,
+        node: _Optional[str] = ...,
+        array_id: _Optional[str] = ...,
+        array_index: _Optional[int] = ...,
+        environment: _Optional[str] = ...,
+    ) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)
@@ -481,7 +734,9 @@ class ReachRequest(_message.Message):
     job_id: str
     port: int
     exec: bool
-    def __init__(self, job_id: _Optional[str] = ..., port: _Optional[int] = ..., exec: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self, job_id: _Optional[str] = ..., port: _Optional[int] = ..., exec: _Optional[bool] = ...
+    ) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("all", "name", "states", "user")
@@ -493,7 +748,13 @@ class ListJobsRequest(_message.Message):
     name: str
     states: _containers.RepeatedScalarFieldContainer[str]
     user: str
-    def __init__(self, all: _Optional[bool] = ..., name: _Optional[str] = ..., states: _Optional[_Iterable[str]] = ..., user: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        all: _Optional[bool] = ...,
+        name: _Optional[str] = ...,
+        states: _Optional[_Iterable[str]] = ...,
+        user: _Optional[str] = ...,
+    ) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)
@@ -511,7 +772,13 @@ class LogsRequest(_message.Message):
     offset: int
     follow: bool
     tail: int
-    def __init__(self, job_id: _Optional[str] = ..., offset: _Optional[int] = ..., follow: _Optional[bool] = ..., tail: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self,
+        job_id: _Optional[str] = ...,
+        offset: _Optional[int] = ...,
+        follow: _Optional[bool] = ...,
+        tail: _Optional[int] = ...,
+    ) -> None: ...
 
 class LogChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -529,7 +796,12 @@ class JobOutputs(_message.Message):
     job: JobInfo
     snapshot_id: str
     missing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[_Union[JobInfo, _Mapping]] = ..., snapshot_id: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(
+        self,
+        job: _Optional[_Union[JobInfo, _Mapping]] = ...,
+        snapshot_id: _Optional[str] = ...,
+        missing: _Optional[_Iterable[str]] = ...,
+    ) -> None: ...
 
 class ArraySpec(_message.Message):
     __slots__ = ("job", "array", "sweep")
@@ -539,7 +811,12 @@ class ArraySpec(_message.Message):
     job: JobSpec
     array: str
     sweep: _containers.RepeatedCompositeFieldContainer[SweepParameter]
-    def __init__(self, job: _Optional[_Union[JobSpec, _Mapping]] = ..., array: _Optional[str] = ..., sweep: _Optional[_Iterable[_Union[SweepParameter, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        job: _Optional[_Union[JobSpec, _Mapping]] = ...,
+        array: _Optional[str] = ...,
+        sweep: _Optional[_Iterable[_Union[SweepParameter, _Mapping]]] = ...,
+    ) -> None: ...
 
 class SweepParameter(_message.Message):
     __slots__ = ("name", "values")
@@ -567,7 +844,17 @@ class ArrayInfo(_message.Message):
     created_at: float
     sweep: _containers.RepeatedCompositeFieldContainer[SweepParameter]
     tasks: _containers.RepeatedCompositeFieldContainer[JobInfo]
-    def __init__(self, array_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., spec: _Optional[str] = ..., max_running: _Optional[int] = ..., created_at: _Optional[float] = ..., sweep: _Optional[_Iterable[_Union[SweepParameter, _Mapping]]] = ..., tasks: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...) -> None: ...
+    def __init__(
+        self,
+        array_id: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        owner: _Optional[str] = ...,
+        spec: _Optional[str] = ...,
+        max_running: _Optional[int] = ...,
+        created_at: _Optional[float] = ...,
+        sweep: _Optional[_Iterable[_Union[SweepParameter, _Mapping]]] = ...,
+        tasks: _Optional[_Iterable[_Union[JobInfo, _Mapping]]] = ...,
+    ) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("job_id", "timeout")
@@ -578,7 +865,7 @@ class WaitRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class QuotaInfo(_message.Message):
-    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes", "storage", "storage_used")
+    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes", "storage", "storage_used", "shares")
     USER_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +874,7 @@ class QuotaInfo(_message.Message):
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_USED_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     user: str
     gpus: float
     jobs: int
@@ -595,7 +883,19 @@ class QuotaInfo(_message.Message):
     processes: int
     storage: int
     storage_used: int
-    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ..., processes: _Optional[int] = ..., storage: _Optional[int] = ..., storage_used: _Optional[int] = ...) -> None: ...
+    shares: float
+    def __init__(
+        self,
+        user: _Optional[str] = ...,
+        gpus: _Optional[float] = ...,
+        jobs: _Optional[int] = ...,
+        updated_at: _Optional[float] = ...,
+        queued: _Optional[int] = ...,
+        processes: _Optional[int] = ...,
+        storage: _Optional[int] = ...,
+        storage_used: _Optional[int] = ...,
+        shares: _Optional[float] = ...,
+    ) -> None: ...
 
 class QuotaList(_message.Message):
     __slots__ = ("quotas",)
@@ -609,8 +909,109 @@ class QuotaRef(_message.Message):
     user: str
     def __init__(self, user: _Optional[str] = ...) -> None: ...
 
+class UsageQuery(_message.Message):
+    __slots__ = ("since", "user", "by")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    since: float
+    user: str
+    by: str
+    def __init__(self, since: _Optional[float] = ..., user: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
+
+class UsageEntry(_message.Message):
+    __slots__ = (
+        "user",
+        "day",
+        "runs",
+        "gpu_seconds",
+        "cpu_seconds_reserved",
+        "cpu_seconds_used",
+        "memory_byte_seconds",
+        "jobs",
+        "sessions",
+        "models",
+    )
+    USER_FIELD_NUMBER: _ClassVar[int]
+    DAY_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    day: str
+    runs: int
+    gpu_seconds: float
+    cpu_seconds_reserved: float
+    cpu_seconds_used: float
+    memory_byte_seconds: float
+    jobs: int
+    sessions: int
+    models: int
+    def __init__(
+        self,
+        user: _Optional[str] = ...,
+        day: _Optional[str] = ...,
+        runs: _Optional[int] = ...,
+        gpu_seconds: _Optional[float] = ...,
+        cpu_seconds_reserved: _Optional[float] = ...,
+        cpu_seconds_used: _Optional[float] = ...,
+        memory_byte_seconds: _Optional[float] = ...,
+        jobs: _Optional[int] = ...,
+        sessions: _Optional[int] = ...,
+        models: _Optional[int] = ...,
+    ) -> None: ...
+
+class FairShareEntry(_message.Message):
+    __slots__ = ("user", "shares", "effective_share", "decayed_use")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    DECAYED_USE_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    shares: float
+    effective_share: float
+    decayed_use: float
+    def __init__(
+        self,
+        user: _Optional[str] = ...,
+        shares: _Optional[float] = ...,
+        effective_share: _Optional[float] = ...,
+        decayed_use: _Optional[float] = ...,
+    ) -> None: ...
+
+class UsageReport(_message.Message):
+    __slots__ = ("entries", "fair_share", "half_life")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
+    HALF_LIFE_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[UsageEntry]
+    fair_share: _containers.RepeatedCompositeFieldContainer[FairShareEntry]
+    half_life: float
+    def __init__(
+        self,
+        entries: _Optional[_Iterable[_Union[UsageEntry, _Mapping]]] = ...,
+        fair_share: _Optional[_Iterable[_Union[FairShareEntry, _Mapping]]] = ...,
+        half_life: _Optional[float] = ...,
+    ) -> None: ...
+
 class SessionSpec(_message.Message):
-    __slots__ = ("name", "gpus", "gpu_memory", "cpus", "memory", "priority", "idle_timeout", "env", "python_version", "cloudpickle_version")
+    __slots__ = (
+        "name",
+        "gpus",
+        "gpu_memory",
+        "cpus",
+        "memory",
+        "priority",
+        "idle_timeout",
+        "env",
+        "python_version",
+        "cloudpickle_version",
+    )
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -618,6 +1019,7 @@ class SessionSpec(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
     NAME_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_FIELD_NUMBER: _ClassVar[int]
@@ -638,10 +1040,41 @@ class SessionSpec(_message.Message):
     env: _containers.ScalarMap[str, str]
     python_version: str
     cloudpickle_version: str
-    def __init__(self, name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., idle_timeout: _Optional[float] = ..., env: _Optional[_Mapping[str, str]] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        name: _Optional[str] = ...,
+        gpus: _Optional[int] = ...,
+        gpu_memory: _Optional[int] = ...,
+        cpus: _Optional[float] = ...,
+        memory: _Optional[int] = ...,
+        priority: _Optional[int] = ...,
+        idle_timeout: _Optional[float] = ...,
+        env: _Optional[_Mapping[str, str]] = ...,
+        python_version: _Optional[str] = ...,
+        cloudpickle_version: _Optional[str] = ...,
+    ) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "name", "owner", "state", "job_id", "gpus", "gpu_memory", "cpus", "memory", "gpu_indices", "created_at", "last_call_at", "idle_timeout", "message", "refs", "attached", "position", "reattached")
+    __slots__ = (
+        "session_id",
+        "name",
+        "owner",
+        "state",
+        "job_id",
+        "gpus",
+        "gpu_memory",
+        "cpus",
+        "memory",
+        "gpu_indices",
+        "created_at",
+        "last_call_at",
+        "idle_timeout",
+        "message",
+        "refs",
+        "attached",
+        "position",
+        "reattached",
+    )
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -678,7 +1111,27 @@ class SessionInfo(_message.Message):
     attached: int
     position: int
     reattached: bool
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., last_call_at: _Optional[float] = ..., idle_timeout: _Optional[float] = ..., message: _Optional[str] = ..., refs: _Optional[int] = ..., attached: _Optional[int] = ..., position: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        session_id: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        owner: _Optional[str] = ...,
+        state: _Optional[str] = ...,
+        job_id: _Optional[str] = ...,
+        gpus: _Optional[int] = ...,
+        gpu_memory: _Optional[int] = ...,
+        cpus: _Optional[float] = ...,
+        memory: _Optional[int] = ...,
+        gpu_indices: _Optional[_Iterable[int]] = ...,
+        created_at: _Optional[float] = ...,
+        last_call_at: _Optional[float] = ...,
+        idle_timeout: _Optional[float] = ...,
+        message: _Optional[str] = ...,
+        refs: _Optional[int] = ...,
+        attached: _Optional[int] = ...,
+        position: _Optional[int] = ...,
+        reattached: _Optional[bool] = ...,
+    ) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id", "name")
@@ -704,7 +1157,13 @@ class Value(_message.Message):
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     staged: str
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, header: _Optional[bytes] = ..., buffers: _Optional[_Iterable[bytes]] = ..., staged: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(
+        self,
+        header: _Optional[bytes] = ...,
+        buffers: _Optional[_Iterable[bytes]] = ...,
+        staged: _Optional[str] = ...,
+        sizes: _Optional[_Iterable[int]] = ...,
+    ) -> None: ...
 
 class RefInfo(_message.Message):
     __slots__ = ("ref_id", "name", "type", "summary")
@@ -716,10 +1175,27 @@ class RefInfo(_message.Message):
     name: str
     type: str
     summary: str
-    def __init__(self, ref_id: _Optional[str] = ..., name: _Optional[str] = ..., type: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        ref_id: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        type: _Optional[str] = ...,
+        summary: _Optional[str] = ...,
+    ) -> None: ...
 
 class CallRequest(_message.Message):
-    __slots__ = ("session_id", "op", "value", "function", "function_pickle", "keep", "ref_name", "ref_ids", "device", "timeout")
+    __slots__ = (
+        "session_id",
+        "op",
+        "value",
+        "function",
+        "function_pickle",
+        "keep",
+        "ref_name",
+        "ref_ids",
+        "device",
+        "timeout",
+    )
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CALL: _ClassVar[CallRequest.Op]
@@ -727,6 +1203,7 @@ class CallRequest(_message.Message):
         GET: _ClassVar[CallRequest.Op]
         DELETE: _ClassVar[CallRequest.Op]
         REFS: _ClassVar[CallRequest.Op]
+
     CALL: CallRequest.Op
     PUT: CallRequest.Op
     GET: CallRequest.Op
@@ -752,7 +1229,19 @@ class CallRequest(_message.Message):
     ref_ids: _containers.RepeatedScalarFieldContainer[str]
     device: str
     timeout: float
-    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[CallRequest.Op, str]] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., function: _Optional[str] = ..., function_pickle: _Optional[bytes] = ..., keep: _Optional[bool] = ..., ref_name: _Optional[str] = ..., ref_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+    def __init__(
+        self,
+        session_id: _Optional[str] = ...,
+        op: _Optional[_Union[CallRequest.Op, str]] = ...,
+        value: _Optional[_Union[Value, _Mapping]] = ...,
+        function: _Optional[str] = ...,
+        function_pickle: _Optional[bytes] = ...,
+        keep: _Optional[bool] = ...,
+        ref_name: _Optional[str] = ...,
+        ref_ids: _Optional[_Iterable[str]] = ...,
+        device: _Optional[str] = ...,
+        timeout: _Optional[float] = ...,
+    ) -> None: ...
 
 class RemoteFailure(_message.Message):
     __slots__ = ("kind", "type", "message", "traceback", "exception", "has_exit_code", "exit_code", "stderr_tail")
@@ -772,7 +1261,17 @@ class RemoteFailure(_message.Message):
     has_exit_code: bool
     exit_code: int
     stderr_tail: str
-    def __init__(self, kind: _Optional[str] = ..., type: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., exception: _Optional[bytes] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., stderr_tail: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        kind: _Optional[str] = ...,
+        type: _Optional[str] = ...,
+        message: _Optional[str] = ...,
+        traceback: _Optional[str] = ...,
+        exception: _Optional[bytes] = ...,
+        has_exit_code: _Optional[bool] = ...,
+        exit_code: _Optional[int] = ...,
+        stderr_tail: _Optional[str] = ...,
+    ) -> None: ...
 
 class CallReply(_message.Message):
     __slots__ = ("value", "ref", "refs", "failure", "unknown_function", "stdout_offset", "stderr_offset", "download")
@@ -792,7 +1291,17 @@ class CallReply(_message.Message):
     stdout_offset: int
     stderr_offset: int
     download: str
-    def __init__(self, value: _Optional[_Union[Value, _Mapping]] = ..., ref: _Optional[_Union[RefInfo, _Mapping]] = ..., refs: _Optional[_Iterable[_Union[RefInfo, _Mapping]]] = ..., failure: _Optional[_Union[RemoteFailure, _Mapping]] = ..., unknown_function: _Optional[bool] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ..., download: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        value: _Optional[_Union[Value, _Mapping]] = ...,
+        ref: _Optional[_Union[RefInfo, _Mapping]] = ...,
+        refs: _Optional[_Iterable[_Union[RefInfo, _Mapping]]] = ...,
+        failure: _Optional[_Union[RemoteFailure, _Mapping]] = ...,
+        unknown_function: _Optional[bool] = ...,
+        stdout_offset: _Optional[int] = ...,
+        stderr_offset: _Optional[int] = ...,
+        download: _Optional[str] = ...,
+    ) -> None: ...
 
 class UploadChunk(_message.Message):
     __slots__ = ("session_id", "size", "data")
@@ -802,7 +1311,9 @@ class UploadChunk(_message.Message):
     session_id: str
     size: int
     data: bytes
-    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(
+        self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., data: _Optional[bytes] = ...
+    ) -> None: ...
 
 class Staged(_message.Message):
     __slots__ = ("staged",)
@@ -838,7 +1349,15 @@ class TransferRequest(_message.Message):
     channel: bool
     tunnel: str
     blobs: bool
-    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., staged: _Optional[str] = ..., channel: _Optional[bool] = ..., tunnel: _Optional[str] = ..., blobs: _Optional[bool] = ...) -> None: ...
+    def __init__(
+        self,
+        session_id: _Optional[str] = ...,
+        size: _Optional[int] = ...,
+        staged: _Optional[str] = ...,
+        channel: _Optional[bool] = ...,
+        tunnel: _Optional[str] = ...,
+        blobs: _Optional[bool] = ...,
+    ) -> None: ...
 
 class TransferTicket(_message.Message):
     __slots__ = ("staged", "ticket", "port")
@@ -848,7 +1367,9 @@ class TransferTicket(_message.Message):
     staged: str
     ticket: str
     port: int
-    def __init__(self, staged: _Optional[str] = ..., ticket: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, staged: _Optional[str] = ..., ticket: _Optional[str] = ..., port: _Optional[int] = ...
+    ) -> None: ...
 
 class OutputRequest(_message.Message):
     __slots__ = ("session_id", "stdout_offset", "stderr_offset")
@@ -858,7 +1379,9 @@ class OutputRequest(_message.Message):
     session_id: str
     stdout_offset: int
     stderr_offset: int
-    def __init__(self, session_id: _Optional[str] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, session_id: _Optional[str] = ..., stdout_offset: _Optional[int] = ..., stderr_offset: _Optional[int] = ...
+    ) -> None: ...
 
 class OutputChunk(_message.Message):
     __slots__ = ("fd", "offset", "data", "state", "job_id")
@@ -872,10 +1395,31 @@ class OutputChunk(_message.Message):
     data: bytes
     state: str
     job_id: str
-    def __init__(self, fd: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        fd: _Optional[int] = ...,
+        offset: _Optional[int] = ...,
+        data: _Optional[bytes] = ...,
+        state: _Optional[str] = ...,
+        job_id: _Optional[str] = ...,
+    ) -> None: ...
 
 class DeployRequest(_message.Message):
-    __slots__ = ("name", "source", "version", "format", "gpus", "gpu_memory", "cpus", "memory", "max_batch_size", "max_queue_delay", "replicas", "public", "label")
+    __slots__ = (
+        "name",
+        "source",
+        "version",
+        "format",
+        "gpus",
+        "gpu_memory",
+        "cpus",
+        "memory",
+        "max_batch_size",
+        "max_queue_delay",
+        "replicas",
+        "public",
+        "label",
+    )
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -902,7 +1446,22 @@ class DeployRequest(_message.Message):
     replicas: int
     public: bool
     label: str
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., public: _Optional[bool] = ..., label: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        name: _Optional[str] = ...,
+        source: _Optional[str] = ...,
+        version: _Optional[int] = ...,
+        format: _Optional[str] = ...,
+        gpus: _Optional[int] = ...,
+        gpu_memory: _Optional[int] = ...,
+        cpus: _Optional[float] = ...,
+        memory: _Optional[int] = ...,
+        max_batch_size: _Optional[int] = ...,
+        max_queue_delay: _Optional[float] = ...,
+        replicas: _Optional[int] = ...,
+        public: _Optional[bool] = ...,
+        label: _Optional[str] = ...,
+    ) -> None: ...
 
 class LabelRequest(_message.Message):
     __slots__ = ("name", "label", "version")
@@ -912,7 +1471,9 @@ class LabelRequest(_message.Message):
     name: str
     label: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., label: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, name: _Optional[str] = ..., label: _Optional[str] = ..., version: _Optional[int] = ...
+    ) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "datatype", "shape")
@@ -922,10 +1483,37 @@ class TensorSpec(_message.Message):
     name: str
     datatype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(
+        self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...
+    ) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "name", "version", "owner", "source", "format", "state", "message", "inputs", "outputs", "max_batch_size", "max_queue_delay", "replicas", "gpus", "gpu_memory", "jobs", "created_at", "requests", "batches", "rows", "failed_batches", "queue_length", "public", "labels")
+    __slots__ = (
+        "id",
+        "name",
+        "version",
+        "owner",
+        "source",
+        "format",
+        "state",
+        "message",
+        "inputs",
+        "outputs",
+        "max_batch_size",
+        "max_queue_delay",
+        "replicas",
+        "gpus",
+        "gpu_memory",
+        "jobs",
+        "created_at",
+        "requests",
+        "batches",
+        "rows",
+        "failed_batches",
+        "queue_length",
+        "public",
+        "labels",
+    )
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -974,7 +1562,33 @@ class ModelInfo(_message.Message):
     queue_length: int
     public: bool
     labels: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., source: _Optional[str] = ..., format: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., max_queue_delay: _Optional[float] = ..., replicas: _Optional[int] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., created_at: _Optional[float] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., rows: _Optional[int] = ..., failed_batches: _Optional[int] = ..., queue_length: _Optional[int] = ..., public: _Optional[bool] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(
+        self,
+        id: _Optional[str] = ...,
+        name: _Optional[str] = ...,
+        version: _Optional[int] = ...,
+        owner: _Optional[str] = ...,
+        source: _Optional[str] = ...,
+        format: _Optional[str] = ...,
+        state: _Optional[str] = ...,
+        message: _Optional[str] = ...,
+        inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...,
+        outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...,
+        max_batch_size: _Optional[int] = ...,
+        max_queue_delay: _Optional[float] = ...,
+        replicas: _Optional[int] = ...,
+        gpus: _Optional[int] = ...,
+        gpu_memory: _Optional[int] = ...,
+        jobs: _Optional[_Iterable[str]] = ...,
+        created_at: _Optional[float] = ...,
+        requests: _Optional[int] = ...,
+        batches: _Optional[int] = ...,
+        rows: _Optional[int] = ...,
+        failed_batches: _Optional[int] = ...,
+        queue_length: _Optional[int] = ...,
+        public: _Optional[bool] = ...,
+        labels: _Optional[_Iterable[str]] = ...,
+    ) -> None: ...
 
 class ModelRef(_message.Message):
     __slots__ = ("name", "version")

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         SessionInfo,
         Snapshot,
         TokenInfo,
+        UsageReport,
         connect,
         login,
     )
@@ -63,6 +64,7 @@ __all__ = [
     "GpuProcess",
     "NewToken",
     "QuotaInfo",
+    "UsageReport",
     "Ref",
     "RemoteFunction",
     "ServerStatus",

@@ -179,3 +179,13 @@ ENV_SESSION_IDLE_TIMEOUT = "GPUPORT_SESSION_IDLE_TIMEOUT"
 DEFAULT_ENV_CACHE_SHARE = 0.25
 # Seconds an environment's build may take (resolving and installing) before it is stopped and fails.
 DEFAULT_ENV_BUILD_TIMEOUT = 1800.0
+
+# ---- fair share over weeks (server/services/usage.py, server/scheduler.py) ----
+# Seconds after which a user's past use counts half in the fair-share order (Slurm's
+# PriorityDecayHalfLife); `gpuport server --fairshare-half-life` sets it.
+DEFAULT_FAIRSHARE_HALF_LIFE = 7 * 24 * 3600.0
+# How much a user's turn improves per hour their next job has waited, in parts of the whole machine
+# (a user holding all of it for a half-life's worth counts about 0.5): nothing waits forever.
+DEFAULT_AGE_WEIGHT = 0.01
+# A user's shares of the machine when no quota gives them some (`gpuport quota set USER --shares N`).
+DEFAULT_SHARES = 1.0

@@ -16,6 +16,7 @@ import click
 
 from gpuport.cli._common import client, json_option
 from gpuport.cli._output import ago, err, escape, new_table, out, print_json
+from gpuport.cli._usage import fair_share_table
 from gpuport.defaults import DEFAULT_DETACH_WINDOW, DEFAULT_OUTPUT_DIR
 from gpuport.protocol.arrays import format_indices
 from gpuport.protocol.errors import GpuportError, InvalidRequest, NotFound, WaitTimeout
@@ -739,6 +740,7 @@ def queue_command(ctx: click.Context, as_json: bool) -> None:
             escape(j.message),
         )
     out.print(table)
+    fair_share_table(client(ctx).usage(since="7d"))
 
 
 @click.command("logs")

@@ -30,6 +30,11 @@ def quota_group() -> None:
     metavar="SIZE",
     help="Snapshots, datasets, outputs and logs the user may keep, e.g. 50GiB [default: '*''s, else 25% of the server's disk].",
 )
+@click.option(
+    "--shares",
+    type=float,
+    help="The user's weight in the fair share over weeks: 2 entitles them to twice a 1's part [default: '*''s, else 1].",
+)
 @click.pass_context
 def quota_set(
     ctx: click.Context,
@@ -39,6 +44,7 @@ def quota_set(
     queued: int | None,
     processes: int | None,
     storage: str | None,
+    shares: float | None,
 ) -> None:
     """Limit what USER holds at once (admin only); jobs over it wait in the queue, saying so. A
     limit not given is off, but for --queued and --processes, which are then the defaults.
@@ -48,11 +54,16 @@ def quota_set(
         gpuport quota set '*' --gpus 1          # everyone else
         gpuport quota set bob --jobs 8 --processes 16384
         gpuport quota set carol --jobs 4 --storage 50GiB
+        gpuport quota set alice --shares 2      # twice everyone else's part, over weeks
     """
-    quota = client(ctx).set_quota(user, gpus=gpus, jobs=jobs, queued=queued, processes=processes, storage=storage)
+    quota = client(ctx).set_quota(
+        user, gpus=gpus, jobs=jobs, queued=queued, processes=processes, storage=storage, shares=shares
+    )
     held = _limits(quota.gpus, quota.jobs, quota.queued, quota.processes)
     if quota.storage is not None:
         held += f"; {format_size(quota.storage)} of storage"
+    if quota.shares is not None:
+        held += f"; {quota.shares:g} share{'s' if quota.shares != 1 else ''} in the fair share"
     err.print(f"quota of {escape(quota.user)}: {held}")
 
 
@@ -70,7 +81,7 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
         err.print("no quotas: every user may use everything")
         return
     table = new_table()
-    for column in ("USER", "GPUS", "JOBS", "QUEUED", "PROCESSES/JOB", "USED", "STORAGE", "SET"):
+    for column in ("USER", "GPUS", "JOBS", "QUEUED", "PROCESSES/JOB", "USED", "STORAGE", "SHARES", "SET"):
         table.add_column(column)
     for q in quotas:
         table.add_row(
@@ -81,6 +92,7 @@ def quota_list(ctx: click.Context, as_json: bool) -> None:
             "?" if q.processes is None else str(q.processes),
             "-" if q.storage_used is None else format_size(q.storage_used),
             "?" if q.storage is None else format_size(q.storage),
+            "default" if q.shares is None else f"{q.shares:g}",
             when(q.updated_at) if q.updated_at else "(*)",
         )
     out.print(table)

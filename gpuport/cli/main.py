@@ -20,10 +20,13 @@ from gpuport.cli._output import ago, err, escape, gpu_table, out, print_error, p
 from gpuport.cli._quotas import quota_group
 from gpuport.cli._reach import REACH_COMMANDS
 from gpuport.cli._sessions import sessions_group
+from gpuport.cli._usage import usage_command
 from gpuport.client._channel import Target, parse_url
 from gpuport.client._config import config_path, load_profiles, remove_profile
 from gpuport.defaults import (
+    DEFAULT_AGE_WEIGHT,
     DEFAULT_BLOB_GRACE,
+    DEFAULT_FAIRSHARE_HALF_LIFE,
     DEFAULT_GRPC_PORT,
     DEFAULT_HOST,
     DEFAULT_HTTP_PORT,
@@ -166,6 +169,17 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "used not in use are removed past it [default: 25% of the state dir's disk].",
 )
 @click.option(
+    "--fairshare-half-life",
+    metavar="DURATION",
+    help="The fair share forgets half of each user's past use of the GPUs this often, e.g. 3d [default: 7d].",
+)
+@click.option(
+    "--age-weight",
+    type=float,
+    help="How much a waiting job's turn improves per hour waited, in parts of the whole machine "
+    "(0: none) [default: 0.01].",
+)
+@click.option(
     "--ray",
     "ray_address",
     metavar="ADDRESS",
@@ -198,6 +212,8 @@ def server(
     memory_floor: str | None,
     blob_grace: str | None,
     env_cache: str | None,
+    fairshare_half_life: str | None,
+    age_weight: float | None,
     ray_address: str | None,
     ray_insecure: bool,
     print_systemd_unit: bool,
@@ -221,6 +237,8 @@ def server(
         options += ["--memory-floor", memory_floor] if memory_floor is not None else []
         options += ["--blob-grace", blob_grace] if blob_grace is not None else []
         options += ["--env-cache", env_cache] if env_cache is not None else []
+        options += ["--fairshare-half-life", fairshare_half_life] if fairshare_half_life is not None else []
+        options += ["--age-weight", str(age_weight)] if age_weight is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
         print(systemd_unit(options, state_dir), end="")
@@ -245,6 +263,14 @@ def server(
         cache = None if env_cache is None else parse_size(env_cache)
     except InvalidRequest as e:
         raise click.BadParameter(str(e), param_hint="--env-cache") from None
+    try:
+        half_life = DEFAULT_FAIRSHARE_HALF_LIFE if fairshare_half_life is None else parse_duration(fairshare_half_life)
+        if half_life <= 0:
+            raise InvalidRequest(f"give a duration of more than 0, not {fairshare_half_life}")
+    except InvalidRequest as e:
+        raise click.BadParameter(str(e), param_hint="--fairshare-half-life") from None
+    if age_weight is not None and not (age_weight >= 0 and age_weight < float("inf")):
+        raise click.BadParameter(f"give 0 or more, not {age_weight}", param_hint="--age-weight")
     import logging
 
     logging.basicConfig(
@@ -266,6 +292,8 @@ def server(
             memory_floor=floor,
             blob_grace=grace,
             env_cache=cache,
+            fairshare_half_life=half_life,
+            age_weight=DEFAULT_AGE_WEIGHT if age_weight is None else age_weight,
             ray_address=ray_address,
             ray_insecure=ray_insecure,
             say=lambda text: print(text, flush=True),
@@ -616,6 +644,7 @@ def tf_connect(ctx: click.Context, gpus: int, gpu_memory: str | None, cpus: floa
 for _command in [*JOB_COMMANDS, *REACH_COMMANDS]:
     cli.add_command(_command)
 cli.add_command(quota_group)
+cli.add_command(usage_command)
 cli.add_command(sessions_group)
 cli.add_command(deploy_command)
 cli.add_command(models_command)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         ServerStatus,
         Snapshot,
         TokenInfo,
+        UsageReport,
     )
 
 # name → the module that defines it
@@ -50,6 +51,7 @@ _WHERE = {
     "GpuProcess": "_types",
     "NewToken": "_types",
     "QuotaInfo": "_types",
+    "UsageReport": "_types",
     "ServerStatus": "_types",
     "Snapshot": "_types",
     "TokenInfo": "_types",
@@ -75,6 +77,7 @@ __all__ = [
     "Snapshot",
     "TensorSpec",
     "TokenInfo",
+    "UsageReport",
     "config_path",
     "connect",
     "load_profiles",

@@ -14,7 +14,7 @@ from gpuport.client._config import Settings, resolve_settings
 from gpuport.client._jobs import ArrayInfo, Job, JobArray, JobInfo
 from gpuport.client._models import ModelInfo
 from gpuport.client._transport import Progress, Transport
-from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo
+from gpuport.client._types import GPU, NewToken, QuotaInfo, ServerStatus, Snapshot, TokenInfo, UsageReport
 from gpuport.defaults import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_MAX_BATCH_SIZE,
@@ -383,6 +383,7 @@ class Client:
         queued: int | None = None,
         processes: int | None = None,
         storage: int | str | None = None,
+        shares: float | None = None,
     ) -> QuotaInfo:
         """Limit what ``user`` (``"*"``: everyone without a quota of their own) holds at once: GPUs
         (slices count as their part) and running jobs; None leaves that limit off. ``queued``: the
@@ -390,13 +391,16 @@ class Client:
         the processes and threads each of their jobs may run at once (None: the server's default,
         4096), enforced by the kernel where the server has cgroups. ``storage``: the bytes (or a
         size such as ``"50GiB"``) of snapshots, datasets, outputs and logs they may keep (None: the
-        default's: ``"*"``'s, else a quarter of the server's disk). Admin only.
+        default's: ``"*"``'s, else a quarter of the server's disk). ``shares``: their weight in the
+        fair share over weeks (None: the default's, ``"*"``'s else 1). Admin only.
 
         Jobs over the quota wait, saying so; a submit past the queued cap is refused
         (``ResourceUnavailable``). Raises ``PermissionDenied``, ``InvalidRequest``.
         """
         size = None if storage is None else parse_size(storage)
-        request = pb.QuotaInfo(user=user, gpus=gpus, jobs=jobs, queued=queued, processes=processes, storage=size)
+        request = pb.QuotaInfo(
+            user=user, gpus=gpus, jobs=jobs, queued=queued, processes=processes, storage=size, shares=shares
+        )
         return QuotaInfo._from_message(self.transport.call(self.transport.quotas.Set, request))
 
     def quotas(self) -> list[QuotaInfo]:
@@ -406,6 +410,22 @@ class Client:
     def unset_quota(self, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
         self.transport.call(self.transport.quotas.Unset, pb.QuotaRef(user=user))
+
+    # ---- usage --------------------------------------------------------------------------------------
+
+    def usage(self, *, since: float | str | None = None, user: str | None = None, by: str = "user") -> UsageReport:
+        """What your work held (an admin: everyone's, or ``user``'s) since ``since`` (a duration back
+        from now such as ``"7d"`` or ``3600``, in seconds; None: everything recorded), by ``"user"`` or
+        ``"day"``, and each user's place in the fair share now. Raises ``PermissionDenied`` for
+        another user's usage, ``InvalidRequest`` for an unknown ``by``.
+
+            >>> gpu.usage(since="7d").entries[0].gpu_seconds
+        """
+        start = 0.0
+        if since is not None:
+            start = time.time() - (parse_duration(since) if isinstance(since, str) else float(since))
+        request = pb.UsageQuery(since=start, user=user or "", by=by)
+        return UsageReport._from_message(self.transport.call(self.transport.usage.Report, request))
 
     # ---- sessions and functions --------------------------------------------------------------------
 

@@ -104,6 +104,7 @@ class Transport:
         self.snapshots = pb_grpc.SnapshotsStub(self.channel)
         self.jobs = pb_grpc.JobsStub(self.channel)
         self.quotas = pb_grpc.QuotasStub(self.channel)
+        self.usage = pb_grpc.UsageStub(self.channel)
         self.sessions = pb_grpc.SessionsStub(self.channel)
         self.models = pb_grpc.ModelsStub(self.channel)
         self.opened: weakref.WeakSet[Closable] = weakref.WeakSet()

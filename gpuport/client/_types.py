@@ -124,6 +124,7 @@ class QuotaInfo:
     processes: int | None = None
     storage: int | None = None  # bytes the user may keep (None: a server that does not say)
     storage_used: int | None = None  # bytes they keep (None: the '*' quota)
+    shares: float | None = None  # their shares in the fair share over weeks (None: the default's, 1)
 
     @classmethod
     def _from_message(cls, m: pb.QuotaInfo) -> QuotaInfo:
@@ -136,6 +137,57 @@ class QuotaInfo:
             m.processes if m.HasField("processes") else None,
             m.storage if m.HasField("storage") else None,
             m.storage_used if m.HasField("storage_used") else None,
+            m.shares if m.HasField("shares") else None,
+        )
+
+
+@dataclass(frozen=True)
+class UsageEntry:
+    """What a user's work held over a span (``day``: one day of it, with ``by="day"``): GPU-seconds
+    (whole GPUs, a slice as its part of its GPU), CPU-seconds reserved and used (where the server
+    could tell), memory reserved (byte-seconds), and how many runs of jobs, sessions and models."""
+
+    user: str
+    day: str
+    runs: int
+    gpu_seconds: float
+    cpu_seconds_reserved: float
+    cpu_seconds_used: float
+    memory_byte_seconds: float
+    jobs: int
+    sessions: int
+    models: int
+
+
+_USAGE_FIELDS = tuple(UsageEntry.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class FairShareEntry:
+    """A user's place in the fair share over weeks: their ``shares``, the part of the machine those
+    entitle them to among the users who queue, run or used it recently (``effective_share``), and
+    their use decayed with the server's half-life, in parts of the whole machine (``decayed_use``)."""
+
+    user: str
+    shares: float
+    effective_share: float
+    decayed_use: float
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    """``Client.usage``'s answer: the entries, each user's fair share, the half-life (seconds)."""
+
+    entries: list[UsageEntry]
+    fair_share: list[FairShareEntry]
+    half_life: float
+
+    @classmethod
+    def _from_message(cls, m: pb.UsageReport) -> UsageReport:
+        return cls(
+            [UsageEntry(*(getattr(e, f) for f in _USAGE_FIELDS)) for e in m.entries],
+            [FairShareEntry(f.user, f.shares, f.effective_share, f.decayed_use) for f in m.fair_share],
+            m.half_life,
         )
 
 

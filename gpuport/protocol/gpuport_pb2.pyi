@@ -578,7 +578,7 @@ class WaitRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class QuotaInfo(_message.Message):
-    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes", "storage", "storage_used")
+    __slots__ = ("user", "gpus", "jobs", "updated_at", "queued", "processes", "storage", "storage_used", "shares")
     USER_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +587,7 @@ class QuotaInfo(_message.Message):
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_USED_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     user: str
     gpus: float
     jobs: int
@@ -595,7 +596,8 @@ class QuotaInfo(_message.Message):
     processes: int
     storage: int
     storage_used: int
-    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ..., processes: _Optional[int] = ..., storage: _Optional[int] = ..., storage_used: _Optional[int] = ...) -> None: ...
+    shares: float
+    def __init__(self, user: _Optional[str] = ..., gpus: _Optional[float] = ..., jobs: _Optional[int] = ..., updated_at: _Optional[float] = ..., queued: _Optional[int] = ..., processes: _Optional[int] = ..., storage: _Optional[int] = ..., storage_used: _Optional[int] = ..., shares: _Optional[float] = ...) -> None: ...
 
 class QuotaList(_message.Message):
     __slots__ = ("quotas",)
@@ -608,6 +610,62 @@ class QuotaRef(_message.Message):
     USER_FIELD_NUMBER: _ClassVar[int]
     user: str
     def __init__(self, user: _Optional[str] = ...) -> None: ...
+
+class UsageQuery(_message.Message):
+    __slots__ = ("since", "user", "by")
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    since: float
+    user: str
+    by: str
+    def __init__(self, since: _Optional[float] = ..., user: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
+
+class UsageEntry(_message.Message):
+    __slots__ = ("user", "day", "runs", "gpu_seconds", "cpu_seconds_reserved", "cpu_seconds_used", "memory_byte_seconds", "jobs", "sessions", "models")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    DAY_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    day: str
+    runs: int
+    gpu_seconds: float
+    cpu_seconds_reserved: float
+    cpu_seconds_used: float
+    memory_byte_seconds: float
+    jobs: int
+    sessions: int
+    models: int
+    def __init__(self, user: _Optional[str] = ..., day: _Optional[str] = ..., runs: _Optional[int] = ..., gpu_seconds: _Optional[float] = ..., cpu_seconds_reserved: _Optional[float] = ..., cpu_seconds_used: _Optional[float] = ..., memory_byte_seconds: _Optional[float] = ..., jobs: _Optional[int] = ..., sessions: _Optional[int] = ..., models: _Optional[int] = ...) -> None: ...
+
+class FairShareEntry(_message.Message):
+    __slots__ = ("user", "shares", "effective_share", "decayed_use")
+    USER_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    DECAYED_USE_FIELD_NUMBER: _ClassVar[int]
+    user: str
+    shares: float
+    effective_share: float
+    decayed_use: float
+    def __init__(self, user: _Optional[str] = ..., shares: _Optional[float] = ..., effective_share: _Optional[float] = ..., decayed_use: _Optional[float] = ...) -> None: ...
+
+class UsageReport(_message.Message):
+    __slots__ = ("entries", "fair_share", "half_life")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_FIELD_NUMBER: _ClassVar[int]
+    HALF_LIFE_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[UsageEntry]
+    fair_share: _containers.RepeatedCompositeFieldContainer[FairShareEntry]
+    half_life: float
+    def __init__(self, entries: _Optional[_Iterable[_Union[UsageEntry, _Mapping]]] = ..., fair_share: _Optional[_Iterable[_Union[FairShareEntry, _Mapping]]] = ..., half_life: _Optional[float] = ...) -> None: ...
 
 class SessionSpec(_message.Message):
     __slots__ = ("name", "gpus", "gpu_memory", "cpus", "memory", "priority", "idle_timeout", "env", "python_version", "cloudpickle_version")

@@ -1564,6 +1564,79 @@ class Quotas:
             _registered_method=True)
 
 
+class UsageStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Report = channel.unary_unary(
+                '/gpuport.v1.Usage/Report',
+                request_serializer=gpuport_dot_protocol_dot_gpuport__pb2.UsageQuery.SerializeToString,
+                response_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.UsageReport.FromString,
+                _registered_method=True)
+
+
+class UsageServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Report(self, request, context):
+        """a user: their own; an admin: everyone's
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_UsageServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=gpuport_dot_protocol_dot_gpuport__pb2.UsageQuery.FromString,
+                    response_serializer=gpuport_dot_protocol_dot_gpuport__pb2.UsageReport.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gpuport.v1.Usage', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gpuport.v1.Usage', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Usage:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpuport.v1.Usage/Report',
+            gpuport_dot_protocol_dot_gpuport__pb2.UsageQuery.SerializeToString,
+            gpuport_dot_protocol_dot_gpuport__pb2.UsageReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class SessionsStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -17,7 +17,12 @@ from typing import TypeVar
 import psutil
 
 from gpuport._version import __version__
-from gpuport.defaults import DEFAULT_ARCHIVE_PROCESSES, DEFAULT_BLOB_GRACE
+from gpuport.defaults import (
+    DEFAULT_AGE_WEIGHT,
+    DEFAULT_ARCHIVE_PROCESSES,
+    DEFAULT_BLOB_GRACE,
+    DEFAULT_FAIRSHARE_HALF_LIFE,
+)
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, PermissionDenied
 from gpuport.server import cgroups as cgroups_
 from gpuport.server.cgroups import Cgroups
@@ -35,6 +40,7 @@ from gpuport.server.services.serving import ServingService
 from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.services.storage import StorageService
+from gpuport.server.services.usage import FairShareRow, UsageRow, UsageService
 from gpuport.server.state import StateDir
 from gpuport.server.store import Store
 from gpuport.server.tls import ClientCertificate, issue_client_certificate
@@ -87,6 +93,8 @@ class ServerApp:
         cgroups: Cgroups = cgroups_.NONE,
         blob_grace: float = DEFAULT_BLOB_GRACE,
         env_cache: int | None = None,
+        fairshare_half_life: float = DEFAULT_FAIRSHARE_HALF_LIFE,
+        age_weight: float = DEFAULT_AGE_WEIGHT,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -118,6 +126,7 @@ class ServerApp:
             sandbox,
             memory_floor,
         )
+        self.usage = self.jobs.usage = UsageService(self.store, fairshare_half_life, age_weight)
         if self.environments is not None:
             self.jobs.environments = self.environments
             self.environments.record = self.jobs.record_environment
@@ -214,6 +223,21 @@ class ServerApp:
         for row in rows:
             with contextlib.suppress(GpuportError):
                 self.jobs.cancel(owner, row["id"])
+
+    def usage_report(
+        self, caller: Identity, since: float = 0.0, user: str | None = None, by: str = "user"
+    ) -> tuple[list[UsageRow], list[FairShareRow]]:
+        """What ``caller`` may see of the usage accounting (their own; an admin's: everyone's, or
+        ``user``'s) from ``since``, by user or day, and each user's place in the fair share now."""
+        cluster = self.jobs.cluster
+        entries = self.usage.report(caller, since, user, by, cluster.total.largest_gpu)
+        active = {
+            r["owner"] for r in self.store.query("SELECT DISTINCT owner FROM jobs WHERE state IN ('queued', 'running')")
+        }
+        fair = self.usage.fair_view(caller, cluster, self.quotas.shares(), active)
+        if user:
+            fair = [f for f in fair if f.user == user]
+        return entries, fair
 
     def gpus(self, caller: Identity) -> GpuListing:
         """Every GPU read live, with the jobs holding it: whole or by slices, and what each uses."""

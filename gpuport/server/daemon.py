@@ -26,7 +26,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gpuport._version import __version__
-from gpuport.defaults import DEFAULT_BLOB_GRACE, DEFAULT_SHUTDOWN_GRACE
+from gpuport.defaults import DEFAULT_AGE_WEIGHT, DEFAULT_BLOB_GRACE, DEFAULT_FAIRSHARE_HALF_LIFE, DEFAULT_SHUTDOWN_GRACE
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups, isolation
@@ -189,6 +189,8 @@ async def serve(
     ray_insecure: bool = False,
     blob_grace: float = DEFAULT_BLOB_GRACE,
     env_cache: int | None = None,
+    fairshare_half_life: float = DEFAULT_FAIRSHARE_HALF_LIFE,
+    age_weight: float = DEFAULT_AGE_WEIGHT,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
@@ -203,7 +205,9 @@ async def serve(
     memory waits; a job that asks for no memory may use the machine's memory less the floor. Blobs
     nobody keeps are removed once ``blob_grace`` seconds old (see services/storage.py). The Python
     environments built for jobs take at most ``env_cache`` bytes (None: a share of the state dir's
-    disk; see server/environments.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
+    disk; see server/environments.py). The fair share forgets half of a user's use every
+    ``fairshare_half_life`` seconds, and a waiting job's turn improves by ``age_weight`` an hour (see
+    services/usage.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -246,6 +250,8 @@ async def serve(
         cgroups=limits,
         blob_grace=blob_grace,
         env_cache=env_cache,
+        fairshare_half_life=fairshare_half_life,
+        age_weight=age_weight,
     )
     data: DataPort | None = None
     try:

@@ -136,19 +136,9 @@ class _Collector(Collector):
 
     def _gpu_time(self, sizes: dict[tuple[str, int], int]) -> Metric:
         """GPU-seconds each user's work has held (jobs, session workers, model replicas): whole GPUs,
-        and a slice as its part of the GPU it is on, from its start to its end (or now)."""
-        largest = max(sizes.values(), default=0)
-        held: dict[str, float] = {}
-        for row in self.app.store.query(
-            "SELECT owner, node, json_extract(gpu_indices, '$[0]') AS gpu, "
-            "SUM(gpus * nodes * (COALESCE(ended_at, ?1) - started_at)) AS whole, "
-            "SUM(gpu_memory * nodes * (COALESCE(ended_at, ?1) - started_at)) AS sliced "
-            "FROM jobs WHERE started_at IS NOT NULL AND (gpus > 0 OR gpu_memory > 0) GROUP BY 1, 2, 3",
-            (time.time(),),
-        ):
-            size = sizes.get((row["node"], row["gpu"])) or largest
-            seconds = max(0.0, row["whole"] or 0.0) + (max(0.0, row["sliced"] or 0.0) / size if size else 0.0)
-            held[row["owner"]] = held.get(row["owner"], 0.0) + seconds
+        and a slice as its part of the GPU it is on, from its start to its end (or now). Read from
+        the usage accounting (services/usage.py), as `gpuport usage` is: the two cannot disagree."""
+        held = self.app.usage.gpu_seconds(max(sizes.values(), default=0))
         counter = CounterMetricFamily("gpuport_gpu_seconds", "GPU-seconds held, by user", labels=["user"])
         with self._lock:
             # A running job counts until now, and once recorded as ended until its exit, which came

@@ -18,6 +18,10 @@ The rules, in this order:
    Use is the dominant share (as in DRF): for each running job, the largest of its fractions of the
    GPUs, CPUs and memory; a user's queued jobs count as they are placed in the order, so one user's
    50 queued jobs interleave with another user's single job instead of going ahead of it.
+   Over weeks (``FairShare``, given by the server): a user's use also counts what they held before,
+   decayed with a half-life (as Slurm's ``PriorityDecayHalfLife``), and is divided by their shares,
+   so that someone who held the GPUs all week waits behind someone who did not; a user's turn
+   improves the longer their next job has waited (the age factor), so nothing waits forever.
 4. **Quotas** (per user, set by an admin): concurrent GPUs and concurrent jobs. A job over its
    owner's quota waits, saying so, and reserves nothing.
 5. **Arrays and dependencies.** A task of a job array is an ordinary job of its owner (fair share
@@ -56,7 +60,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
+from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB, DEFAULT_SHARES
 from gpuport.protocol.units import format_size
 
 # A job that asks for nothing still counts a little in its owner's fair share, so that the owner
@@ -189,6 +193,35 @@ class Quota:
 
 
 @dataclass(frozen=True)
+class FairShare:
+    """What orders users over weeks, not just now: each one's decayed past use and shares, and the
+    age factor. ``used`` is in parts of the whole machine (its dominant share, as a running job
+    counts) averaged over the decay: a user who held all of it for ever counts 1, for one half-life
+    0.5. A user's turn comes by ``(used + what they hold now) / shares - age_weight * hours their
+    next job has waited``, least first. ``now``: the clock, given, so that the plan stays pure."""
+
+    used: Mapping[str, float] = field(default_factory=dict)
+    shares: Mapping[str, float] = field(default_factory=dict)  # absent: DEFAULT_SHARES
+    now: float = 0.0
+    age_weight: float = 0.0
+
+    def shares_of(self, user: str) -> float:
+        return self.shares.get(user, self.shares.get("*", DEFAULT_SHARES))
+
+    def turn(self, user: str, held: float, created_at: float) -> float:
+        waited = max(0.0, self.now - created_at) / 3600 if created_at else 0.0
+        return (self.used.get(user, 0.0) + held) / self.shares_of(user) - self.age_weight * waited
+
+    def describe(self, user: str) -> str:
+        shares = self.shares_of(user)
+        used = self.used.get(user, 0.0)
+        return (
+            f"fair share: {user} has used {used:.3g} of the machine (decayed) on "
+            f"{shares:g} share{'s' if shares != 1 else ''}, {used / shares:.3g} a share"
+        )
+
+
+@dataclass(frozen=True)
 class Pending:
     job_id: str
     owner: str
@@ -198,6 +231,7 @@ class Pending:
     reserved_at: float | None = None
     group: str = ""  # the job array it is a task of
     blocked: str = ""  # why it may not start yet whatever is free (a dependency not met); '' : it may
+    created_at: float = 0.0  # when it was queued: its age, for the fair share's age factor
 
 
 @dataclass(frozen=True)
@@ -309,13 +343,19 @@ class Queue:
         """``owner``'s jobs at ``priority`` that hold no reservation, oldest first: (seq, id)."""
         return self._users.get(priority, {}).get(owner, ())
 
-    def order(self, usage: Mapping[str, float], share_of: Callable[[Request], float]) -> Iterator[Pending]:
+    def order(
+        self, usage: Mapping[str, float], share_of: Callable[[Request], float], fair: FairShare | None = None
+    ) -> Iterator[Pending]:
         """The jobs in the order they get their turn, read lazily: each priority level from the
         highest, its reserved jobs first (oldest reservation first), then the user using least (then
         the one whose next job is oldest), their use growing by each job as it is placed. A heap of
-        the users: one pop and one push per job read, however many users wait."""
+        the users: one pop and one push per job read, however many users wait. With ``fair``, a
+        user's use is their turn by the fair share over weeks (``FairShare.turn``)."""
         usage = dict(usage)
         jobs = self._jobs
+        if fair is not None:
+            yield from self._fair_order(usage, share_of, fair)
+            return
         for priority in sorted(self._users.keys() | self._reserved.keys(), reverse=True):
             reserved = sorted(self._reserved.get(priority, {}).values(), key=lambda p: (p.reserved_at, p.seq))
             for p in reserved:
@@ -330,6 +370,33 @@ class Queue:
                 job = jobs[queued[i][1]]
                 if i + 1 < len(queued):
                     heapq.heapreplace(turns, (share + share_of(job.request), queued[i + 1][0], user, i + 1))
+                else:
+                    heapq.heappop(turns)
+                yield job
+
+    def _fair_order(
+        self, usage: dict[str, float], share_of: Callable[[Request], float], fair: FairShare
+    ) -> Iterator[Pending]:
+        jobs = self._jobs
+        for priority in sorted(self._users.keys() | self._reserved.keys(), reverse=True):
+            reserved = sorted(self._reserved.get(priority, {}).values(), key=lambda p: (p.reserved_at, p.seq))
+            for p in reserved:
+                usage[p.owner] = usage.get(p.owner, 0.0) + share_of(p.request)
+            yield from reserved
+            lists = self._users.get(priority, {})
+            turns = [
+                (fair.turn(user, usage.get(user, 0.0), jobs[queued[0][1]].created_at), queued[0][0], user, 0)
+                for user, queued in lists.items()
+            ]
+            heapq.heapify(turns)
+            while turns:
+                _, _, user, i = turns[0]
+                queued = lists[user]
+                job = jobs[queued[i][1]]
+                held = usage[user] = usage.get(user, 0.0) + share_of(job.request)
+                if i + 1 < len(queued):
+                    after = jobs[queued[i + 1][1]]
+                    heapq.heapreplace(turns, (fair.turn(user, held, after.created_at), queued[i + 1][0], user, i + 1))
                 else:
                     heapq.heappop(turns)
                 yield job
@@ -502,11 +569,14 @@ def _usage(running: Iterable[Holding], machine: Cluster) -> tuple[dict[str, floa
 
 
 def queue_order(
-    queued: Queue | Iterable[Pending], running: Iterable[Holding], machine: Machine | Cluster
+    queued: Queue | Iterable[Pending],
+    running: Iterable[Holding],
+    machine: Machine | Cluster,
+    fair: FairShare | None = None,
 ) -> list[Pending]:
     """The queue in the order jobs get their turn: priority, then the reservation, then fair share."""
     queue = queued if isinstance(queued, Queue) else Queue(queued)
-    return list(queue.order(*_usage(running, Cluster.of(machine))))
+    return list(queue.order(*_usage(running, Cluster.of(machine)), fair))
 
 
 def _over_quota(job: Pending, free: _Free, quota: Quota | None, machine: Cluster) -> str:
@@ -530,6 +600,7 @@ def plan(
     low_memory: str = "",
     depth: int | None = None,
     caps: Mapping[str, int] | None = None,
+    fair: FairShare | None = None,
 ) -> list[Decision]:
     """Decide for the queued jobs, in queue order: start it now on these GPUs, or say why it waits.
 
@@ -537,7 +608,8 @@ def plan(
     ``low_memory``, when set, says why jobs that reserve no memory wait (the machine's free memory is
     below the floor). ``depth``: decide for at least this many jobs, then go on only while a job
     further back could still start (None: decide for every job). What starts is the same either way.
-    ``caps`` maps a job array to the most of its tasks that may run at once.
+    ``caps`` maps a job array to the most of its tasks that may run at once. ``fair``: order users
+    by their use over weeks too (see ``FairShare``); a waiting job's reason then says its owner's.
     """
     quotas = quotas or {}
     caps = caps or {}
@@ -558,7 +630,8 @@ def plan(
     # that did not fit does not fit, and waits for the same reason. A long queue of a few kinds of
     # request is decided in one lookup a job.
     why: dict[Request, str] = {}  # request → why it waits, while nothing changes
-    for position, job in enumerate(queue.order(usage, share_of), start=1):
+    notes: dict[str, str] = {}  # user → their fair share, in words
+    for position, job in enumerate(queue.order(usage, share_of, fair), start=1):
         if depth is not None and position > depth:
             if behind is None:
                 behind = Counter(queue.kinds())
@@ -613,6 +686,11 @@ def plan(
             continue
         if waiting:
             reason += f", {waiting} job{'s' if waiting > 1 else ''} ahead"
+        if fair is not None:
+            note = notes.get(job.owner)
+            if note is None:
+                note = notes[job.owner] = fair.describe(job.owner)
+            reason += f"; {note}"
         decisions.append(Decision(job.job_id, position, None, reason, reserves=job is reservation))
         waiting += 1
     return decisions

@@ -229,6 +229,34 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sessions ADD COLUMN workers TEXT NOT NULL DEFAULT '';  -- JSON [[job id, stdout, stderr]...]
     """,
+    # 21: accounting, one row per run of a
+    # job, session worker or model replica (a job queued again runs anew): what it held, from when to
+    # when (NULL: it still holds it), and the CPU-seconds its processes used where the supervisor could
+    # tell; and each user's shares of the machine for the decayed fair share (NULL: the '*' quota's, else 1).
+    # The runs recorded before are counted from the jobs table.
+    """
+    CREATE TABLE usage (
+        id          INTEGER PRIMARY KEY,
+        job_id      TEXT NOT NULL,
+        owner       TEXT NOT NULL,
+        kind        TEXT NOT NULL,            -- job | session | model
+        started_at  REAL NOT NULL,
+        ended_at    REAL,
+        gpus        REAL NOT NULL,            -- whole GPUs, times its nodes
+        slice_bytes INTEGER NOT NULL,         -- a slice of one GPU (times its nodes)
+        slice_of    INTEGER NOT NULL,         -- bytes of the GPU the slice is of; 0: unknown (the largest)
+        cpus        REAL NOT NULL,            -- reserved, times its nodes
+        memory      INTEGER NOT NULL,         -- bytes reserved, times its nodes
+        cpu_used    REAL                      -- CPU-seconds used; NULL: not known
+    );
+    CREATE INDEX usage_owner ON usage(owner, ended_at);
+    CREATE INDEX usage_ended ON usage(ended_at);
+    INSERT INTO usage (job_id, owner, kind, started_at, ended_at, gpus, slice_bytes, slice_of, cpus, memory)
+        SELECT id, owner, kind, started_at, CASE WHEN state = 'running' THEN NULL ELSE COALESCE(ended_at, started_at) END,
+            gpus * nodes, gpu_memory * nodes, 0, cpus * nodes, memory * nodes
+        FROM jobs WHERE started_at IS NOT NULL ORDER BY seq;
+    ALTER TABLE quotas ADD COLUMN shares REAL;
+    """,
 ]
 
 

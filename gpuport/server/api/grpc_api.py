@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -514,6 +515,7 @@ def quota_message(record: QuotaRecord) -> pb.QuotaInfo:
         processes=record.processes,
         storage=record.storage,
         storage_used=record.storage_used,
+        shares=record.shares,
     )
 
 
@@ -525,8 +527,9 @@ class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
         queued = request.queued if request.HasField("queued") else None
         processes = request.processes if request.HasField("processes") else None
         storage = request.storage if request.HasField("storage") else None
+        shares = request.shares if request.HasField("shares") else None
         record = await asyncio.to_thread(
-            self.app.quotas.set, caller, request.user, gpus, jobs, queued, processes, storage
+            self.app.quotas.set, caller, request.user, gpus, jobs, queued, processes, storage, shares
         )
         return quota_message(record)
 
@@ -539,6 +542,19 @@ class QuotasServicer(_Servicer, pb_grpc.QuotasServicer):
     async def Unset(self, request: pb.QuotaRef, caller: Identity) -> pb.Empty:
         self.app.quotas.unset(caller, request.user)
         return _EMPTY
+
+
+class UsageServicer(_Servicer, pb_grpc.UsageServicer):
+    @rpc
+    async def Report(self, request: pb.UsageQuery, caller: Identity) -> pb.UsageReport:
+        entries, fair = await asyncio.to_thread(
+            self.app.usage_report, caller, request.since, request.user or None, request.by or "user"
+        )
+        return pb.UsageReport(
+            entries=[pb.UsageEntry(**dataclasses.asdict(e)) for e in entries],
+            fair_share=[pb.FairShareEntry(**dataclasses.asdict(f)) for f in fair],
+            half_life=self.app.usage.half_life,
+        )
 
 
 def session_message(record: SessionRecord) -> pb.SessionInfo:
@@ -805,6 +821,7 @@ def build_grpc_server(
     pb_grpc.add_SnapshotsServicer_to_server(SnapshotsServicer(app), server)
     pb_grpc.add_JobsServicer_to_server(JobsServicer(app), server)
     pb_grpc.add_QuotasServicer_to_server(QuotasServicer(app), server)
+    pb_grpc.add_UsageServicer_to_server(UsageServicer(app), server)
     pb_grpc.add_SessionsServicer_to_server(SessionsServicer(app), server)
     pb_grpc.add_ModelsServicer_to_server(ModelsServicer(app), server)
     add_serving_services(server, app)

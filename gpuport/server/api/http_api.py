@@ -12,6 +12,7 @@ import codecs
 import dataclasses
 import json
 import logging
+import time
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -122,6 +123,9 @@ class QuotaSet(BaseModel):
     processes: int | None = Field(None, description="Processes and threads of each job at once; null: the default")
     storage: int | str | None = Field(
         None, description="Bytes of blobs and logs the user may keep, or a size such as '50GiB'; null: the default's"
+    )
+    shares: float | None = Field(
+        None, description="The user's shares in the fair share over weeks; null: the default's (1)"
     )
 
 
@@ -541,9 +545,25 @@ def build_http_app(app: ServerApp) -> Predictions:
     async def set_quota(user: str, body: QuotaSet, identity: Caller) -> dict[str, Any]:
         storage = None if body.storage is None else parse_size(body.storage)
         record = await asyncio.to_thread(
-            app.quotas.set, identity, user, body.gpus, body.jobs, body.queued, body.processes, storage
+            app.quotas.set, identity, user, body.gpus, body.jobs, body.queued, body.processes, storage, body.shares
         )
         return dataclasses.asdict(record)
+
+    @api.get("/v1/usage", summary="What each user's work held (yours; an admin: everyone's) and the fair share now")
+    async def usage(identity: Caller, since: str = "", user: str = "", by: str = "user") -> dict[str, Any]:
+        """``since``: a duration back from now ("7d", "12h") or epoch seconds; none: everything recorded."""
+        start = 0.0
+        if since:
+            try:
+                start = float(since)
+            except ValueError:
+                start = time.time() - parse_duration(since)
+        entries, fair = await asyncio.to_thread(app.usage_report, identity, start, user or None, by)
+        return {
+            "entries": [dataclasses.asdict(e) for e in entries],
+            "fair_share": [dataclasses.asdict(f) for f in fair],
+            "half_life": app.usage.half_life,
+        }
 
     @api.post("/v1/storage/sweep", summary="Remove the blobs nobody keeps now, past the grace period (admin)")
     async def sweep_storage(identity: Caller) -> dict[str, Any]:

@@ -86,6 +86,7 @@ from gpuport.server.services.auth import Identity
 from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.snapshots import OverBudget, SnapshotRecord, SnapshotService, check_snapshot_name
 from gpuport.server.services.storage import StorageService, over_quota
+from gpuport.server.services.usage import UsageService
 from gpuport.server.store import Store
 
 log = logging.getLogger(__name__)
@@ -335,6 +336,7 @@ class JobService:
         self._caps: dict[str, int] = {}  # job array → the most of its tasks running at once (%N)
         self._waiters: dict[str, set[str]] = {}  # job or array id → queued jobs waiting for it
         self.environments: Environments | None = None  # set by the app: where jobs' environments are built
+        self.usage = UsageService(store)  # what each run held (the app sets its half-life and age weight)
 
     @property
     def cluster(self) -> Cluster:
@@ -506,7 +508,9 @@ class JobService:
             ).lastrowid
         blocked = self._wait_for(job_id, after)
         resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
-        pending = Pending(job_id, caller.name, resources, request.priority, seq or 0, blocked=blocked)
+        pending = Pending(
+            job_id, caller.name, resources, request.priority, seq or 0, blocked=blocked, created_at=time.time()
+        )
         settled = not blocked and self._settled_for(pending)
         self._queued[job_id] = pending
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
@@ -580,11 +584,13 @@ class JobService:
         if cap:
             self._caps[array_id] = cap
         resources = Request(request.gpus, request.gpu_memory, request.cpus, request.memory, request.nodes)
+        now = time.time()
         for r in seqs:
             blocked = self._wait_for(r["id"], after)
             self._queued[r["id"]] = Pending(
-                r["id"], caller.name, resources, request.priority, r["seq"], group=array_id, blocked=blocked
-            )
+                r["id"], caller.name, resources, request.priority, r["seq"], group=array_id, blocked=blocked,
+                created_at=now,
+            )  # fmt: skip
         self._changes += 1
         log.info("array %s of %d tasks queued for %s: %s", array_id, len(indices), caller.name, " ".join(argv)[:200])
         self._schedule(explain=True)
@@ -888,7 +894,9 @@ class JobService:
         rows = self.store.query("SELECT * FROM jobs WHERE state = 'queued'")
         records = [self._record(r) for r in rows]
         if any(not j.position for j in records):  # a deep queue: the jobs a pass did not reach get theirs now
-            order = {p.job_id: n for n, p in enumerate(queue_order(self._queued, self.running(), self.cluster), 1)}
+            cluster = self.cluster
+            fair = self.usage.fair_share(cluster, self.quotas.shares())
+            order = {p.job_id: n for n, p in enumerate(queue_order(self._queued, self.running(), cluster, fair), 1)}
             records = [j if j.position else dataclasses.replace(j, position=order.get(j.id, 0)) for j in records]
         records.sort(key=lambda j: j.position or 1 << 30)
         return [
@@ -1267,9 +1275,10 @@ class JobService:
                 self._move(
                     job_id, JobState.RUNNING, JobState.QUEUED, gpu_indices="[]", node="", placement="", started_at=None
                 )
+                self.usage.end(job_id, time.time())
         rows = self.store.query(
             "SELECT id, owner, gpus, gpu_memory, cpus, memory, priority, seq, reserved_at, nodes, array_id, "
-            "depends_on FROM jobs WHERE state = 'queued'"
+            "depends_on, created_at FROM jobs WHERE state = 'queued'"
         )
         self._caps = {
             r["id"]: r["max_running"]
@@ -1288,6 +1297,7 @@ class JobService:
                 r["reserved_at"],
                 r["array_id"],
                 "waits for its dependencies" if r["depends_on"] else "",  # looked at below, before any pass
+                r["created_at"],
             )
             for r in rows
         )
@@ -1336,7 +1346,8 @@ class JobService:
             self._plan = None if queued else {}
             return
         quotas = self.quotas.all()
-        decisions = plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps) if queued else []
+        fair = self.usage.fair_share(cluster, self.quotas.shares()) if queued else None
+        decisions = plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair) if queued else []
         self._plan = {d.job_id: d for d in decisions}
         if all(
             d.gpu_indices is None and (not d.reserves or queued[d.job_id].reserved_at is not None) for d in decisions
@@ -1352,6 +1363,7 @@ class JobService:
                 self._queued[decision.job_id] = dataclasses.replace(pending, reserved_at=now)
             if decision.gpu_indices is None:
                 continue
+            now = time.time()
             self._move(
                 decision.job_id,
                 JobState.QUEUED,
@@ -1359,11 +1371,23 @@ class JobService:
                 gpu_indices=json.dumps(list(decision.gpu_indices)),
                 node=decision.node,
                 placement=json.dumps(decision.placement) if decision.placement else "",
-                started_at=time.time(),
+                started_at=now,
                 message="",
             )
+            self._account(pending, decision, cluster, now)
             del self._plan[decision.job_id], self._queued[decision.job_id]
             self._spawn(self._launch(decision.job_id))
+
+    def _account(self, job: Pending, decision: Decision, cluster: Cluster, at: float) -> None:
+        """Open the usage row of a run just granted (services/usage.py)."""
+        slice_of = 0
+        if job.request.gpu_memory and decision.gpu_indices:
+            sizes = cluster.machines.get(decision.node)
+            if sizes is not None and decision.gpu_indices[0] < len(sizes.gpu_memory):
+                slice_of = sizes.gpu_memory[decision.gpu_indices[0]]
+        kind = self.store.query_one("SELECT kind FROM jobs WHERE id = ?", (job.job_id,))
+        with self.store.transaction() as db:
+            self.usage.begin(db, job.job_id, job.owner, kind["kind"] if kind else "job", job.request, slice_of, at)
 
     def _low_memory(self) -> str:
         """Why work that reserves no memory waits now ('' : it need not)."""
@@ -1568,7 +1592,8 @@ class JobService:
                 state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
             if status.get("process_cap"):  # a fork failed at the cap: likely why it ended so
                 message += f" (it reached its cap of {status['process_cap']} processes and threads)"
-        self._end(job_id, state, code, message + note, outputs, (status or {}).get("ended_at"))
+        status = status or {}
+        self._end(job_id, state, code, message + note, outputs, status.get("ended_at"), status.get("cpu_seconds"))
         await asyncio.to_thread(self.executor.tidy, job_id)
 
     def _requeue(self, row: Any, spec: dict[str, Any], tried: int, why: str) -> None:
@@ -1583,11 +1608,13 @@ class JobService:
         )  # fmt: skip
         if live is not None:  # it starts over: what it wrote before is gone
             self._discard(row["owner"], live["live_outputs"])
+        self.usage.end(row["id"], time.time())
         log.warning("job %s: %s", row["id"], message)
         resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"], row["nodes"])
         self._queued[row["id"]] = Pending(
-            row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"], row["array_id"]
-        )
+            row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"], row["array_id"],
+            created_at=row["created_at"],
+        )  # fmt: skip
         self.executor.tidy(row["id"])
         self.reschedule()
 
@@ -1599,8 +1626,10 @@ class JobService:
         message: str,
         outputs: str = "",
         ended_at: float | None = None,
+        cpu_used: float | None = None,
     ) -> None:
         live = self.store.query_one("SELECT owner, live_outputs FROM jobs WHERE id = ?", (job_id,))
+        ended_at = ended_at or time.time()
         self._move(
             job_id,
             JobState.RUNNING,
@@ -1608,9 +1637,10 @@ class JobService:
             exit_code=code,
             message=message,
             output_snapshot_id=outputs,
-            ended_at=ended_at or time.time(),
+            ended_at=ended_at,
             live_outputs="",
         )
+        self.usage.end(job_id, ended_at, cpu_used if isinstance(cpu_used, (int, float)) else None)
         if live is not None and live["live_outputs"] != outputs:
             self._discard(live["owner"], live["live_outputs"])
         log.info("job %s %s: %s", job_id, state.value, message)

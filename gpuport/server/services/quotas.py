@@ -8,7 +8,8 @@ The cap of processes (and threads) is never off: a quota set without one gets
 ``DEFAULT_PROCESSES_PER_JOB``, and the kernel enforces it where the server has cgroups
 (``server/cgroups.py``); it applies to jobs started after. Storage (the blobs and logs a user keeps,
 ``services/storage.py``) is never unlimited either: the user's, else ``*``'s, else
-``DEFAULT_STORAGE_SHARE`` of the state dir's filesystem.
+``DEFAULT_STORAGE_SHARE`` of the state dir's filesystem. Shares weigh a user's use in the fair share
+over weeks (``services/usage.py``): the user's, else ``*``'s, else ``DEFAULT_SHARES``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class QuotaRecord:
     processes: int = DEFAULT_PROCESSES_PER_JOB  # each job's processes and threads at once
     storage: int | None = None  # bytes the user may keep (the one in force: the default's where unset)
     storage_used: int | None = None  # bytes the user keeps (None: the '*' quota, which is nobody's)
+    shares: float | None = None  # their shares of the machine in the fair share; None: the default's
 
 
 def _admin_only(caller: Identity) -> None:
@@ -63,6 +65,7 @@ class QuotaService:
         self.usage: Callable[[str], int] = lambda user: 0  # bytes a user keeps (services/storage.py)
         self._cache: dict[str, Quota] | None = None  # read on every scheduling pass: kept until changed
         self._queued: dict[str, int] | None = None  # user → queued cap, read on every submit: the same
+        self._shares: dict[str, float] | None = None  # user → shares, read on every pass: the same
         self.on_change: Callable[[], None] = lambda: None  # the job service looks at its queue again
 
     def set(
@@ -74,9 +77,10 @@ class QuotaService:
         queued: int | None = None,
         processes: int | None = None,
         storage: int | None = None,
+        shares: float | None = None,
     ) -> QuotaRecord:
-        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``, ``storage``:
-        the default's, ``processes``: the default)."""
+        """Set ``user``'s quota (admin only); None leaves that limit off (``queued``, ``storage``,
+        ``shares``: the default's, ``processes``: the default)."""
         _admin_only(caller)
         if not user or len(user) > MAX_NAME_LENGTH or not user.isprintable():
             raise InvalidRequest(f"user {user[:80]!r}: give a token name, or '*' for every user")
@@ -90,28 +94,31 @@ class QuotaService:
             raise InvalidRequest(f"a cap of processes per job must be {MIN_PROCESSES} or more, not {processes}")
         if storage is not None and not 0 <= storage < 2**63:
             raise InvalidRequest(f"a storage quota must be 0 bytes or more, not {storage}")
-        if gpus is None and jobs is None and queued is None and processes is None and storage is None:
+        if shares is not None and not (math.isfinite(shares) and 0 < shares <= 1e6):
+            raise InvalidRequest(f"shares must be more than 0 (and at most 1,000,000), not {shares}")
+        if all(v is None for v in (gpus, jobs, queued, processes, storage, shares)):
             raise InvalidRequest(
-                "give --gpus, --jobs, --queued, --processes, --storage or several; "
+                "give --gpus, --jobs, --queued, --processes, --storage, --shares or several; "
                 "`gpuport quota unset USER` removes a quota"
             )
         processes = DEFAULT_PROCESSES_PER_JOB if processes is None else processes
         now = time.time()
         with self.store.transaction() as db:
             db.execute(
-                "INSERT INTO quotas (user, gpus, jobs, queued, processes, storage, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?) "
+                "INSERT INTO quotas (user, gpus, jobs, queued, processes, storage, shares, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT(user) DO UPDATE SET gpus = excluded.gpus, jobs = excluded.jobs, "
                 "queued = excluded.queued, processes = excluded.processes, storage = excluded.storage, "
-                "updated_at = excluded.updated_at",
-                (user, gpus, jobs, queued, processes, storage, now),
+                "shares = excluded.shares, updated_at = excluded.updated_at",
+                (user, gpus, jobs, queued, processes, storage, shares, now),
             )
         self._cache = None
         self._queued = None
         self._storage = None
+        self._shares = None
         self.on_change()
         used = None if user == DEFAULT_USER else self.usage(user)
-        return QuotaRecord(user, gpus, jobs, now, queued, processes, self.storage(user), used)
+        return QuotaRecord(user, gpus, jobs, now, queued, processes, self.storage(user), used, shares)
 
     def unset(self, caller: Identity, user: str) -> None:
         """Remove ``user``'s quota (admin only). Raises ``NotFound`` when there is none."""
@@ -122,6 +129,7 @@ class QuotaService:
         self._cache = None
         self._queued = None
         self._storage = None
+        self._shares = None
         self.on_change()
 
     def list(self, caller: Identity) -> list[QuotaRecord]:
@@ -130,7 +138,9 @@ class QuotaService:
         limits and ``updated_at`` 0. Blocking (a stat per job log): run it in a thread."""
         rows = self.store.query("SELECT * FROM quotas ORDER BY user")
         records = {
-            r["user"]: QuotaRecord(r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"], r["processes"])
+            r["user"]: QuotaRecord(
+                r["user"], r["gpus"], r["jobs"], r["updated_at"], r["queued"], r["processes"], shares=r["shares"]
+            )
             for r in rows
             if caller.admin or r["user"] in (caller.name, DEFAULT_USER)
         }
@@ -167,6 +177,13 @@ class QuotaService:
             rows = self.store.query("SELECT user, gpus, jobs, processes FROM quotas")
             self._cache = {r["user"]: Quota(r["gpus"], r["jobs"], r["processes"]) for r in rows}
         return self._cache
+
+    def shares(self) -> dict[str, float]:
+        """user → shares set ('*': every user without their own), for the fair share."""
+        if self._shares is None:
+            rows = self.store.query("SELECT user, shares FROM quotas WHERE shares IS NOT NULL")
+            self._shares = {r["user"]: r["shares"] for r in rows}
+        return self._shares
 
     def of(self, user: str) -> Quota | None:
         quotas = self.all()

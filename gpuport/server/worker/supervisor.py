@@ -550,6 +550,10 @@ def main(job_dir: str) -> int:
             status = _run(spec, log, started, lambda: _kill_reason(job_dir), cap=cap)
             cap.check()
             cap.close()
+    import resource
+
+    spent = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the job, once reaped
+    status["cpu_seconds"] = spent.ru_utime + spent.ru_stime  # for the usage accounting
     _write_json(os.path.join(job_dir, "exit.json"), status)
     return 0
 

@@ -657,6 +657,7 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
             env=dict(request.env),
             python_version=request.python_version,
             cloudpickle_version=request.cloudpickle_version,
+            requirements=request.requirements,
         )
         return session_message(self.app.sessions.open(caller, spec))
 
@@ -770,6 +771,7 @@ class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
             replicas=request.replicas or 1,
             public=request.public,
             label=request.label,
+            requirements=request.requirements,
         )
         return model_message(self.app.serving.deploy(caller, spec), caller)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -237,6 +238,7 @@ class Client:
         groups: Sequence[str] = (),
         python: str | None = None,
         isolated_env: bool = False,
+        env_of: str | None = None,
         progress: Progress | None = None,
     ) -> Job | JobArray:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -277,7 +279,8 @@ class Client:
         packages come first, the server's after them; ``isolated_env`` leaves the server's out.
         ``groups``: pyproject.toml's dependency groups to include; ``python``: a version the server
         has ("3.12"), in an environment of its own. A build that fails ends the job ``failed``,
-        with uv's words in its log.
+        with uv's words in its log. ``env_of`` (a job's id or name, or a hash ``environments()``
+        lists) runs the job in that job's environment as it was built, without resolving again.
 
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name, malformed
         array ...), ``ResourceUnavailable`` (more than the server has, or than your quota allows:
@@ -308,6 +311,10 @@ class Client:
         )
         if (groups or python or isolated_env) and not requirements:
             spec.requirements = "auto"
+        if env_of:
+            if spec.requirements:
+                raise InvalidRequest("env_of runs the job in an environment built already: give no requirements too")
+            spec.environment = self._environment_of(env_of)
         if isinstance(cmd, str):
             spec.shell = cmd
         else:
@@ -325,6 +332,18 @@ class Client:
             reply = self.transport.call(self.transport.jobs.SubmitArray, request)
             return JobArray(self.transport, ArrayInfo._from_message(reply))
         return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
+
+    def _environment_of(self, job_or_hash: str) -> str:
+        """The hash of the environment a job ran in (or the hash given)."""
+        if re.fullmatch(r"[0-9a-f]{16}", job_or_hash):
+            return job_or_hash
+        job = self.job(job_or_hash)
+        if not job.info.environment:
+            raise InvalidRequest(
+                f"job {job.id} ran in the server's own environment, or has not started yet: there is no environment "
+                "of its to run in"
+            )
+        return job.info.environment
 
     def array(self, array_id: str) -> JobArray:
         """The job array or sweep with this id, or yours of this name (the one with tasks queued

@@ -424,7 +424,9 @@ def job_request(request: pb.JobSpec) -> JobRequest:
         retries=request.retries,
         nodes=request.nodes or 1,
         after=list(request.after),
-        environment=EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)
+        environment=EnvRequest(hash=request.environment)
+        if request.environment
+        else EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)
         if request.requirements
         else None,
     )

@@ -255,17 +255,17 @@ def test_session_and_function_with_requirements(envs_server: RunningServer, tmp_
             assert gpu.job(session.info().job_id).info.environment
         remote = gpu.function(requirements=tmp_path / "requirements.txt")(versions)
         assert remote() == ("1.2.0", "a = 1\n")
-        with gpu.session() as bare:  # no requirements: the server's own environment, without tomli-w
-            with pytest.raises(ModuleNotFoundError):
-                bare.call(versions)
+        # No requirements: the server's own environment, without tomli-w.
+        with gpu.session() as bare, pytest.raises(ModuleNotFoundError):
+            bare.call(versions)
 
 
 def test_deployment_with_requirements(envs_server: RunningServer, tmp_path: Path, cli: Any) -> None:
     """A model whose class imports a package the server lacks, deployed with requirements (CLI too)."""
 
     class Toml:  # defined here: pickled by value, as a user's class is
-        inputs = [("x", "FP32", [-1])]
-        outputs = [("y", "FP32", [-1])]
+        inputs = (("x", "FP32", (-1,)),)
+        outputs = (("y", "FP32", (-1,)),)
 
         def load(self) -> None:
             import tomli_w

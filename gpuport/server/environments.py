@@ -113,7 +113,7 @@ def check_request(request: EnvRequest) -> None:
             raise InvalidRequest(f"dependency group {group[:80]!r}: a name of pyproject.toml's [dependency-groups]")
     if request.python and not re.fullmatch(r"3(\.[0-9]{1,2}){1,2}", request.python):
         raise InvalidRequest(f"--python {request.python[:40]!r}: give a version such as 3.12")
-    if request.hash and not re.fullmatch(r"[0-9a-f]{%d}" % _HASH_CHARS, request.hash):
+    if request.hash and not re.fullmatch(f"[0-9a-f]{{{_HASH_CHARS}}}", request.hash):
         raise InvalidRequest(f"environment {request.hash[:40]!r}: give a hash that `gpuport envs` lists")
 
 

@@ -27,7 +27,7 @@ class Row:
     anchor_name: str
     goal: str
     met: bool | None
-    unit: str = "s"  # "s", "MB/s", "jobs/s", "MB" or "cores"
+    unit: str = "s"  # "s", "MB/s", "jobs/s", "MB", "cores" or "count"
     note: str = ""
 
     @property
@@ -141,6 +141,8 @@ def fmt(value: float | None, unit: str) -> str:
         return f"{value / MB:.0f} MB"
     if unit == "cores":
         return f"{value:.3f}"
+    if unit == "count":
+        return f"{value:g}"
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 

@@ -29,6 +29,7 @@ import argparse
 import ast
 import os
 import shlex
+from pathlib import Path
 from typing import Any
 
 from gpuport.client import Client, Session, connect
@@ -98,7 +99,7 @@ def _repr_or_value(source: str, label: str) -> tuple[bool, Any]:
     return True, value
 
 
-_OPTIONS = "--session NAME, --gpus N, --gpu-memory SIZE, --cpus N, --memory SIZE, --profile NAME"
+_OPTIONS = "--session NAME, --gpus N, --gpu-memory SIZE, --cpus N, --memory SIZE, --requirements FILE, --profile NAME"
 
 
 _MOVE_OPTIONS = "--session NAME, --profile NAME, then the variables' names"
@@ -121,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory", default=None)
     parser.add_argument("--cpus", type=float, default=0.0)
     parser.add_argument("--memory", default=None)
+    parser.add_argument("--requirements", default=None)  # a local file: the session's Python environment
     return parser
 
 
@@ -171,7 +173,12 @@ class Notebook:
         if client is None:
             client = self.clients[options.profile] = connect(profile=options.profile)
         session = client.session(
-            name=name, gpus=options.gpus, gpu_memory=options.gpu_memory, cpus=options.cpus, memory=options.memory
+            name=name,
+            gpus=options.gpus,
+            gpu_memory=options.gpu_memory,
+            cpus=options.cpus,
+            memory=options.memory,
+            requirements=Path(options.requirements) if options.requirements else None,
         )
         self.sessions[name] = session
         return session

@@ -4,6 +4,7 @@ the server with uv from the index this machine is configured for, shared read-on
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 import uuid
@@ -235,3 +236,93 @@ def test_cli_envs_lists_and_prune_removes(envs_server: RunningServer, tmp_path: 
         assert name not in {e["hash"] for e in gpu.environments()}
         again = gpu.submit(["python", "-c", "import tabulate"], tmp_path, requirements="auto").wait(timeout=300)
         assert again.info.state == "succeeded" and "building environment" in _log(gpu.job(again.id))
+
+
+def test_session_and_function_with_requirements(envs_server: RunningServer, tmp_path: Path) -> None:
+    """A session's worker, and a function's, import what their requirements name and the server lacks."""
+
+    def versions() -> tuple[str, str]:
+        import importlib.metadata
+
+        import tomli_w
+
+        return importlib.metadata.version("tomli-w"), tomli_w.dumps({"a": 1})
+
+    (tmp_path / "requirements.txt").write_text("toolz==1.1.0\ntomli-w==1.2.0\n")
+    with envs_server.connect() as gpu:
+        with gpu.session(requirements=["tomli-w==1.2.0"]) as session:
+            assert session.call(versions) == ("1.2.0", "a = 1\n")
+            assert gpu.job(session.info().job_id).info.environment
+        remote = gpu.function(requirements=tmp_path / "requirements.txt")(versions)
+        assert remote() == ("1.2.0", "a = 1\n")
+        # No requirements: the server's own environment, without tomli-w.
+        with gpu.session() as bare, pytest.raises(ModuleNotFoundError):
+            bare.call(versions)
+
+
+def test_deployment_with_requirements(envs_server: RunningServer, tmp_path: Path, cli: Any) -> None:
+    """A model whose class imports a package the server lacks, deployed with requirements (CLI too)."""
+
+    class Toml:  # defined here: pickled by value, as a user's class is
+        inputs = (("x", "FP32", (-1,)),)
+        outputs = (("y", "FP32", (-1,)),)
+
+        def load(self) -> None:
+            import tomli_w
+
+            self.factor = len(tomli_w.dumps({"a": 1}))  # "a = 1\n": 6
+
+        def predict(self, batch: dict[str, Any]) -> dict[str, Any]:
+            return {"y": batch["x"] * self.factor}
+
+    import cloudpickle
+
+    (tmp_path / "model.pkl").write_bytes(cloudpickle.dumps(Toml()))
+    (tmp_path / "requirements.txt").write_text("tomli-w==1.2.0\n")
+    body = {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]}]}
+    with envs_server.connect() as gpu:
+        with pytest.raises(gpuport.ServerError, match="tomli_w"):
+            gpu.deploy("toml-bare", tmp_path / "model.pkl", timeout=120)
+        info = gpu.deploy("toml-api", tmp_path / "model.pkl", requirements="tomli-w==1.2.0", timeout=300)
+        assert info.state == "ready"
+    env = {"GPUPORT_URL": envs_server.url, "GPUPORT_TOKEN": envs_server.admin_token}
+    env["GPUPORT_FINGERPRINT"] = envs_server.fingerprint
+    shown = cli(
+        "deploy", "toml-cli", str(tmp_path / "model.pkl"), "--requirements", str(tmp_path / "requirements.txt"), **env
+    )
+    assert shown.code == 0, shown.output
+    for name in ("toml-api", "toml-cli"):
+        reply = envs_server.rest("POST", f"/v2/models/{name}/infer", envs_server.admin_token, json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["outputs"][0]["data"] == [6.0, 12.0]
+
+
+def test_run_env_of_reruns_in_the_same_environment(envs_server: RunningServer, tmp_path: Path, cli: Any) -> None:
+    """`gpuport run --env-of JOB` runs in JOB's environment, with nothing to resolve, from a folder with no
+    requirements; `gpuport jobs --json` lists its hash; a job without one, or a hash unknown, is an error."""
+    mark = uuid.uuid4().hex[:8]
+    (tmp_path / "requirements.txt").write_text(f"tomli-w==1.2.0\n# {mark}\n")
+    with envs_server.connect() as gpu:
+        first = gpu.submit(["python", "-c", "import tomli_w"], tmp_path, requirements="auto")
+        assert first.wait(timeout=300).info.state == "succeeded", _log(first)
+        (tmp_path / "none").mkdir()
+        bare = gpu.submit(["true"], tmp_path / "none").wait(timeout=60)
+    env = {"GPUPORT_URL": envs_server.url, "GPUPORT_TOKEN": envs_server.admin_token}
+    env["GPUPORT_FINGERPRINT"] = envs_server.fingerprint
+    code = "import importlib.metadata as m; print('tomli-w', m.version('tomli-w'))"
+    again = cli("run", "--env-of", first.id, "--", "python", "-c", code, **env)
+    assert again.code == 0 and "tomli-w 1.2.0" in again.stdout, again.output
+    assert "resolving" not in again.output and "building environment" not in again.output
+    listed = cli("jobs", "--json", **env)
+    assert listed.code == 0, listed.output
+    hashes = [j["environment"] for j in json.loads(listed.stdout) if j["command"][-1] == code]
+    assert hashes == [first.info.environment]
+    with envs_server.connect() as gpu:
+        by_hash = gpu.submit(["python", "-c", code], tmp_path / "none", env_of=first.info.environment)
+        assert by_hash.wait(timeout=120).info.environment == first.info.environment
+        with pytest.raises(gpuport.InvalidRequest, match="server's own environment"):
+            gpu.submit(["true"], tmp_path / "none", env_of=bare.id)
+        with pytest.raises(gpuport.NotFound, match="not on this server"):
+            gpu.submit(["true"], tmp_path / "none", env_of="0123456789abcdef")
+    refused = cli("run", "--env-of", first.id, "--requirements", "r.txt", "--", "true", **env)
+    assert refused.code != 0 and "--env-of" in refused.output

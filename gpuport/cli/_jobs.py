@@ -434,6 +434,11 @@ def _check_runnable(command: tuple[str, ...], workdir: Path, project: str | None
 @click.option("--group", "groups", multiple=True, metavar="NAME", help="Include this pyproject.toml dependency group.")
 @click.option("--python", "python", metavar="VERSION", help="Run on this Python version of the server's (3.12).")
 @click.option("--isolated-env", is_flag=True, help="Build the environment without the server's own packages under it.")
+@click.option(
+    "--env-of",
+    metavar="JOB",
+    help="Run in the environment JOB ran in (or one `gpuport envs` lists, by hash), as built: no resolving again.",
+)
 @click.option("--detach", "-d", is_flag=True, help="Submit and return at once; print the job id.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
@@ -466,6 +471,7 @@ def run_command(
     groups: tuple[str, ...],
     python: str | None,
     isolated_env: bool,
+    env_of: str | None,
     detach: bool,
     command: tuple[str, ...],
 ) -> None:
@@ -498,6 +504,8 @@ def run_command(
     """
     if no_deps_env and (requirements or groups or python or isolated_env):
         raise click.UsageError("--no-deps-env runs in the server's environment: drop it, or the environment's options")
+    if env_of and (requirements or no_deps_env or groups or python or isolated_env):
+        raise click.UsageError("--env-of runs in an environment built already: drop the environment's other options")
     _check_runnable(command, workdir, project)
     roles = _roles(tf_roles)
     if roles and nprocs == 1:
@@ -526,10 +534,11 @@ def run_command(
             after=after,
             array=array,
             sweep=_sweep(sweeps),
-            requirements=None if no_deps_env else requirements or "auto",
+            requirements=None if no_deps_env or env_of else requirements or "auto",
             groups=groups,
             python=python,
             isolated_env=isolated_env,
+            env_of=env_of,
             progress=progress,
         )
     if _is_array(job):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from gpuport.cli._common import client, json_option
@@ -33,6 +35,11 @@ from gpuport.protocol.units import format_duration, format_size
     help="Predictions and metadata need no credentials (TLS still on); deploying and undeploying still do.",
 )
 @click.option("--label", help="A version label for the new version (TensorFlow Serving's), e.g. stable.")
+@click.option(
+    "--requirements",
+    type=click.Path(exists=True, dir_okay=False),
+    help="A requirements file: the replicas' Python environment, built on the server (as a job's).",
+)
 @click.option("--no-wait", is_flag=True, help="Return once deploying started, not once the model is ready.")
 @json_option
 @click.pass_context
@@ -51,6 +58,7 @@ def deploy_command(
     replicas: int,
     public: bool,
     label: str | None,
+    requirements: str | None,
     no_wait: bool,
     as_json: bool,
 ) -> None:
@@ -73,6 +81,7 @@ def deploy_command(
         replicas=replicas,
         public=public,
         label=label,
+        requirements=Path(requirements) if requirements else None,
         wait=not no_wait,
     )
     if as_json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -237,6 +238,7 @@ class Client:
         groups: Sequence[str] = (),
         python: str | None = None,
         isolated_env: bool = False,
+        env_of: str | None = None,
         progress: Progress | None = None,
     ) -> Job | JobArray:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -277,7 +279,8 @@ class Client:
         packages come first, the server's after them; ``isolated_env`` leaves the server's out.
         ``groups``: pyproject.toml's dependency groups to include; ``python``: a version the server
         has ("3.12"), in an environment of its own. A build that fails ends the job ``failed``,
-        with uv's words in its log.
+        with uv's words in its log. ``env_of`` (a job's id or name, or a hash ``environments()``
+        lists) runs the job in that job's environment as it was built, without resolving again.
 
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name, malformed
         array ...), ``ResourceUnavailable`` (more than the server has, or than your quota allows:
@@ -308,6 +311,10 @@ class Client:
         )
         if (groups or python or isolated_env) and not requirements:
             spec.requirements = "auto"
+        if env_of:
+            if spec.requirements:
+                raise InvalidRequest("env_of runs the job in an environment built already: give no requirements too")
+            spec.environment = self._environment_of(env_of)
         if isinstance(cmd, str):
             spec.shell = cmd
         else:
@@ -325,6 +332,18 @@ class Client:
             reply = self.transport.call(self.transport.jobs.SubmitArray, request)
             return JobArray(self.transport, ArrayInfo._from_message(reply))
         return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
+
+    def _environment_of(self, job_or_hash: str) -> str:
+        """The hash of the environment a job ran in (or the hash given)."""
+        if re.fullmatch(r"[0-9a-f]{16}", job_or_hash):
+            return job_or_hash
+        job = self.job(job_or_hash)
+        if not job.info.environment:
+            raise InvalidRequest(
+                f"job {job.id} ran in the server's own environment, or has not started yet: there is no environment "
+                "of its to run in"
+            )
+        return job.info.environment
 
     def array(self, array_id: str) -> JobArray:
         """The job array or sweep with this id, or yours of this name (the one with tasks queued
@@ -440,6 +459,7 @@ class Client:
         priority: int = 0,
         idle_timeout: float | str | None = None,
         env: dict[str, str] | None = None,
+        requirements: str | os.PathLike[str] | Sequence[str] | None = None,
         wait: bool = True,
         progress: bool | None = None,
     ) -> Session:
@@ -451,7 +471,9 @@ class Client:
         closed (``with`` does it), or when its client has been gone a minute. Any session ends after
         ``idle_timeout`` (default 30 minutes) without a call. With ``wait`` (the default), returns once
         the worker runs, saying on stderr why it waits while it is queued. ``progress`` shows a bar for
-        large transfers (None: on a terminal, from 64 MiB).
+        large transfers (None: on a terminal, from 64 MiB). ``requirements`` (a local requirements
+        file, its text, or a list of requirements) runs the worker in that Python environment, built
+        on the server as a job's is (``submit``), over the server's own packages.
 
         Raises ``IncompatibleVersions`` when this Python cannot exchange pickles with the server's.
         """
@@ -467,6 +489,7 @@ class Client:
             priority=priority,
             idle_timeout=idle_timeout,
             env=env,
+            requirements=requirements_text(requirements),
             wait=wait,
             progress=progress,
         )
@@ -502,6 +525,7 @@ class Client:
         replicas: int = 1,
         public: bool = False,
         label: str | None = None,
+        requirements: str | os.PathLike[str] | Sequence[str] | None = None,
         wait: bool = True,
         timeout: float = 600.0,
     ) -> ModelInfo:
@@ -515,6 +539,8 @@ class Client:
         predictions and metadata need no credentials (over TLS still); deploying and undeploying do.
         ``label`` (e.g. ``"stable"``) names the new version for TensorFlow Serving's clients
         (``/v1/models/NAME/labels/stable:predict``, ``model_spec.version_label``); see ``label``.
+        ``requirements`` (a local requirements file, its text, or a list): the replicas' Python
+        environment, built on the server as a job's is (``submit``).
         """
         local = Path(os.fspath(source)).expanduser()
         text = os.fspath(source)
@@ -536,6 +562,7 @@ class Client:
             replicas=replicas,
             public=public,
             label=label or "",
+            requirements=requirements_text(requirements),
         )
         info = ModelInfo.from_message(self.transport.call(self.transport.models.Deploy, request))
         if not wait:
@@ -621,15 +648,18 @@ class Client:
         timeout: float | None = None,
         max_workers: int = 4,
         env: dict[str, str] | None = None,
+        requirements: str | os.PathLike[str] | Sequence[str] | None = None,
     ) -> Any:
         """Make ``function`` run on the server: ``@gpu.function(gpu_memory="4GiB")`` above a ``def``.
 
         Each call runs in a worker process holding that allocation; ``f.spawn(...)`` returns a Future
         and ``f.map(xs)`` runs calls in up to ``max_workers`` workers at once. A call past ``timeout``
         seconds raises ``CallTimeout``. Functions of ``__main__``, a notebook or your project's modules
-        travel by value; what they import must be installed on the server.
+        travel by value; what they import must be installed on the server, or named in ``requirements``
+        (a local requirements file, its text, or a list), the workers' environment (see ``session``).
         """
         options = {"gpus": gpus, "gpu_memory": gpu_memory, "cpus": cpus, "memory": memory, "env": env}
+        options["requirements"] = requirements_text(requirements)
 
         from gpuport.client._sessions import RemoteFunction
 
@@ -675,6 +705,23 @@ def connect(
     ...     print(gpu.gpus())
     """
     return Client(resolve_settings(url, token, profile, fingerprint), timeout=timeout)
+
+
+def requirements_text(requirements: str | os.PathLike[str] | Sequence[str] | None) -> str:
+    """Requirements as the server takes them for a session or a model: the text of a local file (a
+    path, or a name that is one), the text given, or a list joined; "" for none."""
+    if requirements is None:
+        return ""
+    if not isinstance(requirements, (str, os.PathLike)):
+        return "".join(f"{line}\n" for line in requirements)
+    text = os.fspath(requirements)
+    path = Path(text).expanduser()
+    if isinstance(requirements, os.PathLike) or ("\n" not in text and path.is_file()):
+        try:
+            return path.read_text()
+        except OSError as e:
+            raise InvalidRequest(f"requirements file {text}: {e.strerror or e}") from None
+    return text if not text or text.endswith("\n") else text + "\n"
 
 
 def _same_device(path: Path, folder: str) -> bool:

@@ -792,10 +792,12 @@ def open_session(
     priority: int = 0,
     idle_timeout: float | str | None = None,
     env: dict[str, str] | None = None,
+    requirements: str = "",
     wait: bool = True,
     progress: bool | None = None,
 ) -> Session:
-    """Open (or re-attach) a session through ``transport``: ``Client.session`` says how."""
+    """Open (or re-attach) a session through ``transport``: ``Client.session`` says how
+    (``requirements`` as text here)."""
     if transport.pickle_problem:
         raise IncompatibleVersions(
             f"sessions and remote functions cannot work with this server: {transport.pickle_problem}"
@@ -811,6 +813,7 @@ def open_session(
         env=env or {},
         python_version=platform.python_version(),
         cloudpickle_version=cloudpickle.__version__,
+        requirements=requirements,
     )
     info = transport.call(transport.sessions.Open, spec)
     session = Session(transport, info, progress=progress)

@@ -92,14 +92,16 @@ class EnvRequest:
     groups: tuple[str, ...] = ()  # pyproject.toml's dependency groups to include
     python: str = ""  # a version ("3.12") the box must have; "": the box's own
     isolated: bool = False  # without the box's packages
+    hash: str = ""  # a built environment's name: the job runs in it as it is (`gpuport run --env-of JOB`)
 
     def to_json(self) -> dict[str, Any]:
         return {"requirements": self.requirements, "groups": list(self.groups), "python": self.python,
-                "isolated": self.isolated}  # fmt: skip
+                "isolated": self.isolated, "hash": self.hash}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> EnvRequest:
-        return cls(data["requirements"], tuple(data.get("groups") or ()), data.get("python", ""), data["isolated"])
+        groups = tuple(data.get("groups") or ())
+        return cls(data["requirements"], groups, data.get("python", ""), data["isolated"], data.get("hash", ""))
 
 
 def check_request(request: EnvRequest) -> None:
@@ -111,6 +113,8 @@ def check_request(request: EnvRequest) -> None:
             raise InvalidRequest(f"dependency group {group[:80]!r}: a name of pyproject.toml's [dependency-groups]")
     if request.python and not re.fullmatch(r"3(\.[0-9]{1,2}){1,2}", request.python):
         raise InvalidRequest(f"--python {request.python[:40]!r}: give a version such as 3.12")
+    if request.hash and not re.fullmatch(f"[0-9a-f]{{{_HASH_CHARS}}}", request.hash):
+        raise InvalidRequest(f"environment {request.hash[:40]!r}: give a hash that `gpuport envs` lists")
 
 
 @dataclass(frozen=True)
@@ -310,6 +314,15 @@ class Environments:
         its progress and uv's output written to ``log_file``); None where it names nothing there, or
         (layered) nothing the box lacks. ``wheels``: the project's own wheels and source archives
         (path:blob), which its requirements may name. Raises ``BuildFailed`` or ``InvalidRequest``."""
+        if request.hash:
+            built = self._load(request.hash)
+            if built is None:
+                raise BuildFailed(
+                    f"environment {request.hash} is no longer on this server (pruned or evicted): run with the "
+                    "project's requirements to build it again"
+                )
+            say(log_file, f"environment {request.hash} (as asked)")
+            return built
         source = self._source(request, work, wheels)
         if source is None:
             return None

@@ -424,7 +424,9 @@ def job_request(request: pb.JobSpec) -> JobRequest:
         retries=request.retries,
         nodes=request.nodes or 1,
         after=list(request.after),
-        environment=EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)
+        environment=EnvRequest(hash=request.environment)
+        if request.environment
+        else EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)
         if request.requirements
         else None,
     )
@@ -657,6 +659,7 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
             env=dict(request.env),
             python_version=request.python_version,
             cloudpickle_version=request.cloudpickle_version,
+            requirements=request.requirements,
         )
         return session_message(self.app.sessions.open(caller, spec))
 
@@ -770,6 +773,7 @@ class ModelsServicer(_Servicer, pb_grpc.ModelsServicer):
             replicas=request.replicas or 1,
             public=request.public,
             label=request.label,
+            requirements=request.requirements,
         )
         return model_message(self.app.serving.deploy(caller, spec), caller)
 

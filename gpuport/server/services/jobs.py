@@ -406,6 +406,12 @@ class JobService:
             check_request(request.environment)
             if request.environment.python and self.environments is not None:
                 self.environments.python_for(request.environment.python)  # the box has it, or a clear error
+            if request.environment.hash and self.environments is not None:
+                if self.environments.meta(request.environment.hash) is None:
+                    raise NotFound(
+                        f"environment {request.environment.hash} is not on this server (`gpuport envs` lists "
+                        "those it has): run with the project's requirements to build it"
+                    )
             spec["environment_request"] = request.environment.to_json()
         return argv, snapshot, outputs, spec
 

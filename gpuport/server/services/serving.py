@@ -44,6 +44,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration
+from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
 from gpuport.server.services.snapshots import SnapshotService
@@ -86,6 +87,7 @@ class DeploySpec:
     replicas: int = 1
     public: bool = False  # predictions and metadata need no credentials
     label: str = ""  # a version label (TensorFlow Serving's) given to the new version once deployed
+    requirements: str = ""  # its replicas' Python environment, as text; "": the box's own
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ class ServingService:
             "max_queue_delay": spec.max_queue_delay,
             "replicas": spec.replicas,
             "public": spec.public,
+            "requirements": spec.requirements,
         }
         try:
             self.snapshots.materialize(snapshot, folder / "files", read_only=True)
@@ -404,6 +407,7 @@ class ServingService:
                 kind="model",
                 internal_env={ENV_MODEL_DIR: str(d.folder), ENV_MODEL_REPLICA: str(index)},
                 folders=[str(d.folder)],
+                environment=EnvRequest(spec["requirements"]) if spec.get("requirements") else None,
             ),
         )
 

@@ -59,6 +59,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.protocol.values import check_compatible
+from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
 from gpuport.server.store import Store
@@ -102,6 +103,7 @@ class SessionSpec:
     env: dict[str, str] = field(default_factory=dict)
     python_version: str = ""
     cloudpickle_version: str = ""
+    requirements: str = ""  # its workers' Python environment, as text; "": the box's own
 
 
 @dataclass(frozen=True)
@@ -562,6 +564,7 @@ class SessionService:
             "memory": spec.memory,
             "priority": spec.priority,
             "env": spec.env,
+            "requirements": spec.requirements,
         }
         job = self._start_worker(caller, session_id, spec.name, stored, idle, (0, 0))
         workers = [(job.id, 0, 0)]
@@ -611,6 +614,7 @@ class SessionService:
                 name=f"session {name or session_id}",
                 kind="session",
                 internal_env={ENV_SESSION_IDLE_TIMEOUT: str(idle), ENV_SESSION_OUTPUT: "{},{}".format(*starts)},
+                environment=EnvRequest(spec["requirements"]) if spec.get("requirements") else None,
             ),
         )
 

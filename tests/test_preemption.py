@@ -7,7 +7,6 @@ preemptible is never touched, and exit codes are retried only when named."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -110,7 +109,7 @@ def _wait_for(predicate, what: str, timeout: float = 120.0):  # type: ignore[no-
 
 
 KERAS_JOB = """
-import os, sys, time
+import os, signal, sys, time
 import numpy as np
 import keras
 import gpuport
@@ -127,8 +126,12 @@ class Note(keras.callbacks.Callback):
         with open(saved, "a") as f:
             f.write(f"{epoch}\\n")
         print("epoch-end", epoch, flush=True)
+        if gpuport.preempted():
+            sys.exit(0)  # queued again all the same: the server preempted it
 
-gpuport.on_preempt(lambda: print("preempted:", gpuport.preempted(), flush=True))
+# Stop at a safe point, not mid-write: the SIGTERM is noted, and the job ends once the epoch is saved.
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+gpuport.on_preempt(lambda: print("preempted", flush=True))
 os.makedirs("ckpt", exist_ok=True)
 x, y = np.random.rand(64, 4), np.random.rand(64, 1)
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

@@ -12,6 +12,7 @@ import os as _os
 # that say what to do, so the raw lines are only noise. Set GRPC_VERBOSITY to see them.
 _os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+from gpuport._preemption import on_preempt, preempted
 from gpuport._version import __version__
 from gpuport.protocol import errors as _errors
 from gpuport.protocol.errors import *
@@ -76,6 +77,8 @@ __all__ = [
     "parse_duration",
     "format_duration",
     "load_ipython_extension",
+    "preempted",
+    "on_preempt",
     *_errors.__all__,
 ]
 

@@ -119,6 +119,9 @@ ENV_OUTPUT_DIR = "GPUPORT_OUTPUT_DIR"
 # worker (a session's output, a replica's load error): the executor's, reached by name through it.
 ENV_RUN_DIR = "GPUPORT_RUN_DIR"
 ENV_DATASETS_DIR = "GPUPORT_DATASETS_DIR"
+# The file that appears (holding "1") in a job the server preempts, before its SIGTERM:
+# `gpuport.preempted()` reads it.
+ENV_PREEMPTED_FILE = "GPUPORT_PREEMPTED_FILE"
 # The name of the node the job runs on, as `gpuport gpus` shows it (this machine's hostname on one machine).
 ENV_NODE = "GPUPORT_NODE"
 # A job array's task: its index and its array's id and task count; and the same under Slurm's names,
@@ -184,6 +187,13 @@ DEFAULT_ENV_BUILD_TIMEOUT = 1800.0
 # Seconds after which a user's past use counts half in the fair-share order (Slurm's
 # PriorityDecayHalfLife); `gpuport server --fairshare-half-life` sets it.
 DEFAULT_FAIRSHARE_HALF_LIFE = 7 * 24 * 3600.0
+# How long a job waits for what preemptible jobs hold before they are preempted for it (`gpuport
+# server --preempt-after`).
+DEFAULT_PREEMPT_AFTER = 600.0
+# Seconds before a job's first retry (after its node was lost, the server restarted, or it exited with
+# a code of its --retry-on-exit); each next retry waits twice as long, at most DEFAULT_RETRY_BACKOFF_MAX.
+DEFAULT_RETRY_BACKOFF = 1.0
+DEFAULT_RETRY_BACKOFF_MAX = 300.0
 # How much a user's turn improves per hour their next job has waited, in parts of the whole machine
 # (a user holding all of it for a half-life's worth counts about 0.5): nothing waits forever.
 DEFAULT_AGE_WEIGHT = 0.01

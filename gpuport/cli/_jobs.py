@@ -404,7 +404,24 @@ def _check_runnable(command: tuple[str, ...], workdir: Path, project: str | None
     type=click.IntRange(0, 100),
     default=0,
     show_default=True,
-    help="On a server in front of a cluster: times the job is queued again when its node is lost.",
+    help="Times the job is queued again (after a backoff) when it fails for a reason outside its code: its "
+    "node lost, a server restart that lost it, or an exit code of --retry-on-exit.",
+)
+@click.option(
+    "--retry-on-exit",
+    metavar="CODES",
+    help="With --retries: exit codes that are retried too, e.g. 3,75 (others fail the job).",
+)
+@click.option(
+    "--preemptible/--not-preemptible",
+    default=None,
+    help="Whether the server may preempt the job (queue it again) for one that waited longer than its "
+    "--preempt-after [default: preemptible when --priority is below 0].",
+)
+@click.option(
+    "--checkpoint",
+    metavar="DIR",
+    help="A folder of the workdir kept when the job is preempted or retried, and put back for its next run.",
 )
 @click.option(
     "--array",
@@ -463,6 +480,9 @@ def run_command(
     nprocs_per_node: int,
     gpus_per_node: int | None,
     retries: int,
+    retry_on_exit: str | None,
+    preemptible: bool | None,
+    checkpoint: str | None,
     array: str | None,
     sweeps: tuple[str, ...],
     after: tuple[str, ...],
@@ -529,6 +549,9 @@ def run_command(
             nprocs=nprocs,
             tf_roles=roles,
             retries=retries,
+            retry_on_exit=_exit_codes(retry_on_exit),
+            preemptible=preemptible,
+            checkpoint=checkpoint,
             nodes=nodes,
             nprocs_per_node=nprocs_per_node,
             after=after,
@@ -645,6 +668,14 @@ def _states(tasks: list[JobInfo]) -> str:
     return ", ".join(f"{n} {s}" for s, n in counts.items() if n)
 
 
+def _exit_codes(text: str | None) -> list[int]:
+    """--retry-on-exit's CODES: 3,75 → [3, 75]."""
+    try:
+        return [int(code) for code in (text or "").replace(" ", "").split(",") if code]
+    except ValueError:
+        raise click.BadParameter(f"give exit codes separated by commas, e.g. 3,75, not {text!r}") from None
+
+
 def _jobs_table(jobs: list[JobInfo]) -> Table:
     from rich.text import Text
 
@@ -684,7 +715,10 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
             j.id,
             escape(j.name) or "-",
             escape(j.owner),
-            j.state + (f" ({escape(j.message)})" if j.state == "queued" and j.message else ""),
+            j.state
+            + (f", preempted ({j.preemptions}x)" if j.preemptions else "")
+            + (f", retried ({j.retried}x)" if j.retried else "")
+            + (f" ({escape(j.message)})" if j.state == "queued" and j.message else ""),
             *([escape(j.node) or "-"] if nodes else []),
             resources(j),
             f"{ago(j.created_at)} ago",

@@ -30,6 +30,7 @@ from gpuport.defaults import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HOST,
     DEFAULT_HTTP_PORT,
+    DEFAULT_PREEMPT_AFTER,
     DEFAULT_PROFILE,
     ENV_PROFILE,
 )
@@ -174,6 +175,12 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="The fair share forgets half of each user's past use of the GPUs this often, e.g. 3d [default: 7d].",
 )
 @click.option(
+    "--preempt-after",
+    metavar="DURATION",
+    help="A job that has waited this long for what --preemptible jobs hold has them preempted (queued "
+    "again), when its priority is higher or its owner under their share, e.g. 30m [default: 10m].",
+)
+@click.option(
     "--age-weight",
     type=float,
     help="How much a waiting job's turn improves per hour waited, in parts of the whole machine "
@@ -214,6 +221,7 @@ def server(
     env_cache: str | None,
     fairshare_half_life: str | None,
     age_weight: float | None,
+    preempt_after: str | None,
     ray_address: str | None,
     ray_insecure: bool,
     print_systemd_unit: bool,
@@ -239,6 +247,7 @@ def server(
         options += ["--env-cache", env_cache] if env_cache is not None else []
         options += ["--fairshare-half-life", fairshare_half_life] if fairshare_half_life is not None else []
         options += ["--age-weight", str(age_weight)] if age_weight is not None else []
+        options += ["--preempt-after", preempt_after] if preempt_after is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
         print(systemd_unit(options, state_dir), end="")
@@ -271,6 +280,10 @@ def server(
         raise click.BadParameter(str(e), param_hint="--fairshare-half-life") from None
     if age_weight is not None and not (age_weight >= 0 and age_weight < float("inf")):
         raise click.BadParameter(f"give 0 or more, not {age_weight}", param_hint="--age-weight")
+    try:
+        preempt = DEFAULT_PREEMPT_AFTER if preempt_after is None else parse_duration(preempt_after)
+    except InvalidRequest as e:
+        raise click.BadParameter(str(e), param_hint="--preempt-after") from None
     import logging
 
     logging.basicConfig(
@@ -294,6 +307,7 @@ def server(
             env_cache=cache,
             fairshare_half_life=half_life,
             age_weight=DEFAULT_AGE_WEIGHT if age_weight is None else age_weight,
+            preempt_after=preempt,
             ray_address=ray_address,
             ray_insecure=ray_insecure,
             say=lambda text: print(text, flush=True),

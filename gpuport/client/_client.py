@@ -229,6 +229,9 @@ class Client:
         nprocs: int = 1,
         tf_roles: dict[str, int] | None = None,
         retries: int = 0,
+        retry_on_exit: Sequence[int] = (),
+        preemptible: bool | None = None,
+        checkpoint: str | None = None,
         nodes: int = 1,
         nprocs_per_node: int = 1,
         after: str | Sequence[str] = (),
@@ -254,8 +257,14 @@ class Client:
         ("16GiB", enforced too) reserved for it; ``priority`` -100 .. 100 (above 0: admins only).
         ``nprocs`` starts that many processes with TF_CONFIG and RANK/WORLD_SIZE/MASTER_ADDR/
         MASTER_PORT set (the GPUs spread over them); ``tf_roles`` ({"chief": 1, "worker": 2}) names
-        their TF_CONFIG roles instead of all workers. ``retries``: on a server in front of a cluster,
-        the times the job is queued again (instead of failing) when its node is lost. ``nodes`` (a
+        their TF_CONFIG roles instead of all workers. ``retries``: the times the job is queued again
+        (after a backoff that doubles) instead of failing for a reason outside its code: its node of a
+        cluster lost, or a server restart that lost it; and when it exits with a code of
+        ``retry_on_exit``. ``preemptible`` (default: when ``priority`` is below 0): the server may
+        preempt it for a job that waited longer than its ``--preempt-after``: the job gets SIGTERM
+        (``gpuport.preempted()`` is then True in it, ``gpuport.on_preempt`` callbacks run), its grace
+        period to save, and is queued again; ``checkpoint``, a folder of the workdir, is kept and put
+        back into the next run's workdir (as for a retry). ``nodes`` (a
         cluster's) runs ``nprocs_per_node`` processes on each of that many nodes, as one job: ``gpus``,
         ``cpus`` and ``memory`` are then per node, and the ranks find each other through TF_CONFIG and
         MASTER_ADDR/MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK.
@@ -301,6 +310,8 @@ class Client:
             nprocs=nprocs,
             tf_roles=tf_roles or {},
             retries=retries,
+            retry_on_exit=list(retry_on_exit),
+            checkpoint=checkpoint or "",
             nodes=nodes,
             nprocs_per_node=nprocs_per_node,
             after=[after] if isinstance(after, str) else list(after),
@@ -309,6 +320,8 @@ class Client:
             python=python or "",
             isolated_env=isolated_env,
         )
+        if preemptible is not None:
+            spec.preemptible = preemptible
         if (groups or python or isolated_env) and not requirements:
             spec.requirements = "auto"
         if env_of:

@@ -61,6 +61,9 @@ class JobInfo:
     array_id: str = ""  # the job array it is a task of ("" : none)
     array_index: int | None = None  # its index there
     environment: str = ""  # the hash of the Python environment it runs in ("" : the server's own)
+    preemptible: bool = False  # the server may preempt it (queue it again) for a job that waited
+    preemptions: int = 0  # times it was preempted and queued again
+    retried: int = 0  # times it was queued again after a failure (its retries)
 
     @property
     def ended(self) -> bool:
@@ -95,6 +98,9 @@ class JobInfo:
             array_id=m.array_id,
             array_index=m.array_index if m.array_id else None,
             environment=m.environment,
+            preemptible=m.preemptible,
+            preemptions=m.preemptions,
+            retried=m.retried,
         )
 
 

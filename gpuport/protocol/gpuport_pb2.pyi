@@ -340,7 +340,7 @@ class BlobList(_message.Message):
     def __init__(self, blobs: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after", "requirements", "env_groups", "python", "isolated_env", "environment")
+    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after", "requirements", "env_groups", "python", "isolated_env", "environment", "preemptible", "checkpoint", "retry_on_exit")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -381,6 +381,9 @@ class JobSpec(_message.Message):
     PYTHON_FIELD_NUMBER: _ClassVar[int]
     ISOLATED_ENV_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RETRY_ON_EXIT_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     shell: str
     snapshot_id: str
@@ -407,10 +410,13 @@ class JobSpec(_message.Message):
     python: str
     isolated_env: bool
     environment: str
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ..., requirements: _Optional[str] = ..., env_groups: _Optional[_Iterable[str]] = ..., python: _Optional[str] = ..., isolated_env: _Optional[bool] = ..., environment: _Optional[str] = ...) -> None: ...
+    preemptible: bool
+    checkpoint: str
+    retry_on_exit: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ..., requirements: _Optional[str] = ..., env_groups: _Optional[_Iterable[str]] = ..., python: _Optional[str] = ..., isolated_env: _Optional[bool] = ..., environment: _Optional[str] = ..., preemptible: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., retry_on_exit: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobInfo(_message.Message):
-    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position", "node", "array_id", "array_index", "environment")
+    __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position", "node", "array_id", "array_index", "environment", "preemptible", "preemptions", "retried")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -439,6 +445,9 @@ class JobInfo(_message.Message):
     ARRAY_ID_FIELD_NUMBER: _ClassVar[int]
     ARRAY_INDEX_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETRIED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     owner: str
@@ -467,7 +476,10 @@ class JobInfo(_message.Message):
     array_id: str
     array_index: int
     environment: str
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., position: _Optional[int] = ..., node: _Optional[str] = ..., array_id: _Optional[str] = ..., array_index: _Optional[int] = ..., environment: _Optional[str] = ...) -> None: ...
+    preemptible: bool
+    preemptions: int
+    retried: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., has_exit_code: _Optional[bool] = ..., exit_code: _Optional[int] = ..., message: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., output_snapshot_id: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., log_bytes: _Optional[int] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., position: _Optional[int] = ..., node: _Optional[str] = ..., array_id: _Optional[str] = ..., array_index: _Optional[int] = ..., environment: _Optional[str] = ..., preemptible: _Optional[bool] = ..., preemptions: _Optional[int] = ..., retried: _Optional[int] = ...) -> None: ...
 
 class JobRef(_message.Message):
     __slots__ = ("job_id",)

@@ -22,6 +22,7 @@ from gpuport.defaults import (
     DEFAULT_ARCHIVE_PROCESSES,
     DEFAULT_BLOB_GRACE,
     DEFAULT_FAIRSHARE_HALF_LIFE,
+    DEFAULT_PREEMPT_AFTER,
 )
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, PermissionDenied
 from gpuport.server import cgroups as cgroups_
@@ -95,6 +96,7 @@ class ServerApp:
         env_cache: int | None = None,
         fairshare_half_life: float = DEFAULT_FAIRSHARE_HALF_LIFE,
         age_weight: float = DEFAULT_AGE_WEIGHT,
+        preempt_after: float = DEFAULT_PREEMPT_AFTER,
     ) -> None:
         self.state = state
         self.sandbox = sandbox
@@ -127,6 +129,7 @@ class ServerApp:
             memory_floor,
         )
         self.usage = self.jobs.usage = UsageService(self.store, fairshare_half_life, age_weight)
+        self.jobs.preempt_after = preempt_after
         if self.environments is not None:
             self.jobs.environments = self.environments
             self.environments.record = self.jobs.record_environment

@@ -26,7 +26,13 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from gpuport._version import __version__
-from gpuport.defaults import DEFAULT_AGE_WEIGHT, DEFAULT_BLOB_GRACE, DEFAULT_FAIRSHARE_HALF_LIFE, DEFAULT_SHUTDOWN_GRACE
+from gpuport.defaults import (
+    DEFAULT_AGE_WEIGHT,
+    DEFAULT_BLOB_GRACE,
+    DEFAULT_FAIRSHARE_HALF_LIFE,
+    DEFAULT_PREEMPT_AFTER,
+    DEFAULT_SHUTDOWN_GRACE,
+)
 from gpuport.protocol.errors import ConfigError
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups, isolation
@@ -191,6 +197,7 @@ async def serve(
     env_cache: int | None = None,
     fairshare_half_life: float = DEFAULT_FAIRSHARE_HALF_LIFE,
     age_weight: float = DEFAULT_AGE_WEIGHT,
+    preempt_after: float = DEFAULT_PREEMPT_AFTER,
     say: Callable[[str], None] = print,
 ) -> None:
     """Run the server until SIGINT or SIGTERM. Raises ``ConfigError`` for anything that stops it starting.
@@ -252,6 +259,7 @@ async def serve(
         env_cache=env_cache,
         fairshare_half_life=fairshare_half_life,
         age_weight=age_weight,
+        preempt_after=preempt_after,
     )
     data: DataPort | None = None
     try:

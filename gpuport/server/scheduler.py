@@ -28,7 +28,11 @@ The rules, in this order:
    and quotas count it so); an array's ``%N`` (``caps``) lets at most N of its tasks run at once,
    and a task over it waits, saying so, and reserves nothing. A job whose dependencies are not met
    (``Pending.blocked`` says which) waits the same way.
-6. **A memory floor.** While the machine's free memory is below the server's floor (``low_memory``
+6. **Preemption** (``preempt``, apart from ``plan``): a job that has waited longer than the
+   server's ``--preempt-after`` for what preemptible jobs hold has them stopped and queued again, when
+   it has a higher priority than theirs or its owner is under their share of those jobs' owners.
+   A job not marked preemptible is never chosen.
+7. **A memory floor.** While the machine's free memory is below the server's floor (``low_memory``
    says so), a job that reserves no memory waits, and reserves nothing: work that asks for nothing
    cannot push the box into swap or the OOM killer. A job that reserves memory is counted as before.
 
@@ -245,6 +249,8 @@ class Holding:
     node: str = ""
     placement: tuple[tuple[str, tuple[int, ...]], ...] = ()  # a gang's: (node, GPUs) per node rank
     group: str = ""  # the job array it is a task of
+    priority: int = 0
+    preemptible: bool = False  # it may be stopped (and queued again) for a job that waited too long
 
 
 @dataclass(frozen=True)
@@ -713,3 +719,83 @@ def decided_alike(job: Pending, queue: Queue, decided: Mapping[Request, int], de
     if len(ahead) < total or (ahead and ahead[-1][0] >= job.seq):
         return False
     return queue.kinds()[job.request] > decided.get(job.request, 0)
+
+
+def preempt(
+    queued: Queue | Iterable[Pending],
+    running: Sequence[Holding],
+    machine: Machine | Cluster,
+    now: float,
+    after: float,
+    fair: FairShare | None = None,
+    quotas: Mapping[str, Quota] | None = None,
+    stopping: Iterable[str] = (),
+    depth: int = LOOK_AHEAD,
+) -> list[tuple[str, str]]:
+    """Which running jobs to stop now so that waiting jobs can start: (victim, the job it makes room
+    for), least disruptive first. A queued job qualifies once it has waited ``after`` seconds (since
+    ``created_at``), is not blocked nor over its quota, and does not fit what is free; a running job
+    may be its victim only when it is ``preemptible`` and either of lower priority, or of the same
+    priority and owned by a user whose fair-share standing (their use, less the victim, on their
+    shares) stays above the waiting owner's (with it). Victims are taken newest first (the least
+    work lost), lowest priority first, until the job fits; a job that would not fit even then takes
+    none. ``stopping``: jobs already being stopped, whose resources count as free."""
+    machine = Cluster.of(machine)
+    queue = queued if isinstance(queued, Queue) else Queue(queued)
+    stopping = set(stopping)
+    holding = [h for h in running if h.job_id not in stopping]  # grows by the jobs that would start
+    if not any(h.preemptible for h in holding):
+        return []
+    usage, share_of = _usage(holding, machine)
+    quotas = quotas or {}
+    victims: list[tuple[str, str]] = []
+
+    def standing(user: str, held: float) -> float:
+        shares = fair.shares_of(user) if fair is not None else 1.0
+        return ((fair.used.get(user, 0.0) if fair is not None else 0.0) + held) / shares
+
+    for position, job in enumerate(queue.order(usage, share_of, fair)):
+        if position >= depth:
+            break
+        if job.blocked or not job.created_at or now - job.created_at < after:
+            continue
+        free = _initial_free(machine, holding)
+        fits = free.fit_all(job.request)
+        if fits is not None:  # it starts at the next pass, in what is free (or being freed)
+            holding.append(_held(job, fits))
+            continue
+        if _over_quota(job, free, quotas.get(job.owner, quotas.get("*")), machine):
+            continue
+        mine = standing(job.owner, usage.get(job.owner, 0.0) + share_of(job.request))
+
+        def may_stop(h: Holding, job: Pending = job, mine: float = mine) -> bool:
+            if not h.preemptible or h.priority > job.priority:
+                return False
+            if h.priority < job.priority:
+                return True
+            return h.owner != job.owner and standing(h.owner, usage.get(h.owner, 0.0) - share_of(h.request)) > mine
+
+        candidates = sorted((i for i, h in enumerate(holding) if may_stop(h)), key=lambda i: (holding[i].priority, -i))
+        chosen: list[int] = []
+        for i in candidates:
+            chosen.append(i)
+            left = [h for k, h in enumerate(holding) if k not in chosen]
+            if _initial_free(machine, left).fit_all(job.request) is not None:
+                break
+        else:
+            continue  # even all of them would not make room
+        for i in chosen:
+            victims.append((holding[i].job_id, job.job_id))
+            usage[holding[i].owner] -= share_of(holding[i].request)
+        holding = [h for k, h in enumerate(holding) if k not in chosen]
+        fits = _initial_free(machine, holding).fit_all(job.request)
+        assert fits is not None
+        # The job now holds what it made room for: a job behind it cannot take the same victims' room.
+        holding.append(_held(job, fits))
+        usage[job.owner] = usage.get(job.owner, 0.0) + share_of(job.request)
+    return victims
+
+
+def _held(job: Pending, fits: list[tuple[str, tuple[int, ...]]]) -> Holding:
+    """``job`` as if it ran where ``fits`` places it."""
+    return Holding(job.job_id, job.owner, job.request, fits[0][1], fits[0][0], tuple(fits), job.group, job.priority)

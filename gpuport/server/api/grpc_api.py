@@ -379,6 +379,9 @@ def job_message(job: JobRecord) -> pb.JobInfo:
         array_id=job.array_id,
         array_index=job.array_index or 0,
         environment=job.environment,
+        preemptible=job.preemptible,
+        preemptions=job.preemptions,
+        retried=job.retried,
     )
 
 
@@ -422,6 +425,9 @@ def job_request(request: pb.JobSpec) -> JobRequest:
         nprocs=request.nodes * (request.nprocs_per_node or 1) if request.nodes > 1 else request.nprocs or 1,
         tf_roles=tf_roles(dict(request.tf_roles)),
         retries=request.retries,
+        retry_on_exit=list(request.retry_on_exit),
+        preemptible=request.preemptible if request.HasField("preemptible") else None,
+        checkpoint=request.checkpoint,
         nodes=request.nodes or 1,
         after=list(request.after),
         environment=EnvRequest(hash=request.environment)

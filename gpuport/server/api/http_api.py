@@ -85,7 +85,16 @@ class JobCreate(BaseModel):
     tf_roles: dict[str, int] = Field(
         default_factory=dict, description='TF_CONFIG roles, e.g. {"chief": 1, "worker": 2}'
     )
-    retries: int = Field(0, description="Times the job is queued again when its node of a cluster is lost")
+    retries: int = Field(
+        0,
+        description="Times the job is queued again after a failure not of its code's making: its node lost, "
+        "the server restarted, or an exit code of retry_on_exit",
+    )
+    retry_on_exit: list[int] = Field(default_factory=list, description="Exit codes to retry too (with retries)")
+    preemptible: bool | None = Field(
+        None, description="The server may preempt it (queue it again) for a job that waited; default: priority < 0"
+    )
+    checkpoint: str = Field("", description="A folder of its workdir kept when preempted or retried, put back after")
     nodes: int = Field(1, description="A job over this many nodes of a cluster (gpus, cpus, memory are per node)")
     nprocs_per_node: int | None = Field(None, description="With nodes > 1: processes on each node (default 1)")
     gpus_per_node: int | None = Field(None, description="With nodes > 1: GPUs on each node (the same as gpus)")
@@ -183,6 +192,9 @@ def job_request(body: JobCreate) -> JobRequest:
         nprocs=body.nodes * (body.nprocs_per_node or 1) if body.nodes > 1 else body.nprocs,
         tf_roles=tf_roles(body.tf_roles),
         retries=body.retries,
+        retry_on_exit=body.retry_on_exit,
+        preemptible=body.preemptible,
+        checkpoint=body.checkpoint,
         nodes=body.nodes,
         after=body.after,
         environment=EnvRequest(body.requirements, tuple(body.groups), body.python, body.isolated_env)

@@ -166,6 +166,11 @@ class Executor(ABC):
     def cancel(self, job_id: str) -> None:
         """Ask the job to stop: SIGTERM to its processes, SIGKILL after its grace period."""
 
+    def preempt(self, job_id: str) -> None:
+        """Ask the job to stop because the server preempts it: as ``cancel``, and where the executor can,
+        first the file $GPUPORT_PREEMPTED_FILE that says so to the job (``gpuport.preempted()``)."""
+        self.cancel(job_id)
+
     @abstractmethod
     def kill(self, job_id: str, reason: str) -> None:
         """Stop the job at once (SIGKILL); its exit status records ``reason`` as why it was killed."""

@@ -64,6 +64,9 @@ class LocalExecutor(Executor):
     def cancel(self, job_id: str) -> None:
         self.folders.cancel(job_id)
 
+    def preempt(self, job_id: str) -> None:
+        self.folders.preempt(job_id)
+
     def kill(self, job_id: str, reason: str) -> None:
         self.folders.kill(job_id, reason)
 

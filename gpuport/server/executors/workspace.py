@@ -52,6 +52,7 @@ from gpuport.defaults import (
     ENV_FAKE_GPU_DIR,
     ENV_NODE,
     ENV_OUTPUT_DIR,
+    ENV_PREEMPTED_FILE,
     ENV_RUN_DIR,
 )
 from gpuport.server import cgroups as cgroups_
@@ -165,6 +166,7 @@ class JobFolders:
             (work / "hyperparameters.json").write_text(json.dumps(job.hyperparameters, indent=2))
         env[ENV_OUTPUT_DIR] = str(out)
         env[ENV_RUN_DIR] = str(run)
+        env[ENV_PREEMPTED_FILE] = str(run / "preempted")
         if self.node:
             env[ENV_NODE] = self.node
         if job.rank_env and job.nprocs == 1:  # one process of a job over several nodes: run direct
@@ -353,6 +355,13 @@ class JobFolders:
             if (self.folder(job_id) / "supervisor.json").exists():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)  # the supervisor passes it to the job's groups, then SIGKILLs
+
+    def preempt(self, job_id: str) -> None:
+        run = self.folder(job_id) / "run"
+        if run.is_dir():  # before the SIGTERM, so that a job's handler finds it
+            with contextlib.suppress(OSError):
+                atomic_write(run / "preempted", b"1\n", 0o644, durable=False)
+        self.cancel(job_id)
 
     def kill(self, job_id: str, reason: str) -> None:
         pid = self._supervisor_pid(job_id)

@@ -42,6 +42,9 @@ from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
     DEFAULT_MEMORY_FLOOR_FRACTION,
     DEFAULT_MEMORY_FLOOR_MAX,
+    DEFAULT_PREEMPT_AFTER,
+    DEFAULT_RETRY_BACKOFF,
+    DEFAULT_RETRY_BACKOFF_MAX,
     ENV_ARRAY_COUNT,
     ENV_ARRAY_ID,
     ENV_ARRAY_INDEX,
@@ -80,6 +83,7 @@ from gpuport.server.scheduler import (
     could_start,
     decided_alike,
     plan,
+    preempt,
     queue_order,
 )
 from gpuport.server.services.auth import Identity
@@ -171,7 +175,10 @@ class JobRequest:
     priority: int = 0
     nprocs: int = 1
     tf_roles: list[tuple[str, int]] | None = None  # TF_CONFIG roles of the processes, in rank order
-    retries: int = 0  # times it is queued again when its node is lost
+    retries: int = 0  # times it is queued again after a failure not of its code's making (see _finish)
+    retry_on_exit: list[int] = field(default_factory=list)  # exit codes that count as such a failure too
+    preemptible: bool | None = None  # None: when its priority is below 0
+    checkpoint: str = ""  # a folder of its workdir, kept when it is preempted and put back when it runs again
     nodes: int = 1  # a gang over this many nodes of a cluster: nprocs spread evenly, gpus etc. per node
     after: list[str] = field(default_factory=list)  # JOB[:ok|:any] each (or comma lists): what it waits for
     # Set by the server only (never from a request): a session's worker is a job of kind "session",
@@ -214,6 +221,9 @@ class JobRecord:
     array_id: str = ""  # the job array it is a task of
     array_index: int | None = None
     environment: str = ""  # the hash of the Python environment it runs in ("" : the box's own)
+    preemptible: bool = False
+    preemptions: int = 0  # times it was preempted and queued again
+    retried: int = 0  # times it was queued again after a failure (its --retries)
 
 
 @dataclass(frozen=True)
@@ -337,6 +347,9 @@ class JobService:
         self._waiters: dict[str, set[str]] = {}  # job or array id → queued jobs waiting for it
         self.environments: Environments | None = None  # set by the app: where jobs' environments are built
         self.usage = UsageService(store)  # what each run held (the app sets its half-life and age weight)
+        self.preempt_after = DEFAULT_PREEMPT_AFTER  # seconds a job waits before preemptible jobs make room
+        self._preempting: set[str] = set()  # running jobs asked to stop for a preemption
+        self._preempt_check: asyncio.TimerHandle | None = None
 
     @property
     def cluster(self) -> Cluster:
@@ -388,6 +401,18 @@ class JobService:
             snapshot = self.snapshots.resolve(caller, request.snapshot_id, request.project).id
         if not 0 <= request.retries <= _MAX_RETRIES:
             raise InvalidRequest(f"retries must be 0 .. {_MAX_RETRIES}, not {request.retries}")
+        if len(request.retry_on_exit) > 255 or any(not 1 <= c <= 255 for c in request.retry_on_exit):
+            raise InvalidRequest(
+                f"retry-on-exit codes must be 1 .. 255, not {','.join(map(str, request.retry_on_exit))[:200]}"
+            )
+        if request.retry_on_exit and not request.retries:
+            raise InvalidRequest("--retry-on-exit needs --retries N: how many times the job is queued again")
+        checkpoint = check_path(request.checkpoint, what="checkpoint folder") if request.checkpoint else ""
+        preemptible = request.priority < 0 if request.preemptible is None else request.preemptible
+        if checkpoint and not preemptible and not request.retries:
+            raise InvalidRequest(
+                "--checkpoint is kept when the job is preempted or retried: give --preemptible or --retries N too"
+            )
         if len(request.datasets) > _MAX_DATASETS:
             raise InvalidRequest(f"{len(request.datasets)} datasets; the limit is {_MAX_DATASETS}")
         datasets = {}
@@ -401,6 +426,9 @@ class JobService:
             "internal_env": request.internal_env,
             "folders": request.folders,
             "retries": request.retries,
+            "retry_on_exit": sorted(set(request.retry_on_exit)),
+            "preemptible": preemptible,
+            "checkpoint": checkpoint,
         }
         if request.environment is not None:
             check_request(request.environment)
@@ -703,6 +731,7 @@ class JobService:
                 message, position = decision.reason, decision.position
             elif self._plan is not None:  # past the jobs a pass looks at: none of them can start now
                 message = f"waiting behind the first {len(self._plan)} jobs in the queue, none of which can start now"
+        spec = json.loads(row["spec"])
         return JobRecord(
             id=row["id"],
             owner=row["owner"],
@@ -733,7 +762,10 @@ class JobService:
             placement=[(node, gpus) for node, gpus in json.loads(row["placement"] or "[]")],
             array_id=row["array_id"],
             array_index=row["array_index"],
-            environment=json.loads(row["spec"]).get("environment", ""),
+            environment=spec.get("environment", ""),
+            preemptible=bool(spec.get("preemptible")),
+            preemptions=spec.get("preempted", 0),
+            retried=spec.get("tried", spec.get("lost", 0)),
         )
 
     def get(self, caller: Identity, job_id: str) -> JobRecord:
@@ -875,8 +907,8 @@ class JobService:
     def running(self) -> list[Holding]:
         """The allocations of the running jobs, oldest first."""
         rows = self.store.query(
-            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node, nodes, placement, array_id "
-            "FROM jobs WHERE state = 'running' ORDER BY seq"
+            "SELECT id, owner, gpus, gpu_memory, cpus, memory, gpu_indices, node, nodes, placement, array_id, "
+            "priority, json_extract(spec, '$.preemptible') AS preemptible FROM jobs WHERE state = 'running' ORDER BY seq"
         )
         return [
             Holding(
@@ -887,6 +919,8 @@ class JobService:
                 r["node"],
                 tuple((node, tuple(gpus)) for node, gpus in json.loads(r["placement"] or "[]")),
                 r["array_id"],
+                r["priority"],
+                bool(r["preemptible"]),
             )
             for r in rows
         ]
@@ -1350,9 +1384,11 @@ class JobService:
         cluster = self.cluster
         if not explain and not could_start(queued.kinds(), running, cluster, low_memory):
             self._plan = None if queued else {}
+            self._preempt(running, cluster)
             return
         quotas = self.quotas.all()
         fair = self.usage.fair_share(cluster, self.quotas.shares()) if queued else None
+        self._preempt(running, cluster, quotas, fair)
         decisions = plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair) if queued else []
         self._plan = {d.job_id: d for d in decisions}
         if all(
@@ -1383,6 +1419,34 @@ class JobService:
             self._account(pending, decision, cluster, now)
             del self._plan[decision.job_id], self._queued[decision.job_id]
             self._spawn(self._launch(decision.job_id))
+
+    def _preempt(self, running: list[Holding], cluster: Cluster, quotas: Any = None, fair: Any = None) -> None:
+        """Stop the preemptible jobs that queued jobs have waited too long for (``scheduler.preempt``);
+        look again when the next queued job will have waited long enough."""
+        if self._preempt_check is not None:
+            self._preempt_check.cancel()
+            self._preempt_check = None
+        if not self._queued or not any(h.preemptible and h.job_id not in self._preempting for h in running):
+            return
+        now = time.time()
+        if quotas is None:
+            quotas = self.quotas.all()
+        if fair is None:
+            fair = self.usage.fair_share(cluster, self.quotas.shares())
+        victims = preempt(self._queued, running, cluster, now, self.preempt_after, fair, quotas, self._preempting)
+        for victim, waiting in victims:
+            self._preempting.add(victim)
+            with self.store.transaction() as db:  # a server restarted meanwhile still knows why it ends
+                db.execute("UPDATE jobs SET spec = json_set(spec, '$.preempting', 1) WHERE id = ?", (victim,))
+            log.info("job %s: preempted for %s, which waited %s", victim, waiting, format_duration(self.preempt_after))
+            self.executor.preempt(victim)
+        soon = [
+            p.created_at + self.preempt_after
+            for p in self._queued.values()
+            if p.created_at and p.created_at + self.preempt_after > now
+        ]
+        if soon and self._loop is not None:
+            self._preempt_check = self._loop.call_later(min(soon) - now + 0.05, self.reschedule)
 
     def _account(self, job: Pending, decision: Decision, cluster: Cluster, at: float) -> None:
         """Open the usage row of a run just granted (services/usage.py)."""
@@ -1470,6 +1534,12 @@ class JobService:
         if row["snapshot_id"]:
             workdir = _files(self.snapshots, self.snapshots.resolve(owner, row["snapshot_id"]))
         spec = json.loads(row["spec"])
+        if spec.get("checkpoint_snapshot"):  # what its last run saved, over the files it was submitted with
+            folder = spec["checkpoint"] + "/"
+            saved = _files(self.snapshots, self.snapshots.resolve(owner, spec["checkpoint_snapshot"]))
+            kept = [e for e in saved.entries if e[0].startswith(folder)]
+            given = [e for e in (workdir.entries if workdir else []) if not e[0].startswith(folder)]
+            workdir = Files(given + kept)
         datasets = {
             name: _files(self.snapshots, self.snapshots.resolve(owner, snapshot))
             for name, snapshot in spec["datasets"].items()
@@ -1563,6 +1633,14 @@ class JobService:
         row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
         assert row is not None
         status = await asyncio.to_thread(self.executor.exit_status, job_id)
+        spec = json.loads(row["spec"])
+        self._preempting.discard(job_id)
+        if spec.pop("preempting", None) and not row["cancel_requested"] and not (status or {}).get("killed"):
+            # Stopped for a preemption (however it ended: saved and exited, or killed after its grace).
+            spec["preempted"] = spec.get("preempted", 0) + 1
+            await self._keep_checkpoint(row, spec)
+            self._requeue(row, spec, f"it was preempted ({spec['preempted']}x)", retry=False)
+            return
         try:
             outputs, missing = await asyncio.to_thread(self._collect_outputs, row)
             note = f"; outputs not found: {', '.join(missing)}" if missing else ""
@@ -1572,14 +1650,19 @@ class JobService:
         except Exception as e:
             log.exception("job %s: collecting outputs failed", job_id)
             outputs, note = "", f"; outputs not found: (collecting outputs failed: {e})"
+        tried = spec.get("tried", spec.get("lost", 0)) + 1
+        retry = tried <= spec.get("retries", 0) and not row["cancel_requested"]
         if status is None:
             state, code = JobState.LOST, None
             message = "its supervisor ended without recording an exit code (killed, or the machine restarted)"
+            if retry:
+                await self._keep_checkpoint(row, spec)
+                self._requeue(row, spec, message)
+                return
         elif status.get("lost"):  # its node left the cluster
-            spec = json.loads(row["spec"])
-            tried = spec.get("lost", 0) + 1
-            if tried <= spec.get("retries", 0):
-                self._requeue(row, spec, tried, status["lost"])
+            if retry:
+                await self._keep_checkpoint(row, spec)
+                self._requeue(row, spec, status["lost"])
                 return
             state, code, message = JobState.FAILED, None, status["lost"]
         else:
@@ -1596,33 +1679,72 @@ class JobService:
                 state, message = JobState.CANCELLED, f"cancelled ({message})"
             else:
                 state = JobState.SUCCEEDED if code == 0 else JobState.FAILED
+                if state is JobState.FAILED and retry and code in spec.get("retry_on_exit", ()):
+                    await self._keep_checkpoint(row, spec)
+                    self._requeue(row, spec, f"it {message}", outputs=outputs)
+                    return
             if status.get("process_cap"):  # a fork failed at the cap: likely why it ended so
                 message += f" (it reached its cap of {status['process_cap']} processes and threads)"
         status = status or {}
         self._end(job_id, state, code, message + note, outputs, status.get("ended_at"), status.get("cpu_seconds"))
         await asyncio.to_thread(self.executor.tidy, job_id)
 
-    def _requeue(self, row: Any, spec: dict[str, Any], tried: int, why: str) -> None:
-        """Queue a job again whose node was lost (its retries allow it), keeping its place in the queue."""
-        spec["lost"] = tried
-        message = f"queued again after {why} (retry {tried} of {spec['retries']})"
+    async def _keep_checkpoint(self, row: Any, spec: dict[str, Any]) -> None:
+        """Snapshot the job's --checkpoint folder (counted in its owner's storage) for its next run,
+        in place of the one kept before; without one, or when it cannot be kept, the next run starts
+        from what the last one kept."""
+        if not spec.get("checkpoint"):
+            return
+        try:
+            kept, missing = await asyncio.to_thread(self._collect_outputs, row, [spec["checkpoint"]])
+        except (ResourceUnavailable, OSError) as e:  # over the storage quota, or unreadable: from the last one kept
+            log.warning("job %s: its checkpoint folder %s was not kept: %s", row["id"], spec["checkpoint"], e)
+            return
+        if kept and not missing:
+            self._discard(row["owner"], spec.get("checkpoint_snapshot", ""))
+            spec["checkpoint_snapshot"] = kept
+        else:
+            self._discard(row["owner"], kept)
+
+    def _requeue(self, row: Any, spec: dict[str, Any], why: str, retry: bool = True, outputs: str = "") -> None:
+        """Queue a job again, keeping its place in the queue: after a failure not of its code's making
+        (``retry``: its retries allow it; it waits a backoff first), or after it was preempted."""
+        if retry:
+            tried = spec["tried"] = spec.get("tried", spec.get("lost", 0)) + 1
+            wait = min(DEFAULT_RETRY_BACKOFF * 2 ** (tried - 1), DEFAULT_RETRY_BACKOFF_MAX)
+            message = f"queued again after {why} (retry {tried} of {spec['retries']}, after {format_duration(wait)})"
+        else:
+            wait, message = 0.0, f"queued again: {why}"
         live = self.store.query_one("SELECT live_outputs FROM jobs WHERE id = ?", (row["id"],))
+        reserved_at = row["reserved_at"] if retry else None  # a preempted job does not keep a reservation
         self._move(
             row["id"], JobState.RUNNING, JobState.QUEUED,
             gpu_indices="[]", node="", placement="", started_at=None, spec=json.dumps(spec), message=message,
-            live_outputs="",
+            live_outputs="", reserved_at=reserved_at,
         )  # fmt: skip
         if live is not None:  # it starts over: what it wrote before is gone
             self._discard(row["owner"], live["live_outputs"])
+        self._discard(row["owner"], outputs)
         self.usage.end(row["id"], time.time())
         log.warning("job %s: %s", row["id"], message)
         resources = Request(row["gpus"], row["gpu_memory"], row["cpus"], row["memory"], row["nodes"])
-        self._queued[row["id"]] = Pending(
-            row["id"], row["owner"], resources, row["priority"], row["seq"], row["reserved_at"], row["array_id"],
+        pending = Pending(
+            row["id"], row["owner"], resources, row["priority"], row["seq"], reserved_at, row["array_id"],
             created_at=row["created_at"],
         )  # fmt: skip
+        if wait and self._loop is not None:
+            self._queued[row["id"]] = dataclasses.replace(pending, blocked=f"waits {format_duration(wait)} to retry")
+            self._loop.call_later(wait, self._retry_due, pending)
+        else:
+            self._queued[row["id"]] = pending
         self.executor.tidy(row["id"])
         self.reschedule()
+
+    def _retry_due(self, pending: Pending) -> None:
+        """A job's backoff before its retry is over: it may start."""
+        if pending.job_id in self._queued and self._queued[pending.job_id].blocked.startswith("waits "):
+            self._queued[pending.job_id] = pending
+            self.reschedule()
 
     def _end(
         self,
@@ -1634,7 +1756,7 @@ class JobService:
         ended_at: float | None = None,
         cpu_used: float | None = None,
     ) -> None:
-        live = self.store.query_one("SELECT owner, live_outputs FROM jobs WHERE id = ?", (job_id,))
+        live = self.store.query_one("SELECT owner, live_outputs, spec FROM jobs WHERE id = ?", (job_id,))
         ended_at = ended_at or time.time()
         self._move(
             job_id,
@@ -1649,12 +1771,15 @@ class JobService:
         self.usage.end(job_id, ended_at, cpu_used if isinstance(cpu_used, (int, float)) else None)
         if live is not None and live["live_outputs"] != outputs:
             self._discard(live["owner"], live["live_outputs"])
+        if live is not None:  # a checkpoint kept for a rerun there will not be
+            self._discard(live["owner"], json.loads(live["spec"]).get("checkpoint_snapshot", ""))
         log.info("job %s %s: %s", job_id, state.value, message)
         self._announce_end(job_id)
         self._schedule_soon()
 
-    def _collect_outputs(self, row: Any) -> tuple[str, list[str]]:
-        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths; return its id and the paths not found."""
+    def _collect_outputs(self, row: Any, declared: list[str] | None = None) -> tuple[str, list[str]]:
+        """Snapshot $GPUPORT_OUTPUT_DIR and the declared output paths (or ``declared``); return its id
+        and the paths not found."""
 
         owner = row["owner"]
         budget = self.storage.left(owner) if self.storage is not None else None
@@ -1663,7 +1788,8 @@ class JobService:
             return self.snapshots.ingest_folder(owner, files, budget).id
 
         try:
-            return self.executor.collect_outputs(row["id"], json.loads(row["outputs"]), ingest)
+            paths = json.loads(row["outputs"]) if declared is None else declared
+            return self.executor.collect_outputs(row["id"], paths, ingest)
         except OverBudget as e:
             assert self.storage is not None
             used, quota = self.storage.used(owner), self.quotas.storage(owner)

@@ -79,7 +79,7 @@ def test_cells_run_in_a_session_and_keep_their_variables(
     (bad,) = [o for o in cells[7].outputs if o.output_type == "error"]
     assert bad.evalue == (
         "%%gpuport: unrecognized arguments: --bogus 3 — its options: --session NAME, --gpus N, --gpu-memory SIZE, "
-        "--cpus N, --memory SIZE, --profile NAME"
+        "--cpus N, --memory SIZE, --requirements FILE, --profile NAME"
     )
 
     # The session is named after the notebook, and outlives the kernel.

@@ -70,6 +70,7 @@ bench: $(VENV)/.dev $(VENV)/.bench
 	$(PY) bench/bench_jobs.py
 	$(PY) bench/bench_queue.py
 	$(PY) bench/bench_scheduler.py
+	$(PY) bench/bench_fairness.py --quick
 	$(PY) bench/bench_submits.py
 	$(PY) bench/bench_arrays.py
 	$(PY) bench/bench_sessions.py

@@ -294,7 +294,8 @@ def test_cli_detach_jobs_logs_wait_download_cancel(
     listing = cli("jobs", "--json", **env)  # type: ignore[operator]
     mine = [j for j in json.loads(listing.stdout) if j["id"] == job_id][0]
     assert (mine["name"], mine["state"], mine["exit_code"]) == ("detached", "succeeded", 0)
-    table = cli("jobs", stdio=stdio, **env)  # type: ignore[operator]
+    # Its name's jobs only: other tests' arrays (`j-…[0-4]`, their states counted) widen the columns.
+    table = cli("jobs", "--name", "detached", stdio=stdio, **env)  # type: ignore[operator]
     assert table.code == 0 and "JOB" in table.stdout.splitlines()[0], table.output
     row = next(line for line in table.stdout.splitlines() if job_id in line)  # an id is never cut
     assert "detached" in row and "succeeded" in row
@@ -319,9 +320,9 @@ def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
     """A long command is one line: piped, nothing wraps whatever the width (80 columns when no terminal
     says otherwise); on a terminal, the command is cut to fit with an ellipsis."""
     words = ["python", "train.py", *[f"--option-{i}=value-{i}" for i in range(12)]]
-    job = admin.submit(words, workdir=None)
-    script = admin.submit(["python", "-c", "import sys\nprint(sys.version)"], workdir=None)  # lines, on one line
-    job.wait(60)
+    name = f"tables-{stdio}-{os.getpid()}"  # its jobs listed alone: other tests' arrays widen the columns
+    job = admin.submit(words, workdir=None, name=name).wait(60)
+    script = admin.submit(["python", "-c", "import sys\nprint(sys.version)"], workdir=None, name=name)  # lines, on one
     script.wait(60)
     session = admin.session(name=f"a-session-with-a-long-name-for-its-table-{stdio}-{os.getpid()}", cpus=0.1)
     try:
@@ -331,18 +332,22 @@ def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
             listing = cli(*command, stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
             assert listing.code == 0, listing.output
             rows = listing.stdout.splitlines()[1:]
-            first = r"^j-[0-9a-f]{8} " if command == ("jobs",) else r"^s-[0-9a-f]+ "
+            first = (
+                r"^j-[0-9a-f]{8}(\[[0-9,%:-]+\])? " if command == ("jobs",) else r"^s-[0-9a-f]+ "
+            )  # an array: j-…[0-4]
             if stdio == "piped":  # every row one line, whatever else other tests left there
                 assert rows and all(re.match(first, row) for row in rows), listing.stdout
             else:
                 assert max(len(line) for line in listing.stdout.splitlines()) <= 100, listing.stdout
-        jobs = cli("jobs", stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
+        jobs = cli("jobs", "--name", name, stdio=stdio, **(piped_env if stdio == "piped" else env))  # type: ignore[operator]
         lines = jobs.stdout.splitlines()
         (at,) = [i for i, line in enumerate(lines) if line.startswith(job.id)]
         assert " python" in lines[at]  # the command, cut as far as the other columns of the jobs there need
-        assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[at + 1]), jobs.stdout
+        assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8}[\[ ]", lines[at + 1]), jobs.stdout
         (row,) = [i for i, line in enumerate(lines) if line.startswith(script.id)]
-        assert " python -c" in lines[row] and (row + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8} ", lines[row + 1]))
+        assert " python -c" in lines[row] and (
+            row + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8}[\[ ]", lines[row + 1])
+        )
         if stdio == "piped":
             assert "python -c import sys\\nprint(sys.version)" in lines[row]
         if stdio == "piped":

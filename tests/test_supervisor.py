@@ -162,7 +162,7 @@ def test_one_process_writes_the_log_as_it_always_has(run: Start) -> None:
     job = run(python(code))
     status = job.wait()
     assert status["exit_code"] == 5
-    assert set(status) == {"started_at", "ended_at", "exit_code"}
+    assert set(status) == {"started_at", "ended_at", "exit_code", "cpu_seconds"}
     seen, rest = job.log().split("\n", 1)
     assert rest == "to stderr\nlast"  # straight from the process: no prefix, nothing added
     assert json.loads(seen) == {k: os.environ.get(k) for k in SHOWN}

@@ -196,6 +196,11 @@ class Quota:
     processes: int = DEFAULT_PROCESSES_PER_JOB
 
 
+# A waiting job's reason names its owner's fair share once their decayed use is at least this part
+# of the machine: below it, their past use orders nothing much, and the reason stays as it was.
+_FAIR_NOTE_FROM = 0.005
+
+
 @dataclass(frozen=True)
 class FairShare:
     """What orders users over weeks, not just now: each one's decayed past use and shares, and the
@@ -692,7 +697,7 @@ def plan(
             continue
         if waiting:
             reason += f", {waiting} job{'s' if waiting > 1 else ''} ahead"
-        if fair is not None:
+        if fair is not None and fair.used.get(job.owner, 0.0) >= _FAIR_NOTE_FROM:
             note = notes.get(job.owner)
             if note is None:
                 note = notes[job.owner] = fair.describe(job.owner)

@@ -823,7 +823,13 @@ class RayExecutor(Executor):
         # An answer can still come from an agent whose node is going: the job then ended because
         # the agent did (no status, or the reason pre-written for that). A node lost is one whose
         # agent no longer answers.
-        ended_with_agent = status is None or str(status.get("killed") or "").startswith("node lost:")
+        # So is one killed by a signal nobody here sent, when its agent then goes too (the agent's
+        # answer raced its node's end: a retried job must be queued again, not failed).
+        ended_with_agent = (
+            status is None
+            or str(status.get("killed") or "").startswith("node lost:")
+            or (int(status.get("exit_code") or 0) < 0 and not status.get("cancelled") and not status.get("killed"))
+        )
         if handle is not None and ended_with_agent and not self._answers(handle):
             return None, None
         return status, handle

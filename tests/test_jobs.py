@@ -333,7 +333,7 @@ def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
             assert listing.code == 0, listing.output
             rows = listing.stdout.splitlines()[1:]
             first = (
-                r"^j-[0-9a-f]{8}(\[[0-9,%:-]+\])? " if command == ("jobs",) else r"^s-[0-9a-f]+ "
+                r"^j-[0-9a-f]{8}(_\d+|\[[0-9,-]+\])? " if command == ("jobs",) else r"^s-[0-9a-f]+ "
             )  # an array: j-…[0-4]
             if stdio == "piped":  # every row one line, whatever else other tests left there
                 assert rows and all(re.match(first, row) for row in rows), listing.stdout
@@ -343,10 +343,10 @@ def test_tables_keep_one_line_a_row_piped_and_on_a_terminal(
         lines = jobs.stdout.splitlines()
         (at,) = [i for i, line in enumerate(lines) if line.startswith(job.id)]
         assert " python" in lines[at]  # the command, cut as far as the other columns of the jobs there need
-        assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8}[\[ ]", lines[at + 1]), jobs.stdout
+        assert at + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8}[\[_ ]", lines[at + 1]), jobs.stdout
         (row,) = [i for i, line in enumerate(lines) if line.startswith(script.id)]
         assert " python -c" in lines[row] and (
-            row + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8}[\[ ]", lines[row + 1])
+            row + 1 == len(lines) or re.match(r"^j-[0-9a-f]{8}[\[_ ]", lines[row + 1])
         )
         if stdio == "piped":
             assert "python -c import sys\\nprint(sys.version)" in lines[row]

@@ -691,7 +691,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
     for row in _grouped(jobs):
         if isinstance(row, list):  # an array's tasks: one line
             first = row[0]
-            command = " ".join(first.command)
+            command = " ".join(first.command).replace("\r", "\\r").replace("\n", "\\n")  # one line, as below
             table.add_row(
                 f"{first.array_id}[{format_indices(t.array_index for t in row if t.array_index is not None)}]",
                 escape(first.name) or "-",
@@ -702,7 +702,7 @@ def _jobs_table(jobs: list[JobInfo]) -> Table:
                 f"{ago(min(t.created_at for t in row))} ago",
                 "-",
                 "-",
-                escape(command if len(command) <= 60 else command[:57] + "..."),
+                Text(command if len(command) <= 60 else command[:57] + "...", no_wrap=True, overflow="ellipsis"),
             )
             continue
         j = row

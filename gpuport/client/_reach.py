@@ -88,7 +88,8 @@ class Forward:
         self._spares: list[tuple[socket.socket, float]] = []  # made ahead, each with when
         self._spare_wanted = threading.Event()
         self._conns: set[socket.socket] = set()
-        self._closed = threading.Event()
+        self._closed = threading.Event()  # closing: the threads stop
+        self._shut = threading.Event()  # closed: nothing listens any more
         self.why = ""  # why it closed, once it has
         # The checks at once (the job is the caller's, running, reachable here), and the first spare.
         self._renew()
@@ -258,11 +259,11 @@ class Forward:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the forward has closed (True), or ``timeout`` seconds have passed (False)."""
-        return self._closed.wait(timeout)
+        return self._shut.wait(timeout)
 
     @property
     def closed(self) -> bool:
-        return self._closed.is_set()
+        return self._shut.is_set()
 
     def close(self, why: str = "closed") -> None:
         """Stop listening and end every connection through it."""
@@ -280,6 +281,7 @@ class Forward:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        self._shut.set()  # only now: whoever waited may connect here next and must be refused
 
     def __enter__(self) -> Forward:
         return self

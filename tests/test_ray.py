@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import gpuport
-from tests._ray import RayCluster, start_cluster
+from tests._ray import RayCluster, RayNode, start_cluster
 from tests.conftest import JobFlag, RunningServer, client_env, server_env, start_server, wait_for
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpuport[ray]')")
@@ -306,6 +306,7 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
     server: RunningServer, cluster: RayCluster
 ) -> None:
     flags = Flags(cluster)
+    lost = None
     try:
         # node-a is packed first: fill it, so that the next job goes to node-b.
         filler = _submit(server, HOLD, gpus=2)
@@ -322,6 +323,7 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
             "the job's supervisor to run under node-b's raylet",
         )
         lost_at = time.monotonic()
+        lost = node
         node.raylet().kill()
         ended = _ended(server, victim["job_id"], timeout=60)
         took = time.monotonic() - lost_at
@@ -332,9 +334,8 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         # own watcher may see the loss a moment after the victim's did.
         wait_for(lambda: _job(server, retried["job_id"])["state"] == "queued", 60, "the retried job queued again")
         # The node comes back: the cluster has two nodes again, and work goes to it.
-        node.kill()
-        cluster.nodes.remove(node)
-        cluster.wait_ready(cluster.start_node("node-b", "127.0.0.3"))
+        _restart(cluster, node)
+        lost = None
         again = _submit(server, "import os; print(os.environ['GPUPORT_NODE'])", gpus=1)
         ended = _ended(server, again["job_id"], 90)
         assert ended["state"] == "succeeded", (ended["message"], ended["node"], _log(server, again["job_id"]))
@@ -344,6 +345,14 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         assert ended["state"] == "succeeded" and _log(server, retried["job_id"]) == "ran on node-b\n", ended
     finally:
         flags.close()
+        if lost is not None:  # the tests after this one need both nodes
+            _restart(cluster, lost)
+
+
+def _restart(cluster: RayCluster, node: RayNode) -> None:
+    node.kill()
+    cluster.nodes.remove(node)
+    cluster.wait_ready(cluster.start_node(node.name, "127.0.0.3"))
 
 
 SCRIPTS = Path(__file__).parent / "_distributed"

@@ -804,11 +804,26 @@ class RayExecutor(Executor):
         ray = self._ray
         status = None
         unreachable_since = None
+        ref = None
         while handle is not None:
             try:
-                status = ray.get(handle.wait.remote(job_id))
+                ref = ref or handle.wait.remote(job_id)
+                status = ray.get(ref, timeout=0.5 if unreachable_since else _LOST_AFTER)
                 break
+            except TimeoutError:  # still running, or its node went without Ray telling this call yet
+                if self._stopped.is_set():
+                    raise _Stopping() from None
+                asked = time.monotonic()
+                try:
+                    ray.get(handle.ping.remote(), timeout=_LOST_AFTER)
+                    unreachable_since = None
+                except Exception:  # two pings unanswered in a row: the node is gone (a load delays one)
+                    unreachable_since = unreachable_since or asked
+                    if time.monotonic() - unreachable_since >= 2 * _LOST_AFTER:
+                        handle = None
+                continue
             except Exception as e:  # the agent is unreachable: for a moment, or its node is gone
+                ref = None
                 if self._stopped.is_set():  # this server is stopping: the next one watches the job
                     raise _Stopping() from None
                 now = time.monotonic()

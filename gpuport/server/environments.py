@@ -48,6 +48,7 @@ import platform
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -57,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from gpuport._files import atomic_write, own_folder, own_tree, read_small_beneath, seal_tree
+from gpuport._files import atomic_write, open_beneath, own_folder, own_tree, read_small_beneath, seal_tree
 from gpuport.defaults import DEFAULT_ENV_BUILD_TIMEOUT, DEFAULT_ENV_CACHE_SHARE
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.units import format_size
@@ -425,6 +426,9 @@ class Environments:
                 raise InvalidRequest("dependency groups (--group) are pyproject.toml's: this project has none")
         if build_uid is not None:
             own_tree(scratch, build_uid)
+        # The environment's venv is made meanwhile, in the scratch (relocatable: it moves to its
+        # hash's name once that is known): on a cold build it costs nothing on the way.
+        argv = ["/bin/sh", "-c", _RESOLVE_SCRIPT, "gpuport-resolve", _UV, str(scratch / "env"), python, *argv]
         self._run(argv, work, scratch, None, log_file, build_uid, "resolving the requirements")
         data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
         if data is None:
@@ -473,23 +477,25 @@ class Environments:
             listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
             say(log_file, f"building environment {name} ({len(packages)} packages: {listed})…")
             started = time.monotonic()
-            folder.mkdir(mode=0o755)
-            if build_uid is not None:
-                own_folder(folder, build_uid)
-                os.chmod(folder, 0o755)
+            env = scratch / "env"  # made while resolving, by the build uid
             lines = "".join(f"{_absolute(line, work)}\n" for line in install)
             atomic_write(scratch / "install.txt", lines.encode(), 0o644)
-            if build_uid is not None:
-                own_tree(scratch, build_uid)
-            script = _BUILD_SCRIPT
-            argv = ["/bin/sh", "-c", script, "gpuport-build", _UV, str(folder), python, str(scratch / "install.txt")]
-            argv += ["\n".join(_box_site_dirs()) if layered else "", *self.index.args]
+            # The pinned list, without resolving again.
+            argv = [_UV, "pip", "install", "--python", str(env / "bin" / "python"), "--no-deps"]
+            argv += ["--requirements", str(scratch / "install.txt"), *self.index.args]
+            self._run(argv, work, scratch, None, log_file, build_uid, "building the environment")
+            # Under its name first (a folder only the server can change), checked to be a folder,
+            # not a link the build left; then the server's, so that no build or job may change it.
             try:
-                self._run(argv, work, scratch, folder, log_file, build_uid, "building the environment")
-            except BaseException:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise
-            own_tree(folder, os.getuid())  # the server's: no build or job may change it now
+                os.rename(env, folder)
+            except FileNotFoundError:
+                raise BuildFailed("the build left no environment folder") from None
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                os.unlink(folder)
+                raise BuildFailed("the build left no environment folder")
+            own_tree(folder, os.getuid())
+            if layered:
+                _layer(folder, version)
             seal_tree(folder)
             installed = _installed(folder)
             meta = {
@@ -663,20 +669,17 @@ class Environments:
         return removed
 
 
-# The build, in the sandbox: a venv on the interpreter, the layering .pth (the box's folders after
-# its own), then the pinned list without resolving again. $1 uv, $2 the folder, $3 the interpreter,
-# $4 the list, $5 the box's site folders (layered) or "", then the index's arguments.
-_BUILD_SCRIPT = r"""set -e
-uv=$1 env=$2 python=$3 list=$4 box=$5
-shift 5
-"$uv" venv --quiet --python "$python" --no-project "$env"
-if [ -n "$box" ]; then
-  "$env/bin/python" -I -c 'import sys, sysconfig
-lines = ["import site; site.addsitedir(%r)" % p for p in sys.argv[2].splitlines()]
-open(sysconfig.get_paths()["purelib"] + "/" + sys.argv[1], "w").write("\n".join(lines) + "\n")' \
-    _gpuport_box.pth "$box"
-fi
-"$uv" pip install --python "$env/bin/python" --no-deps --requirements "$list" "$@"
+# The resolution, in the sandbox, with the environment's venv made beside it (in the scratch; it is
+# relocatable, so it can take its hash's name after). $1 uv, $2 the venv, $3 the interpreter, then
+# the resolving command.
+_RESOLVE_SCRIPT = r"""uv=$1 env=$2 python=$3
+shift 3
+"$uv" venv --quiet --relocatable --python "$python" --no-project "$env" &
+made=$!
+"$@"
+code=$?
+wait $made || exit 1
+exit $code
 """
 
 
@@ -703,6 +706,23 @@ def _absolute(line: str, work: Path) -> str:
             if "://" not in where and not where.startswith("/"):
                 return f"{flag}{work / where}"
     return line
+
+
+def _layer(folder: Path, version: str) -> None:
+    """Put the box's folders after the environment's own (a .pth file in its site-packages), through
+    descriptors: the tree was the build uid's until a moment ago."""
+    major_minor = ".".join(version.split(".")[:2])
+    fd = open_beneath(folder, f"lib/python{major_minor}/site-packages")
+    if fd is None:
+        raise BuildFailed(f"the environment has no lib/python{major_minor}/site-packages")
+    try:
+        lines = "".join(f"import site; site.addsitedir({path!r})\n" for path in _box_site_dirs())
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open("_gpuport_box.pth", flags, 0o644, dir_fd=fd)
+        with open(out, "wb") as file:
+            file.write(lines.encode())
+    finally:
+        os.close(fd)
 
 
 def _platform() -> str:

@@ -1,6 +1,6 @@
 """What the benchmarks share: the result rows and their table, printing and formatting, alternated
-timing, the opening lines and the temp dir of a run, and a fresh gpuport server (from _servers.py)
-to measure, with a client connected to it."""
+timing, the opening lines and the temp dir of a run, a fresh gpuport server (from _servers.py)
+to measure, with a client connected to it, and a 2-node Ray cluster for servers to place jobs on."""
 
 from __future__ import annotations
 
@@ -8,13 +8,18 @@ import contextlib
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import _servers
 
 import gpuport
+
+if TYPE_CHECKING:
+    from tests._ray import RayCluster
 
 MB = 1e6  # MB are 10^6 bytes
 
@@ -180,6 +185,39 @@ def gpuport_server(work: Path, name: str, options: Sequence[str] = ()) -> Iterat
             if server.process.poll() is None:
                 server.process.kill()
                 server.process.wait(timeout=10)
+
+
+def ray_bench_start(doc: str) -> bool:
+    """A Ray bench's start: its command line read (``--quick``, its docstring as help), an exit saying
+    what to install where Ray is missing, and the opening lines. Returns whether ``--quick`` was given."""
+    import argparse
+
+    import _peers
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = parser.parse_args()
+    if _peers.ray_cli() is None:
+        raise SystemExit("Ray is not installed: pip install 'gpuport[ray,bench]'")
+    banner(f"ray {_peers.ray_version()}", args.quick)
+    return bool(args.quick)
+
+
+@contextlib.contextmanager
+def ray_cluster(work: Path) -> Iterator[RayCluster]:
+    """A 2-node Ray cluster on this machine (tests/_ray.py: token auth, 2 fake GPUs a node) under
+    ``work/cluster``, its token in ``RAY_AUTH_TOKEN`` for the ``--ray`` servers started meanwhile
+    (``_servers.start_gpuport`` passes this process's environment on); its nodes stopped after, by pid."""
+    from tests._ray import start_cluster  # the repository's root is on the path of the scripts that call this
+
+    start = time.perf_counter()
+    cluster = start_cluster(work / "cluster")
+    say(f"== a 2-node Ray cluster (token auth, 2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
+    try:
+        os.environ["RAY_AUTH_TOKEN"] = cluster.token
+        yield cluster
+    finally:
+        cluster.close()
 
 
 def connect(server: _servers.Gpuport) -> gpuport.Client:

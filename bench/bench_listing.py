@@ -16,18 +16,14 @@ pids it started.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-import _peers
-from _report import ROWS, Row, banner, connect, gpuport_server, isolated_workdir, median, ms, print_table, say
-
-from tests._ray import start_cluster
+import _report
+from _report import ROWS, Row, connect, gpuport_server, isolated_workdir, median, ms, print_table, say
 
 JOBS = 200
 SLEEP = ["sleep", "900"]
@@ -65,24 +61,13 @@ def listings(server: object, n: int, what: str) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    args = parser.parse_args()
-    if _peers.ray_cli() is None:
-        raise SystemExit("Ray is not installed: pip install 'gpuport[ray,bench]'")
-    n = 10 if args.quick else 30
-    banner(f"ray {_peers.ray_version()}", args.quick)
+    quick = _report.ray_bench_start(__doc__)
+    n = 10 if quick else 30
     with isolated_workdir() as work:
-        start = time.perf_counter()
-        cluster = start_cluster(work / "cluster")
-        say(f"== a 2-node Ray cluster (token auth, 2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
-        say(f"== `gpuport jobs` (List) with {JOBS} running jobs, {n} listings each")
-        try:
-            os.environ["RAY_AUTH_TOKEN"] = cluster.token  # the --ray server's (start_gpuport passes our env on)
+        with _report.ray_cluster(work) as cluster:
+            say(f"== `gpuport jobs` (List) with {JOBS} running jobs, {n} listings each")
             with gpuport_server(work, "ray-server", ["--ray", cluster.address]) as on_ray:
                 ray_t = listings(on_ray, n, "Ray executor, 2 nodes")
-        finally:
-            cluster.close()
         with gpuport_server(work, "local-server") as local:
             local_t = listings(local, n, "local executor")
     ray_s, local_s = median(ray_t), median(local_t)

@@ -21,7 +21,6 @@ by the pids it started.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -34,22 +33,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
-import _peers  # noqa: E402
-from _report import (  # noqa: E402
+import _peers
+from _report import (
     ROWS,
     Row,
-    banner,
     connect,
     gpuport_server,
     isolated_workdir,
     median,
     ms,
     print_table,
+    ray_bench_start,
+    ray_cluster,
     rotate,
     say,
 )
-
-from tests._ray import start_cluster  # noqa: E402
 
 PASS = ["python", "-c", "pass"]
 
@@ -64,28 +62,17 @@ def timed(fn: Callable[[], object]) -> Callable[[], float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    args = parser.parse_args()
-    if _peers.ray_cli() is None:
-        raise SystemExit("Ray is not installed: pip install 'gpuport[ray,bench]'")
-    n = 8 if args.quick else 20
-    banner(f"ray {_peers.ray_version()}", args.quick)
+    quick = ray_bench_start(__doc__)
+    n = 8 if quick else 20
     with isolated_workdir() as work:
-        start = time.perf_counter()
-        cluster = start_cluster(work / "cluster")
-        say(f"== a 2-node Ray cluster (token auth, 2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
-        try:
-            os.environ["RAY_AUTH_TOKEN"] = cluster.token  # the --ray server's (start_gpuport passes our env on)
-            with (
-                gpuport_server(work, "ray-server", ["--ray", cluster.address]) as on_ray,
-                gpuport_server(work, "local-server") as local,
-            ):
-                bench_api(n, work, on_ray, local)
-                cli_s = bench_cli(n, work, on_ray)
-                bench_mwms(on_ray, 2)
-        finally:
-            cluster.close()
+        with (
+            ray_cluster(work) as cluster,
+            gpuport_server(work, "ray-server", ["--ray", cluster.address]) as on_ray,
+            gpuport_server(work, "local-server") as local,
+        ):
+            bench_api(n, work, on_ray, local)
+            cli_s = bench_cli(n, work, on_ray)
+            bench_mwms(on_ray, 2)
         bench_ray_submit(work, cli_s, max(3, n // 4))
     print_table(["launch: API", "launch: CLI", "2-node MWMS"], 40, "")
 

@@ -95,7 +95,8 @@ def _timeless(text: str) -> str:
     """``text`` without what differs from one command to the next: durations (an uptime, a job's
     age) and the machine's free memory."""
     text = re.sub(r"[\d.]+[KMGT]?i?B of [\d.]+[KMGT]?i?B RAM free", "RAM", text)
-    return re.sub(r"\d+(\.\d+)?(ms|s|m|h|d)\b", "N", text)
+    text = re.sub(r"(\d+(\.\d+)?(ms|s|m|h|d))+\b", "N", text)  # 2m59s and 3m alike, as a minute turns
+    return re.sub(r" {2,}", "  ", text)  # a table's column is as wide as its longest duration was
 
 
 class Helper:

@@ -92,37 +92,40 @@ def _env(pairs: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-class _LogFollower(threading.Thread):
-    """Copies a job's log to stdout as it grows, until the job ends, in a thread of its own.
+class _Follower(threading.Thread):
+    """Copies logs to stdout in a thread of its own, until they end (``_stream``).
 
-    The main thread only sleeps meanwhile, so that Ctrl-C raises KeyboardInterrupt there, in
-    ``time.sleep``, and never inside gRPC's own code (where it could leave a lock held and hang the
-    command). Closing the client's channel cancels the stream.
+    The main thread only sleeps meanwhile (``wait``), so that Ctrl-C raises KeyboardInterrupt there,
+    in ``time.sleep``, and never inside gRPC's own code (where it could leave a lock held and hang the
+    command). Closing the client's channel cancels the streams.
     """
 
-    def __init__(self, job: Job, follow: bool = True, tail: int | None = None) -> None:
-        super().__init__(name=f"log of {job.id}", daemon=True)
-        self.job = job
-        self.follow = follow
-        self.tail = tail
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
         self.error: BaseException | None = None
         self.finished = False
         self._muted = False
         self._writing = threading.Lock()
 
     def run(self) -> None:
-        sink = sys.stdout.buffer
         try:
-            for _, data in self.job.log_chunks(0, follow=self.follow, tail=self.tail):
-                with self._writing:
-                    if self._muted:
-                        return
-                    sink.write(data)
-                    sink.flush()
-        except BaseException as e:  # handed to the main thread by wait()
+            self._stream()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread by wait(), which raises it
             self.error = e
         finally:
             self.finished = True
+
+    def _stream(self) -> None:
+        raise NotImplementedError
+
+    def _write(self, data: bytes, sink: Any) -> bool:
+        """Write ``data`` to ``sink`` unless muted; False once muted."""
+        with self._writing:
+            if self._muted:
+                return False
+            sink.write(data)
+            sink.flush()
+            return True
 
     def mute(self) -> None:
         """Write nothing more: the command is about to exit, and a thread writing to stdout at exit
@@ -131,11 +134,27 @@ class _LogFollower(threading.Thread):
             self._muted = True
 
     def wait(self) -> None:
-        """Sleep until the log has ended; re-raise what stopped it. KeyboardInterrupt comes through."""
+        """Sleep until the logs have ended; re-raise what stopped them. KeyboardInterrupt comes through."""
         while not self.finished:
             time.sleep(0.01)
         if self.error is not None:
             raise self.error
+
+
+class _LogFollower(_Follower):
+    """Copies a job's log to stdout as it grows, until the job ends."""
+
+    def __init__(self, job: Job, follow: bool = True, tail: int | None = None) -> None:
+        super().__init__(f"log of {job.id}")
+        self.job = job
+        self.follow = follow
+        self.tail = tail
+
+    def _stream(self) -> None:
+        sink = sys.stdout.buffer
+        for _, data in self.job.log_chunks(0, follow=self.follow, tail=self.tail):
+            if not self._write(data, sink):
+                return
 
 
 def _summary(info: JobInfo) -> str:
@@ -224,42 +243,33 @@ def _array_summary(info: Any) -> str:
     return text
 
 
-class _ArrayFollower(threading.Thread):
+class _ArrayFollower(_Follower):
     """Streams the log of every task of an array to stdout, each line prefixed with its task's index
     (``[7] ...``), as ``--nprocs`` prefixes ranks: tasks are followed once they start, up to
-    _ARRAY_STREAMS at a time. Like ``_LogFollower``, the main thread only sleeps meanwhile."""
+    _ARRAY_STREAMS at a time."""
 
     def __init__(self, array: JobArray) -> None:
-        super().__init__(name=f"logs of {array.id}", daemon=True)
+        super().__init__(f"logs of {array.id}")
         self.array = array
-        self.error: BaseException | None = None
-        self.finished = False
-        self._muted = False
-        self._writing = threading.Lock()
 
-    def run(self) -> None:
+    def _stream(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         followed: set[str] = set()
-        try:
-            with ThreadPoolExecutor(_ARRAY_STREAMS, thread_name_prefix="task log") as pool:
-                futures = []
-                while True:
-                    info = self.array.refresh()
-                    for task in self.array.tasks:
-                        # A task cancelled before it started has no log to stream.
-                        if task.id not in followed and task.info.started_at is not None:
-                            followed.add(task.id)
-                            futures.append(pool.submit(self._follow, task))
-                    if info.ended or self._muted:
-                        break
-                    time.sleep(_ARRAY_POLL)
-                for future in futures:
-                    future.result()
-        except BaseException as e:  # handed to the main thread by wait()
-            self.error = e
-        finally:
-            self.finished = True
+        with ThreadPoolExecutor(_ARRAY_STREAMS, thread_name_prefix="task log") as pool:
+            futures = []
+            while True:
+                info = self.array.refresh()
+                for task in self.array.tasks:
+                    # A task cancelled before it started has no log to stream.
+                    if task.id not in followed and task.info.started_at is not None:
+                        followed.add(task.id)
+                        futures.append(pool.submit(self._follow, task))
+                if info.ended or self._muted:
+                    break
+                time.sleep(_ARRAY_POLL)
+            for future in futures:
+                future.result()
 
     def _follow(self, task: Job) -> None:
         sink = sys.stdout.buffer
@@ -274,22 +284,6 @@ class _ArrayFollower(threading.Thread):
                 return
         if pending:
             self._write(prefix + pending + b"\n", sink)
-
-    def _write(self, data: bytes, sink: Any) -> None:
-        with self._writing:
-            if not self._muted:
-                sink.write(data)
-                sink.flush()
-
-    def mute(self) -> None:
-        with self._writing:
-            self._muted = True
-
-    def wait(self) -> None:
-        while not self.finished:
-            time.sleep(0.01)
-        if self.error is not None:
-            raise self.error
 
 
 def _download_array(array: JobArray, dest: Path, path: str | None = None) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from gpuport.defaults import DEFAULT_RECONNECT_WINDOW
 from gpuport.protocol import gpuport_pb2 as pb
@@ -114,7 +114,37 @@ def _keep_trying(since: float | None) -> float | None:
     return since
 
 
-class Job:
+class _Described(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+_Info = TypeVar("_Info", bound=_Described)
+
+
+class _Handle(Generic[_Info]):
+    """A handle on something the server keeps: the connection it came through, and ``info``, the
+    thing as the server last described it (``refresh`` asks again)."""
+
+    def __init__(self, transport: Transport, info: _Info) -> None:
+        self._transport = transport
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        """Its id on the server."""
+        return self.info.id
+
+    @property
+    def name(self) -> str:
+        """The name it was given ("" for none)."""
+        return self.info.name
+
+
+class Job(_Handle[JobInfo]):
     """A job on the server. ``gpu.submit(...)`` and ``gpu.job(id)`` return one.
 
     >>> job = gpu.submit(["python", "train.py"], outputs=["model/"])
@@ -124,18 +154,6 @@ class Job:
     0
     >>> job.download("results/")
     """
-
-    def __init__(self, transport: Transport, info: JobInfo) -> None:
-        self._transport = transport
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def name(self) -> str:
-        return self.info.name
 
     def refresh(self) -> JobInfo:
         """Ask the server for the job's current state."""
@@ -317,7 +335,7 @@ class ArrayInfo:
         )
 
 
-class JobArray:
+class JobArray(_Handle[ArrayInfo]):
     """A job array or sweep on the server: ``gpu.submit(..., array="0-99%8")`` (or ``sweep=``) and
     ``gpu.array(id_or_name)`` return one. Its ``tasks`` are ``Job``s (ids ``<array id>_<index>``).
 
@@ -326,18 +344,6 @@ class JobArray:
     {'succeeded': 4}
     >>> grid.download("results/")          # results/0/, results/1/ ... one folder per task
     """
-
-    def __init__(self, transport: Transport, info: ArrayInfo) -> None:
-        self._transport = transport
-        self.info = info
-
-    @property
-    def id(self) -> str:
-        return self.info.id
-
-    @property
-    def name(self) -> str:
-        return self.info.name
 
     @property
     def tasks(self) -> list[Job]:

@@ -9,8 +9,9 @@ client → server: ``i`` bytes for its stdin, ``e`` its stdin ended, ``w`` a win
 columns, 2 bytes each, little-endian). server → client: ``o`` its stdout (with a terminal, all of
 its output), ``r`` its stderr, ``x`` its exit code (4 bytes, signed: negative for a signal), last.
 
-A forward (``Jobs.Reach`` with a port) needs no framing: the server answers ``T`` and the bytes go
-through as they are, as a tunnel's (see ``relay``).
+A forward (``Jobs.Reach`` with a port) needs no framing: the server answers ``R`` once it is ready
+(a connection made ahead, a spare), the client sends ``G`` when a connection of its own takes it, the
+server then connects to the job's port, and the bytes go through as they are (see ``relay``).
 """
 
 from __future__ import annotations

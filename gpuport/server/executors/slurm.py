@@ -263,7 +263,11 @@ class SlurmExecutor(Executor):
                 watched = dict(self._watched)
             if not watched:
                 continue
-            ended = [j for j in watched if (self.folders.folder(j) / "slurm.done").exists()]
+            # Only a job Slurm last listed as started (or not at all) can have ended: no look at the
+            # shared folder for each of a thousand pending ones, ten times a second.
+            listed = self._queue[1]
+            started = [j for j, (slurm_id, _, _) in watched.items() if listed.get(slurm_id, ("",))[0] != "PENDING"]
+            ended = [j for j in started if (self.folders.folder(j) / "slurm.done").exists()]
             if time.monotonic() >= next_look:
                 next_look = time.monotonic() + DEFAULT_SQUEUE_INTERVAL
                 queue = self._squeue(0.0)
@@ -353,6 +357,13 @@ class SlurmExecutor(Executor):
         return self.folders.read_log(job_id, offset, limit)
 
     def log_size(self, job_id: str) -> int:
+        return self.folders.log_size(job_id)
+
+    def known_log_size(self, job_id: str) -> int:
+        with self._lock:
+            slurm_id = self._slurm_ids.get(job_id, "")
+        if self._queue[1].get(slurm_id, ("",))[0] == "PENDING":
+            return 0  # not started: no log yet, and no look at the shared folder for each of a long queue
         return self.folders.log_size(job_id)
 
     def log_data_offset(self, job_id: str, offset: int) -> int:

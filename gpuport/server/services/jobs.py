@@ -964,12 +964,12 @@ class JobService:
         if self.executor.keeps_queue:  # handed over: the jobs the cluster's queue holds, with its reasons
             handed = self.store.query("SELECT * FROM jobs WHERE state = 'running' ORDER BY seq")
             reasons = self.executor.waiting([r["id"] for r in handed])
-            held = [
-                dataclasses.replace(self._record(r), state=JobState.QUEUED, message=reasons[r["id"]])
-                for r in handed
-                if r["id"] in reasons
+            records = [dataclasses.replace(j, position=n) for n, j in enumerate(records, 1)]
+            held = [r for r in handed if r["id"] in reasons]
+            records += [
+                dataclasses.replace(self._record(r), state=JobState.QUEUED, message=reasons[r["id"]], position=n)
+                for n, r in enumerate(held, len(records) + 1)
             ]
-            records = [dataclasses.replace(j, position=n) for n, j in enumerate([*records, *held], 1)]
         if any(not j.position for j in records):  # a deep queue: the jobs a pass did not reach get theirs now
             cluster = self.cluster
             fair = self.usage.fair_share(cluster, self.quotas.shares())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,9 +37,21 @@ def missing() -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, below the kernel's range of ephemeral ports (one from that range can be handed
+    to some connection's local end before the daemon binds it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def _tool(name: str) -> str:
@@ -103,12 +116,25 @@ class SlurmCluster:
                 process.wait(timeout=10)
 
 
-def start_cluster(base: Path) -> SlurmCluster:
-    """munged, slurmctld and slurmd with a config in ``base``; ready when this returns."""
+def start_cluster(base: Path, tries: int = 3) -> SlurmCluster:
+    """munged, slurmctld and slurmd with a config in ``base``; ready when this returns. A daemon that
+    lost its port to another process in between is started again, on other ports."""
+    for attempt in range(tries):
+        try:
+            return _start_cluster(base)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_cluster(base: Path) -> SlurmCluster:
     base.mkdir(parents=True, exist_ok=True)
     node = socket.gethostname().split(".")[0]
     for folder in ("state", "spool", "munge"):
         (base / folder).mkdir(mode=0o700, exist_ok=True)
+    for left in ("munge/munge.sock", "munge/munge.key", *(f"{d}.{e}" for d in TOOLS[:3] for e in ("out", "log"))):
+        (base / left).unlink(missing_ok=True)  # an earlier try's
     key = base / "munge" / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)

@@ -278,3 +278,19 @@ def test_a_server_killed_and_restarted_finds_its_slurm_jobs(
         assert _log(second, job["job_id"]) == "released\n"
     finally:
         second.stop()
+
+
+def test_slurm_options_alone_are_refused_saying_what_to_give(tmp_path: Path) -> None:
+    def refused(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuport", "server", "--state-dir", str(tmp_path / "state"), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        return done.stderr
+
+    assert "--slurm needs --shared-dir DIR" in refused("--slurm")
+    assert "go with --slurm" in refused("--shared-dir", str(tmp_path))

@@ -249,6 +249,9 @@ async def serve(
         from gpuport.server.executors.slurm import SlurmExecutor
         from gpuport.server.services.blobs import BlobStore
 
+        # Said as it is: Slurm runs the jobs as the user who submits them, the server's.
+        isolated = isolation.Sandbox("none", "--slurm: jobs run on the cluster's nodes as the server's user")
+
         executor = SlurmExecutor(slurm_dir, BlobStore(state.blobs_dir), inventory, slurm_partition)
     if ray_address:
         from gpuport.server.executors.ray import RayExecutor

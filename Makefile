@@ -47,10 +47,11 @@ sandbox:
 	$(call apt_install,bwrap:bubblewrap slirp4netns:slirp4netns,the jobs' sandbox,jobs run without a sandbox$(comma) and tests that need other users skip)
 
 # What some tests need beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes), Chromium
-# (tests/test_dashboard.py drives it with Playwright; no browser is downloaded) and Prometheus
-# (tests/test_metrics.py scrapes the server with it and runs the Grafana dashboard's queries).
+# (tests/test_dashboard.py drives it with Playwright; no browser is downloaded), Prometheus
+# (tests/test_metrics.py scrapes the server with it and runs the Grafana dashboard's queries) and
+# Slurm with munge (tests/test_slurm.py starts a one-node cluster with them).
 test-tools:
-	$(call apt_install,sshd:openssh-server chromium:chromium prometheus:prometheus,for the tests,the tests that need them skip)
+	$(call apt_install,sshd:openssh-server chromium:chromium prometheus:prometheus slurmctld:slurm-wlm munged:munge,for the tests,the tests that need them skip)
 
 demo: $(VENV)/.demo sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 import gpuport
+from gpuport.cli._batch import sbatch_command
 from gpuport.cli._common import client as _client
 from gpuport.cli._common import json_option
 from gpuport.cli._jobs import JOB_COMMANDS
@@ -199,6 +200,20 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     help="Allow a Ray cluster without token authentication, on a loopback address only (tests, one box).",
 )
 @click.option(
+    "--slurm",
+    is_flag=True,
+    help="Hand jobs to the Slurm cluster of this (login) node: each job becomes a Slurm job, and Slurm's queue "
+    "decides when and where it runs. Needs --shared-dir.",
+)
+@click.option(
+    "--shared-dir",
+    type=click.Path(path_type=Path),
+    help="With --slurm: a folder every compute node mounts at the same path (NFS), where jobs' workspaces live.",
+)
+@click.option(
+    "--slurm-partition", metavar="NAME", default="", help="With --slurm: the partition of jobs that name none."
+)
+@click.option(
     "--print-systemd-unit",
     is_flag=True,
     help="Print a systemd unit that runs the server with these options as a service, and exit.",
@@ -224,6 +239,9 @@ def server(
     preempt_after: str | None,
     ray_address: str | None,
     ray_insecure: bool,
+    slurm: bool,
+    shared_dir: Path | None,
+    slurm_partition: str,
     print_systemd_unit: bool,
 ) -> None:
     """Run the gpuport daemon on this (GPU) machine.
@@ -250,6 +268,9 @@ def server(
         options += ["--preempt-after", preempt_after] if preempt_after is not None else []
         options += ["--ray", ray_address] if ray_address else []
         options += ["--ray-insecure"] if ray_insecure else []
+        options += ["--slurm"] if slurm else []
+        options += ["--shared-dir", str(shared_dir)] if shared_dir is not None else []
+        options += ["--slurm-partition", slurm_partition] if slurm_partition else []
         print(systemd_unit(options, state_dir), end="")
         return
     try:
@@ -284,6 +305,10 @@ def server(
         preempt = DEFAULT_PREEMPT_AFTER if preempt_after is None else parse_duration(preempt_after)
     except InvalidRequest as e:
         raise click.BadParameter(str(e), param_hint="--preempt-after") from None
+    if slurm and shared_dir is None:
+        raise click.UsageError("--slurm needs --shared-dir DIR: a folder every compute node mounts at the same path")
+    if not slurm and (shared_dir is not None or slurm_partition):
+        raise click.UsageError("--shared-dir and --slurm-partition go with --slurm")
     import logging
 
     logging.basicConfig(
@@ -310,6 +335,8 @@ def server(
             preempt_after=preempt,
             ray_address=ray_address,
             ray_insecure=ray_insecure,
+            slurm_dir=shared_dir.absolute() if slurm and shared_dir is not None else None,
+            slurm_partition=slurm_partition,
             say=lambda text: print(text, flush=True),
         )
     )
@@ -657,6 +684,7 @@ def tf_connect(ctx: click.Context, gpus: int, gpu_memory: str | None, cpus: floa
 
 for _command in [*JOB_COMMANDS, *REACH_COMMANDS]:
     cli.add_command(_command)
+cli.add_command(sbatch_command)
 cli.add_command(quota_group)
 cli.add_command(usage_command)
 cli.add_command(sessions_group)

@@ -242,6 +242,7 @@ class Client:
         python: str | None = None,
         isolated_env: bool = False,
         env_of: str | None = None,
+        partition: str | None = None,
         progress: Progress | None = None,
     ) -> Job | JobArray:
         """Sync ``workdir`` and run ``cmd`` in it on the server; return the ``Job`` at once.
@@ -291,6 +292,8 @@ class Client:
         with uv's words in its log. ``env_of`` (a job's id or name, or a hash ``environments()``
         lists) runs the job in that job's environment as it was built, without resolving again.
 
+        ``partition``: the Slurm partition of a server in front of Slurm (``gpuport server --slurm``).
+
         Raises ``InvalidRequest`` (bad path, symlink leaving the workdir, bad env name, malformed
         array ...), ``ResourceUnavailable`` (more than the server has, or than your quota allows:
         an array over your queued cap is refused whole), ``NotFound`` (unknown project, or job to
@@ -322,6 +325,8 @@ class Client:
         )
         if preemptible is not None:
             spec.preemptible = preemptible
+        if partition:
+            spec.partition = partition
         if (groups or python or isolated_env) and not requirements:
             spec.requirements = "auto"
         if env_of:
@@ -344,6 +349,37 @@ class Client:
             request = pb.ArraySpec(job=spec, array=array or "", sweep=parameters)
             reply = self.transport.call(self.transport.jobs.SubmitArray, request)
             return JobArray(self.transport, ArrayInfo._from_message(reply))
+        return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
+
+    def submit_batch(
+        self,
+        path: str | os.PathLike[str],
+        args: Sequence[str] = (),
+        *,
+        partition: str | None = None,
+        outputs: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        progress: Progress | None = None,
+    ) -> Job:
+        """Sync the folder of the batch script ``path`` and submit it to the Slurm cluster behind
+        the server (``gpuport server --slurm``) with ``args``, its own ``#SBATCH`` lines honoured (job
+        name, gres, time, ...); the files its ``--output``/``--error`` name come back as outputs.
+        Raises ``InvalidRequest`` (the server is not in front of Slurm, or Slurm refused the job, in
+        its words), ``NotFound``.
+
+        >>> gpu.submit_batch("train.sh", ["--epochs", "5"]).wait()
+        """
+        script = Path(path)
+        if not script.is_file():
+            raise InvalidRequest(f"batch script {str(path)!r} is not a file")
+        spec = pb.JobSpec(
+            command=[script.name, *args],
+            batch_script=script.name,
+            outputs=list(outputs or ()),
+            env=env or {},
+            partition=partition or "",
+        )
+        spec.snapshot_id = self.transport.sync(script.parent, "", progress).id
         return Job(self.transport, JobInfo._from_message(self.transport.call(self.transport.jobs.Submit, spec)))
 
     def _environment_of(self, job_or_hash: str) -> str:

@@ -340,7 +340,7 @@ class BlobList(_message.Message):
     def __init__(self, blobs: _Optional[_Iterable[str]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after", "requirements", "env_groups", "python", "isolated_env", "environment", "preemptible", "checkpoint", "retry_on_exit")
+    __slots__ = ("command", "shell", "snapshot_id", "project", "datasets", "gpus", "env", "outputs", "name", "hyperparameters_json", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "tf_roles", "retries", "nodes", "nprocs_per_node", "after", "requirements", "env_groups", "python", "isolated_env", "environment", "preemptible", "checkpoint", "retry_on_exit", "partition", "batch_script")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,8 @@ class JobSpec(_message.Message):
     PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     RETRY_ON_EXIT_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SCRIPT_FIELD_NUMBER: _ClassVar[int]
     command: _containers.RepeatedScalarFieldContainer[str]
     shell: str
     snapshot_id: str
@@ -413,7 +415,9 @@ class JobSpec(_message.Message):
     preemptible: bool
     checkpoint: str
     retry_on_exit: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ..., requirements: _Optional[str] = ..., env_groups: _Optional[_Iterable[str]] = ..., python: _Optional[str] = ..., isolated_env: _Optional[bool] = ..., environment: _Optional[str] = ..., preemptible: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., retry_on_exit: _Optional[_Iterable[int]] = ...) -> None: ...
+    partition: str
+    batch_script: str
+    def __init__(self, command: _Optional[_Iterable[str]] = ..., shell: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., project: _Optional[str] = ..., datasets: _Optional[_Iterable[str]] = ..., gpus: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., outputs: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., hyperparameters_json: _Optional[str] = ..., time_limit: _Optional[float] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., nprocs: _Optional[int] = ..., tf_roles: _Optional[_Mapping[str, int]] = ..., retries: _Optional[int] = ..., nodes: _Optional[int] = ..., nprocs_per_node: _Optional[int] = ..., after: _Optional[_Iterable[str]] = ..., requirements: _Optional[str] = ..., env_groups: _Optional[_Iterable[str]] = ..., python: _Optional[str] = ..., isolated_env: _Optional[bool] = ..., environment: _Optional[str] = ..., preemptible: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., retry_on_exit: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ..., batch_script: _Optional[str] = ...) -> None: ...
 
 class JobInfo(_message.Message):
     __slots__ = ("job_id", "name", "owner", "state", "command", "gpus", "gpu_indices", "created_at", "started_at", "ended_at", "has_exit_code", "exit_code", "message", "snapshot_id", "output_snapshot_id", "outputs", "log_bytes", "time_limit", "gpu_memory", "cpus", "memory", "priority", "nprocs", "position", "node", "array_id", "array_index", "environment", "preemptible", "preemptions", "retried")

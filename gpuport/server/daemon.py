@@ -169,7 +169,8 @@ def _banner(
 def _cluster_lines(executor: Executor) -> list[str]:
     nodes = executor.nodes()
     address = getattr(executor, "address", "?")
-    lines = [f"  cluster      Ray at {address}: {len(nodes)} node{'s' if len(nodes) != 1 else ''}"]
+    kind = "Slurm" if executor.keeps_queue else "Ray"
+    lines = [f"  cluster      {kind} at {address}: {len(nodes)} node{'s' if len(nodes) != 1 else ''}"]
     for node in nodes:
         m = node.machine
         size = f"{m.describe_gpus()}, {m.cpus:g} CPUs, {format_size(m.memory)}"
@@ -193,6 +194,8 @@ async def serve(
     memory_floor: int | None = None,
     ray_address: str | None = None,
     ray_insecure: bool = False,
+    slurm_dir: Path | None = None,
+    slurm_partition: str = "",
     blob_grace: float = DEFAULT_BLOB_GRACE,
     env_cache: int | None = None,
     fairshare_half_life: float = DEFAULT_FAIRSHARE_HALF_LIFE,
@@ -215,6 +218,8 @@ async def serve(
     disk; see server/environments.py). The fair share forgets half of a user's use every
     ``fairshare_half_life`` seconds, and a waiting job's turn improves by ``age_weight`` an hour (see
     services/usage.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
+    ``slurm_dir``: hand jobs to the Slurm cluster whose compute nodes share that folder, in
+    ``slurm_partition`` unless a job names one (see executors/slurm.py).
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -238,6 +243,16 @@ async def serve(
         isolation.detect(job_uids, state.python_dir) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
     )
     executor = None
+    if ray_address and slurm_dir:
+        raise ConfigError("--ray and --slurm each name the cluster that runs the jobs: give one of them")
+    if slurm_dir is not None:
+        from gpuport.server.executors.slurm import SlurmExecutor
+        from gpuport.server.services.blobs import BlobStore
+
+        # Said as it is: Slurm runs the jobs as the user who submits them, the server's.
+        isolated = isolation.Sandbox("none", "--slurm: jobs run on the cluster's nodes as the server's user")
+
+        executor = SlurmExecutor(slurm_dir, BlobStore(state.blobs_dir), inventory, slurm_partition)
     if ray_address:
         from gpuport.server.executors.ray import RayExecutor
         from gpuport.server.services.blobs import BlobStore
@@ -245,7 +260,7 @@ async def serve(
         executor = RayExecutor(ray_address, state.jobs_dir, BlobStore(state.blobs_dir), insecure=ray_insecure)
     floor = resolve_memory_floor(memory_floor)
     limits = cgroups.NONE
-    if use_cgroups and not ray_address:
+    if use_cgroups and executor is None:
         room = max(0, psutil.virtual_memory().total - floor)
         limits = cgroups.detect(cgroups.server_key(state.jobs_dir), room)
     app = ServerApp(

@@ -430,6 +430,8 @@ def job_request(request: pb.JobSpec) -> JobRequest:
         checkpoint=request.checkpoint,
         nodes=request.nodes or 1,
         after=list(request.after),
+        partition=request.partition,
+        batch_script=request.batch_script,
         environment=EnvRequest(hash=request.environment)
         if request.environment
         else EnvRequest(request.requirements, tuple(request.env_groups), request.python, request.isolated_env)

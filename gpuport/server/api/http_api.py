@@ -96,6 +96,12 @@ class JobCreate(BaseModel):
     )
     checkpoint: str = Field("", description="A folder of its workdir kept when preempted or retried, put back after")
     nodes: int = Field(1, description="A job over this many nodes of a cluster (gpus, cpus, memory are per node)")
+    partition: str = Field("", description="With a server in front of Slurm (--slurm): the job's partition")
+    batch_script: str | None = Field(
+        None,
+        description="With a server in front of Slurm (--slurm): a batch script of the project, run with its own "
+        "#SBATCH options; `command` (a list) is then its arguments",
+    )
     nprocs_per_node: int | None = Field(None, description="With nodes > 1: processes on each node (default 1)")
     gpus_per_node: int | None = Field(None, description="With nodes > 1: GPUs on each node (the same as gpus)")
     after: list[str] = Field(
@@ -160,6 +166,12 @@ def hyperparameter_flags(hyperparameters: dict[str, Any]) -> list[str]:
 
 
 def job_request(body: JobCreate) -> JobRequest:
+    if body.batch_script is not None:
+        if body.script is not None or isinstance(body.command, str):
+            raise InvalidRequest("with `batch_script`, `command` is a list of its arguments, and `script` is not given")
+        body = body.model_copy(
+            update={"command": [check_path(body.batch_script, what="batch script"), *(body.command or [])]}
+        )
     if (body.command is None) == (body.script is None):
         raise InvalidRequest("give either `command` or `script` (with `hyperparameters`), not both")
     command: list[str] = []
@@ -197,6 +209,8 @@ def job_request(body: JobCreate) -> JobRequest:
         checkpoint=body.checkpoint,
         nodes=body.nodes,
         after=body.after,
+        partition=body.partition,
+        batch_script=check_path(body.batch_script, what="batch script") if body.batch_script else "",
         environment=EnvRequest(body.requirements, tuple(body.groups), body.python, body.isolated_env)
         if body.requirements
         else None,

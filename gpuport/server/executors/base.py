@@ -7,9 +7,11 @@ processes (started under ``worker/supervisor.py``), its log, its exit status, it
 uses now (for the watchdog) and its cancel. Jobs are named by their id; the job service never
 touches a path or a process of a job.
 
-Two executors: ``LocalExecutor`` (``local.py``) runs jobs on this machine, a cluster of one node;
+Three executors: ``LocalExecutor`` (``local.py``) runs jobs on this machine, a cluster of one node;
 ``RayExecutor`` (``ray.py``) runs them on the nodes of a Ray cluster, each through a gpuport agent
-on that node which does there what ``LocalExecutor`` does here (``workspace.py``, shared by both).
+on that node which does there what ``LocalExecutor`` does here (``workspace.py``, shared by all);
+``SlurmExecutor`` (``slurm.py``) hands them to a Slurm cluster, whose own queue then decides
+(``keeps_queue``: the job service places nothing, and asks it why jobs wait).
 
 Workers the server talks to (a session's, a model replica) are jobs too. Each listens on named
 endpoints and leaves named files in its run folder (``$GPUPORT_RUN_DIR``); the services reach them
@@ -102,6 +104,27 @@ class JobLaunch:
     # as ``build_uid`` (None: the server's uid); None: the node's own environment.
     environment: dict[str, Any] | None = None
     build_uid: int | None = None
+    # For a cluster with a queue of its own (``Executor.keeps_queue``), which places the job itself:
+    # what it asks for, its partition ("": the executor's default), and a batch script of the
+    # workdir whose own options the cluster honours (``argv``: the script and its arguments).
+    gpus: int = 0
+    cpus: float = 0.0
+    partition: str = ""
+    batch_script: str = ""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a job asks of a cluster with a queue of its own, as submitted (``Executor.admit``)."""
+
+    gpus: int = 0
+    cpus: float = 0.0
+    memory: int = 0  # bytes
+    time_limit: float = 0.0  # seconds; 0: none
+    name: str = ""
+    partition: str = ""
+    batch_script: str = ""  # its path in the workdir
+    script_text: str = ""  # its content (its own options are read from it)
 
 
 @dataclass
@@ -139,6 +162,27 @@ class Executor(ABC):
     runs_here: bool = True
     # Called (from any thread) when the cluster's nodes change: the job service plans again.
     on_change: Callable[[], None] | None = None
+    # The cluster has a queue of its own, which decides when and where jobs run: the job service
+    # hands each job over as soon as nothing of gpuport's holds it (dependencies), plans nothing,
+    # and asks ``waiting`` why the cluster holds them.
+    keeps_queue: bool = False
+
+    def admit(self, ask: Ask) -> None:
+        """Refuse a job this executor cannot run, with the cluster's own words where it has a queue
+        of its own. Raises ``InvalidRequest`` or ``Unsatisfiable``. Here: only partitions and batch
+        scripts, which only such a cluster knows, are refused."""
+        if ask.partition or ask.batch_script:
+            what = "a batch script" if ask.batch_script else f"partition {ask.partition!r}"
+            raise InvalidRequest(
+                f"{what}: batch scripts and partitions are Slurm's, and this server runs jobs with its {self.kind} "
+                "executor — start it in front of a Slurm cluster (gpuport server --slurm) or run the script as a "
+                "command (gpuport run -- sh script.sh)"
+            )
+
+    def waiting(self, job_ids: list[str]) -> dict[str, str]:
+        """Of the handed-over jobs ``job_ids``, those the cluster's queue still holds, each with the
+        cluster's reason (``keeps_queue`` only; one look at the queue for all of them)."""
+        return {}
 
     @abstractmethod
     def nodes(self) -> list[Node]:

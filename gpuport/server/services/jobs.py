@@ -69,7 +69,7 @@ from gpuport.protocol.errors import (
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.environments import BUILD_OWNER, BuildFailed, Built, Environments, EnvRequest, check_request
-from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, Placement
+from gpuport.server.executors.base import Ask, Executor, Files, JobLaunch, Node, Placement
 from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
 from gpuport.server.scheduler import (
@@ -108,6 +108,7 @@ _RECENT_SECONDS = 24 * 3600  # `gpuport jobs` without --all: active jobs and tho
 _LIST_LIMIT = 500
 _JOB_ID = re.compile(r"j-[0-9a-f]{8}(?:_[0-9]+)?")  # as submit makes them (an array's task: _index); else a name
 _MAX_DEPENDENCIES = 64
+_SCRIPT_HEADER_BYTES = 1 << 20  # bytes of a batch script read for its own options
 # The most bytes of command and spec the tasks of one array may store together (each task's copy).
 _MAX_ARRAY_SPEC_BYTES = 64 * 1024 * 1024
 _ACTIVE = "state IN ('queued', 'running')"
@@ -187,6 +188,10 @@ class JobRequest:
     internal_env: dict[str, str] = field(default_factory=dict)
     folders: list[str] = field(default_factory=list)  # of the server's, which the job's processes may write
     environment: EnvRequest | None = None  # its Python environment's requirements; None: the box's own
+    # For a cluster with a queue of its own (Slurm): a partition ("": the server's default), and a
+    # batch script of the workdir (``command``: it and its arguments) run with its own options.
+    partition: str = ""
+    batch_script: str = ""
 
 
 @dataclass(frozen=True)
@@ -441,7 +446,28 @@ class JobService:
                         "those it has): run with the project's requirements to build it"
                     )
             spec["environment_request"] = request.environment.to_json()
+        self._admit_to_cluster(caller, request, argv, snapshot)
+        if request.partition or request.batch_script:
+            spec.update(partition=request.partition, batch_script=request.batch_script)
         return argv, snapshot, outputs, spec
+
+    def _admit_to_cluster(self, caller: Identity, request: JobRequest, argv: list[str], snapshot: str) -> None:
+        """Ask the executor whether its cluster takes the job (one with a queue of its own answers in its words)."""
+        if not (self.executor.keeps_queue or request.partition or request.batch_script):
+            return
+        text = ""
+        if request.batch_script:
+            script = check_path(request.batch_script, what="batch script")
+            if not snapshot or argv[:1] != [script]:
+                raise InvalidRequest(f"batch script {script!r}: give it with the folder it is in, as the command")
+            record = self.snapshots.resolve(caller, snapshot)
+            entry = next((e for e in self.snapshots.manifest(record) if e.path == script and e.blob), None)
+            if entry is None:
+                raise InvalidRequest(f"batch script {script!r} is not a file of the job's folder")
+            with self.snapshots.blobs.open(entry.blob) as f:
+                text = f.read(_SCRIPT_HEADER_BYTES).decode(errors="replace")
+        ask = Ask(request.gpus, request.cpus, request.memory, request.time_limit, request.name, request.partition)
+        self.executor.admit(dataclasses.replace(ask, batch_script=request.batch_script, script_text=text))
 
     def _check_resources(self, caller: Identity, request: JobRequest) -> None:
         """Refuse what no machine state could ever grant: more than a node has, or than the quota allows."""
@@ -454,6 +480,8 @@ class JobService:
             raise InvalidRequest(f"memory must be 0 or more, not {request.memory}")
         if request.gpus and request.gpu_memory:
             raise InvalidRequest("ask for whole GPUs (gpus=N) or for a slice of one GPU (gpu_memory=...), not both")
+        if self.executor.keeps_queue:  # its cluster's queue says what it can grant (``admit``)
+            machine = dataclasses.replace(machine, gpu_memory=(0,) * max(request.gpus, 1), cpus=1e9, memory=1 << 62)
         where = "this server has" if len(cluster.nodes) <= 1 else "the largest node has"
         have = f"{where} {machine.describe_gpus()}"
         if not machine.gpu_memory and (request.gpus or request.gpu_memory):
@@ -933,6 +961,15 @@ class JobService:
         self._schedule(explain=True)
         rows = self.store.query("SELECT * FROM jobs WHERE state = 'queued'")
         records = [self._record(r) for r in rows]
+        if self.executor.keeps_queue:  # handed over: the jobs the cluster's queue holds, with its reasons
+            handed = self.store.query("SELECT * FROM jobs WHERE state = 'running' ORDER BY seq")
+            reasons = self.executor.waiting([r["id"] for r in handed])
+            records = [dataclasses.replace(j, position=n) for n, j in enumerate(records, 1)]
+            held = [r for r in handed if r["id"] in reasons]
+            records += [
+                dataclasses.replace(self._record(r), state=JobState.QUEUED, message=reasons[r["id"]], position=n)
+                for n, r in enumerate(held, len(records) + 1)
+            ]
         if any(not j.position for j in records):  # a deep queue: the jobs a pass did not reach get theirs now
             cluster = self.cluster
             fair = self.usage.fair_share(cluster, self.quotas.shares())
@@ -1375,6 +1412,9 @@ class JobService:
         self._settled = None
         if self._loop is None:
             return  # not started yet: start() schedules
+        if self.executor.keeps_queue:
+            self._hand_over()
+            return
         running = self.running()
         queued = self._queued
         low_memory = self._low_memory() if queued else ""
@@ -1419,6 +1459,17 @@ class JobService:
             self._account(pending, decision, cluster, now)
             del self._plan[decision.job_id], self._queued[decision.job_id]
             self._spawn(self._launch(decision.job_id))
+
+    def _hand_over(self) -> None:
+        """Start every queued job nothing of gpuport's holds: the cluster's own queue orders them."""
+        cluster = self.cluster
+        for pending in [p for p in self._queued.values() if not p.blocked]:
+            now = time.time()
+            self._move(pending.job_id, JobState.QUEUED, JobState.RUNNING, started_at=now, message="")
+            self._account(pending, Decision(pending.job_id, 0, ()), cluster, now)
+            del self._queued[pending.job_id]
+            self._spawn(self._launch(pending.job_id))
+        self._plan = {}
 
     def _preempt(self, running: list[Holding], cluster: Cluster, quotas: Any = None, fair: Any = None) -> None:
         """Stop the preemptible jobs that queued jobs have waited too long for (``scheduler.preempt``);
@@ -1586,6 +1637,10 @@ class JobService:
             processes=self.quotas.processes(row["owner"]),
             environment=environment,
             build_uid=self.uids.uid(BUILD_OWNER) if environment is not None and self.sandbox.mode == "uids" else None,
+            gpus=row["gpus"],
+            cpus=row["cpus"],
+            partition=spec.get("partition", ""),
+            batch_script=spec.get("batch_script", ""),
         )
 
     def record_environment(self, job_id: str, built: Built) -> None:

@@ -18,6 +18,8 @@ training on this machine:
   job succeeds.
 - ``rank_gpus``: one list of GPU indices per rank, which becomes that rank's CUDA_VISIBLE_DEVICES
   (an empty list: no GPU). Default: every rank keeps the one in ``env``.
+- ``inherit``: prefixes of variables of this process's own environment that the job's gets too
+  (a Slurm allocation's ``CUDA_VISIBLE_DEVICES`` and ``SLURM_*``); default: none.
 - ``cgroup``: the job's cgroups, made by the server with its limits (``server/cgroups.py``). The
   job's first process starts in them (this process joins them just before, and leaves right
   after); an OOM kill in them ends the whole job; once it has ended, what is left in them is
@@ -537,6 +539,9 @@ def main(job_dir: str) -> int:
         return 1
     with open(os.path.join(job_dir, "spec.marshal"), "rb") as f:
         spec = marshal.load(f)
+    inherit = tuple(spec.get("inherit") or ())
+    if inherit:  # what the cluster's allocation set for it (Slurm's GPUs and SLURM_*)
+        spec["env"].update((k, v) for k, v in os.environ.items() if k.startswith(inherit))
     _Groups(spec.get("cgroup")).join_user()
     if spec.get("sandbox"):
         status = _run_sandboxed(job_dir, spec)

@@ -1,0 +1,415 @@
+"""The Slurm executor: gpuport as the front door of an existing Slurm cluster (``gpuport server --slurm``).
+
+Each gpuport job becomes one Slurm batch job (``sbatch --parsable``), whose queue then decides when
+and where it runs: the job service hands every job over at once (``keeps_queue``) and asks
+``waiting`` why Slurm holds them (one ``squeue`` for all). The job's workspace is made with
+``JobFolders`` under ``--shared-dir``, a folder the compute nodes share (NFS on a real cluster),
+and the batch script runs gpuport's own supervisor there, inside the allocation: log, exit status,
+cancel with a grace period and outputs behave as on the local executor. Layout of a job's folder,
+beside ``JobFolders``'::
+
+    slurm.sh      the batch script: its #SBATCH lines (gpuport's, then a user's script's), the supervisor
+    slurm.id      the Slurm job id, written as soon as sbatch answers (a restarted server watches it again)
+    slurm.out     what Slurm itself writes for the batch step (its errors: cancelled, time limit)
+    slurm.done    written by the batch script once the supervisor has ended
+    slurm-outputs.json  a batch script's --output/--error files, brought back as outputs
+
+The supervisor gets the allocation's ``CUDA_VISIBLE_DEVICES`` and ``SLURM_*`` (its spec's
+``inherit``). A thread watches the handed-over jobs: a job has ended when its ``slurm.done``
+appears, or when Slurm no longer lists it (cancelled while pending, killed with its node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import marshal
+import math
+import os
+import pwd
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpuport._files import atomic_write
+from gpuport.protocol.errors import ConfigError, InvalidRequest
+from gpuport.server.executors.base import Ask, Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.executors.workspace import JobFolders
+from gpuport.server.inventory import GpuInfo, Inventory
+from gpuport.server.isolation import Sandbox
+from gpuport.server.scheduler import Machine
+from gpuport.server.services.blobs import BlobStore
+from gpuport.server.worker import supervisor
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLURM_POLL = 0.1  # seconds between looks for the ended jobs' slurm.done
+DEFAULT_SQUEUE_INTERVAL = 1.0  # seconds between the watcher's looks at Slurm's queue (jobs gone from it)
+# Seconds a look at Slurm's queue answers `gpuport queue` and a restart's checks: while jobs are
+# watched, the watcher's last look does, and the server's event loop never waits on squeue.
+DEFAULT_SQUEUE_FRESH = 2.0
+DEFAULT_SLURM_KILL_MARGIN = 5.0  # seconds after a cancel's grace before Slurm is asked to SIGKILL
+_COMMAND_TIMEOUT = 60.0  # seconds a Slurm command may take (slurmctld busy)
+_NODES_FRESH = 10.0  # seconds the node list from sinfo is kept
+_INHERIT = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_")
+_PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_SBATCH = re.compile(r"#SBATCH\s+(.*)")
+_GRES_GPUS = re.compile(r"gpu(?::[^:(,]+)?:(\d+)")
+
+
+def sbatch_lines(text: str) -> list[str]:
+    """A batch script's own options, as sbatch reads them: the ``#SBATCH`` lines before its first
+    command (blank lines and other comments may come between)."""
+    lines = []
+    for n, line in enumerate(text.splitlines()):
+        stripped = line.strip()
+        if n == 0 and stripped.startswith("#!"):
+            continue
+        if not stripped or (stripped.startswith("#") and not stripped.startswith("#SBATCH")):
+            continue
+        found = _SBATCH.match(stripped)
+        if found is None:
+            break
+        lines.append(found.group(1).split(" #")[0].strip())
+    return lines
+
+
+def script_outputs(options: list[str]) -> list[str]:
+    """The files a script's ``--output``/``--error`` (``-o``/``-e``) name, relative to its workdir."""
+    found = []
+    for line in options:
+        words = shlex.split(line, comments=False)
+        for i, word in enumerate(words):
+            value = None
+            if word.startswith(("--output=", "--error=")):
+                value = word.split("=", 1)[1]
+            elif word in ("--output", "--error", "-o", "-e") and i + 1 < len(words):
+                value = words[i + 1]
+            elif word.startswith(("-o", "-e")) and len(word) > 2 and not word.startswith("--"):
+                value = word[2:]
+            if value and not value.startswith("/") and ".." not in value.split("/"):
+                found.append(value)
+    return found
+
+
+def _interpreter(text: str) -> list[str]:
+    first = text.split("\n", 1)[0]
+    return shlex.split(first[2:]) if first.startswith("#!") and first[2:].strip() else ["/bin/sh"]
+
+
+def _gpus_of(gres: str) -> int:
+    return sum(int(n) for n in _GRES_GPUS.findall(gres))
+
+
+class SlurmExecutor(Executor):
+    """Jobs as Slurm batch jobs, in workspaces under ``shared_dir`` (see the module's docstring).
+    Raises ``ConfigError`` when Slurm's commands do not answer."""
+
+    kind = "slurm"
+    keeps_queue = True
+    runs_here = False
+
+    def __init__(self, shared_dir: Path, blobs: BlobStore, inventory: Inventory, partition: str = "") -> None:
+        if partition and not _PARTITION.fullmatch(partition):
+            raise ConfigError(f"--slurm-partition {partition!r}: a Slurm partition's name (letters, digits, _.-)")
+        self.shared_dir = shared_dir
+        self.partition = partition
+        sandbox = Sandbox("none", "jobs run in Slurm's allocations, as Slurm runs them")
+        self.folders = JobFolders(shared_dir / "jobs", blobs, sandbox, inventory)
+        self.user = pwd.getpwuid(os.getuid()).pw_name
+        self._lock = threading.Lock()
+        self._watched: dict[str, tuple[str, OnExit, float]] = {}  # job id → (Slurm id, on_exit, since)
+        self._slurm_ids: dict[str, str] = {}  # job id → Slurm id, of the jobs handed over
+        self._queue: tuple[float, dict[str, tuple[str, str]]] = (-1e9, {})  # (when, Slurm id → (state, reason))
+        self._nodes: tuple[float, list[Node]] = (-1e9, [])
+        try:
+            found = self._run(["sinfo", "-h", "-o", "%P"])
+        except (OSError, RuntimeError) as e:
+            raise ConfigError(f"--slurm: Slurm's commands do not answer here ({e}); is SLURM_CONF right?") from None
+        self.address = f"partitions {', '.join(found.split())}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="slurm watcher", daemon=True)
+        self._thread.start()
+
+    # ---- Slurm's commands -------------------------------------------------------------------------
+
+    def _run(self, argv: list[str], stdin: str | None = None) -> str:
+        """A Slurm command's output. Raises ``RuntimeError`` with its message when it fails."""
+        done = subprocess.run(argv, check=False, input=stdin, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT)
+        if done.returncode:
+            said = (done.stderr or done.stdout).strip().replace("sbatch: error: ", "")
+            raise RuntimeError(said or f"{argv[0]} exited with {done.returncode}")
+        return done.stdout
+
+    def _squeue(self, fresh: float) -> dict[str, tuple[str, str]] | None:
+        """Slurm id → (state, reason) of this server's user's jobs Slurm still lists, read at most
+        ``fresh`` seconds ago; None when squeue fails."""
+        when, queue = self._queue
+        if time.monotonic() - when <= fresh:
+            return queue
+        taken = time.monotonic()
+        try:
+            out = self._run(["squeue", "-h", "-u", self.user, "-o", "%i|%T|%r"])
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            log.warning("squeue failed: %s", e)
+            return None
+        queue = {}
+        for line in out.splitlines():
+            slurm_id, state, reason = (line.split("|", 2) + ["", ""])[:3]
+            queue[slurm_id] = (state, reason)
+        self._queue = (taken, queue)
+        return queue
+
+    def _slurm_id(self, job_id: str) -> str:
+        with self._lock:
+            found = self._slurm_ids.get(job_id, "")
+        if not found:
+            with contextlib.suppress(OSError):
+                found = (self.folders.folder(job_id) / "slurm.id").read_text().strip()
+            if found:
+                with self._lock:
+                    self._slurm_ids[job_id] = found
+        return found
+
+    # ---- what a job asks ----------------------------------------------------------------------------
+
+    def _options(self, ask: Ask) -> list[str]:
+        """The #SBATCH options of gpuport's own for a job (a script's own lines come after, and win)."""
+        options = []
+        if ask.gpus:
+            options.append(f"--gres=gpu:{ask.gpus}")
+        if ask.cpus:
+            options.append(f"--cpus-per-task={max(1, math.ceil(ask.cpus))}")
+        if ask.memory:
+            options.append(f"--mem={max(1, math.ceil(ask.memory / (1 << 20)))}M")
+        if ask.time_limit:  # the supervisor stops it at its limit; Slurm's is a backstop past the grace
+            options.append(f"--time={math.ceil(ask.time_limit / 60) + 1}")
+        partition = ask.partition or self.partition
+        if partition:
+            options.append(f"--partition={partition}")
+        return options
+
+    def admit(self, ask: Ask) -> None:
+        if ask.partition and not _PARTITION.fullmatch(ask.partition):
+            raise InvalidRequest(f"partition {ask.partition[:80]!r}: a Slurm partition's name (letters, digits, _.-)")
+        header = self._options(ask) + (sbatch_lines(ask.script_text) if ask.batch_script else [])
+        script = "#!/bin/sh\n" + "".join(f"#SBATCH {line}\n" for line in header) + "true\n"
+        try:
+            self._run(["sbatch", "--test-only", "--job-name=gpuport-check", "--output=/dev/null"], stdin=script)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise InvalidRequest(f"Slurm did not answer sbatch --test-only: {e}") from None
+        except RuntimeError as e:
+            raise InvalidRequest(f"Slurm refused the job: {e}") from None
+
+    # ---- start and watch ------------------------------------------------------------------------------
+
+    def start(self, job: JobLaunch, on_exit: OnExit) -> None:
+        # Slurm gives the job its GPUs; an empty CUDA_VISIBLE_DEVICES of gpuport's would hide them.
+        job = dataclasses.replace(job, env={k: v for k, v in job.env.items() if k != "CUDA_VISIBLE_DEVICES"})
+        spec = self.folders.prepare(job)
+        spec["env"].pop("CUDA_VISIBLE_DEVICES", None)  # the server's own, if it has one
+        spec["inherit"] = list(_INHERIT)
+        job_dir = self.folders.folder(job.job_id)
+        work = job_dir / "work"
+        ask = Ask(job.gpus, job.cpus, job.memory, job.time_limit, partition=job.partition)
+        options = [f"--job-name=gpuport-{job.job_id}", f"--output={job_dir / 'slurm.out'}", f"--chdir={work}"]
+        options += self._options(ask)
+        outputs: list[str] = []
+        if job.batch_script:
+            text = (work / job.batch_script).read_text(errors="replace")
+            own = sbatch_lines(text)
+            options += own
+            outputs = script_outputs(own)
+            spec["argv"] = [*_interpreter(text), job.batch_script, *job.argv[1:]]
+        atomic_write(job_dir / "spec.marshal", marshal.dumps(spec), 0o600, durable=False)
+        atomic_write(job_dir / "slurm-outputs.json", json.dumps(outputs).encode(), 0o600, durable=False)
+        q = shlex.quote
+        copies = "".join(
+            f"cat {q(str(job_dir / 'log'))} > {q(path.replace('%j', '$SLURM_JOB_ID'))}\n" for path in outputs
+        )
+        script = (
+            "#!/bin/sh\n"
+            + "".join(f"#SBATCH {line}\n" for line in options)
+            + "trap : TERM\n"  # the shell waits for the supervisor, which passes a cancel on
+            + f"{q(sys.executable)} -I -S {q(supervisor.__file__)} {q(str(job_dir))} "
+            + f">> {q(str(job_dir / 'supervisor.log'))} 2>&1\n"
+            + copies
+            + f": > {q(str(job_dir / 'slurm.done'))}\n"
+        )
+        atomic_write(job_dir / "slurm.sh", script.encode(), 0o700, durable=False)
+        submitted = time.monotonic()
+        try:
+            out = self._run(["sbatch", "--parsable", str(job_dir / "slurm.sh")])
+        except RuntimeError as e:
+            raise RuntimeError(f"Slurm refused the job: {e}") from None
+        slurm_id = out.strip().split(";")[0]
+        atomic_write(job_dir / "slurm.id", slurm_id.encode(), 0o600)
+        log.info("job %s is Slurm job %s", job.job_id, slurm_id)
+        with self._lock:
+            self._slurm_ids[job.job_id] = slurm_id
+            self._watched[job.job_id] = (slurm_id, on_exit, submitted)
+
+    def _watch(self) -> None:
+        next_look = 0.0
+        while not self._stop.wait(DEFAULT_SLURM_POLL):
+            with self._lock:
+                watched = dict(self._watched)
+            if not watched:
+                continue
+            # Only a job Slurm last listed as started (or not at all) can have ended: no look at the
+            # shared folder for each of a thousand pending ones, ten times a second.
+            listed = self._queue[1]
+            started = [j for j, (slurm_id, _, _) in watched.items() if listed.get(slurm_id, ("",))[0] != "PENDING"]
+            ended = [j for j in started if (self.folders.folder(j) / "slurm.done").exists()]
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + DEFAULT_SQUEUE_INTERVAL
+                queue = self._squeue(0.0)
+                taken = self._queue[0]
+                if queue is not None:
+                    for job_id, (slurm_id, _, since) in watched.items():
+                        if slurm_id not in queue and taken > since and job_id not in ended:
+                            ended.append(job_id)
+            for job_id in ended:
+                with self._lock:
+                    entry = self._watched.pop(job_id, None)
+                if entry is not None:
+                    try:
+                        entry[1]()
+                    except Exception:
+                        log.exception("job %s: its end could not be reported", job_id)
+
+    def is_running(self, job_id: str) -> bool:
+        slurm_id = self._slurm_id(job_id)
+        if not slurm_id or (self.folders.folder(job_id) / "slurm.done").exists():
+            return False
+        queue = self._squeue(DEFAULT_SQUEUE_FRESH)
+        return queue is None or slurm_id in queue  # Slurm not answering: still its, for now
+
+    def reattach(self, job_id: str, on_exit: OnExit) -> None:
+        slurm_id = self._slurm_id(job_id)
+        with self._lock:
+            self._watched[job_id] = (slurm_id, on_exit, time.monotonic())
+
+    def waiting(self, job_ids: list[str]) -> dict[str, str]:
+        queue = self._squeue(DEFAULT_SQUEUE_FRESH) or {}
+        out = {}
+        for job_id in job_ids:
+            state, reason = queue.get(self._slurm_id(job_id), ("", ""))
+            if state == "PENDING":
+                out[job_id] = f"Slurm: {reason}"
+        return out
+
+    # ---- stop -------------------------------------------------------------------------------------
+
+    def cancel(self, job_id: str) -> None:
+        slurm_id = self._slurm_id(job_id)
+        if not slurm_id:
+            return
+        job_dir = self.folders.folder(job_id)
+        atomic_write(job_dir / "cancel", b"", 0o600, durable=False)  # the supervisor reads it as it starts
+        state = (self._squeue(0.0) or {}).get(slurm_id, ("", ""))[0]
+        if state == "PENDING":  # never ran: it ends here, cancelled
+            with contextlib.suppress(RuntimeError, OSError):
+                self._run(["scancel", slurm_id])
+            if not (job_dir / "exit.json").exists():
+                now = time.time()
+                status = {"started_at": now, "ended_at": now, "exit_code": -15, "cancelled": True}
+                atomic_write(job_dir / "exit.json", json.dumps(status).encode(), 0o600, durable=False)
+            return
+        with contextlib.suppress(RuntimeError, OSError):
+            self._run(["scancel", "--signal=TERM", "--full", slurm_id])
+        grace = self._grace(job_id) + DEFAULT_SLURM_KILL_MARGIN
+        timer = threading.Timer(grace, self._kill_if_running, (job_id, slurm_id))
+        timer.daemon = True
+        timer.start()
+
+    def _grace(self, job_id: str) -> float:
+        try:
+            return float(marshal.loads((self.folders.folder(job_id) / "spec.marshal").read_bytes())["grace"])
+        except (OSError, ValueError, EOFError, KeyError):
+            return 5.0
+
+    def _kill_if_running(self, job_id: str, slurm_id: str) -> None:
+        if self.is_running(job_id):
+            with contextlib.suppress(RuntimeError, OSError):
+                self._run(["scancel", "--signal=KILL", "--full", slurm_id])
+
+    def kill(self, job_id: str, reason: str) -> None:
+        slurm_id = self._slurm_id(job_id)
+        if not slurm_id:
+            return
+        job_dir = self.folders.folder(job_id)
+        atomic_write(job_dir / "kill.json", json.dumps({"reason": reason}).encode(), 0o600, durable=False)
+        atomic_write(job_dir / "kill", b"", 0o600, durable=False)
+        with contextlib.suppress(RuntimeError, OSError):
+            self._run(["scancel", "--signal=KILL", "--full", slurm_id])
+
+    # ---- what a job leaves (in the shared folder) -----------------------------------------------------
+
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        return self.folders.read_log(job_id, offset, limit)
+
+    def log_size(self, job_id: str) -> int:
+        return self.folders.log_size(job_id)
+
+    def known_log_size(self, job_id: str) -> int:
+        with self._lock:
+            slurm_id = self._slurm_ids.get(job_id, "")
+        if self._queue[1].get(slurm_id, ("",))[0] == "PENDING":
+            return 0  # not started: no log yet, and no look at the shared folder for each of a long queue
+        return self.folders.log_size(job_id)
+
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        return self.folders.log_data_offset(job_id, offset)
+
+    def exit_status(self, job_id: str) -> dict[str, Any] | None:
+        return self.folders.exit_status(job_id)
+
+    def was_started(self, job_id: str) -> bool:
+        return bool(self._slurm_id(job_id)) or self.folders.was_started(job_id)
+
+    def collect_outputs(self, job_id: str, declared: list[str], ingest: Ingest) -> tuple[str, list[str]]:
+        try:
+            extra = json.loads((self.folders.folder(job_id) / "slurm-outputs.json").read_text())
+        except (OSError, ValueError):
+            extra = []
+        extra = [path.replace("%j", self._slurm_id(job_id)) for path in extra]
+        return self.folders.collect_outputs(job_id, [*declared, *(p for p in extra if p not in declared)], ingest)
+
+    def usage(self, job_ids: list[str]) -> dict[str, Usage]:
+        return {job_id: Usage() for job_id in job_ids}  # Slurm holds them to what they asked for
+
+    def tidy(self, job_id: str) -> None:
+        self.folders.tidy(job_id)
+
+    # ---- the cluster ------------------------------------------------------------------------------------
+
+    def nodes(self) -> list[Node]:
+        when, nodes = self._nodes
+        if time.monotonic() - when < _NODES_FRESH:
+            return nodes
+        try:
+            out = self._run(["sinfo", "-h", "-N", "-o", "%N|%c|%m|%G"])
+        except (OSError, RuntimeError, subprocess.TimeoutExpired):
+            return nodes
+        found: dict[str, Node] = {}
+        for line in out.splitlines():
+            name, cpus, memory, gres = (line.split("|") + ["", "", ""])[:4]
+            with contextlib.suppress(ValueError):
+                machine = Machine((0,) * _gpus_of(gres), float(cpus), int(memory) << 20)
+                found.setdefault(name, Node(name, machine))
+        self._nodes = (time.monotonic(), list(found.values()))
+        return self._nodes[1]
+
+    def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
+        return {}  # read on the compute nodes, by Slurm
+
+    def close(self) -> None:
+        self._stop.set()

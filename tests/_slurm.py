@@ -1,0 +1,212 @@
+"""A real one-node Slurm cluster on this machine, for the Slurm executor's tests and benchmark.
+
+Debian's ``slurm-wlm`` and ``munge``, run as root with everything in a temporary folder: a
+``slurm.conf`` named by ``SLURM_CONF``, ``munged --force`` with its own key and socket, and
+``slurmctld -D`` + ``slurmd -D`` on free ports. The node has 2 fake GPUs: gres of ``File=`` plain
+files, with ``AutoDetect=off``. Ended by killing each daemon by its pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+START_TIMEOUT = 60.0
+NODE_CPUS = 4  # more than this machine may have: slurmd takes the config's word (config_overrides)
+NODE_MEMORY_MB = 4000
+TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
+
+
+def missing() -> str:
+    """Why a Slurm cluster cannot be started here ("": it can)."""
+    absent = [tool for tool in TOOLS if shutil.which(tool) is None and not Path("/usr/sbin", tool).exists()]
+    if absent:
+        return f"Slurm is not installed ({', '.join(absent)} missing): apt-get install -y slurm-wlm munge"
+    if os.geteuid() != 0:
+        return "the test Slurm cluster runs its daemons as root"
+    return ""
+
+
+def _free_port() -> int:
+    """A port free now, below the kernel's range of ephemeral ports (one from that range can be handed
+    to some connection's local end before the daemon binds it)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _tool(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+@dataclass
+class SlurmCluster:
+    base: Path
+    node: str  # the one node's name: this machine's
+    conf: Path  # slurm.conf, for SLURM_CONF
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """This process's environment, with the cluster's SLURM_CONF."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "GPUPORT_"))}
+        env.update(SLURM_CONF=str(self.conf), **extra)
+        return env
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=self.env(), capture_output=True, text=True, check=check, timeout=60)
+
+    def _start(self, name: str, *argv: str) -> subprocess.Popen[bytes]:
+        with open(self.base / f"{name}.out", "ab") as log:
+            process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+            )
+        self.processes.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        parts = []
+        for path in (self.base / f"{name}.out", self.base / f"{name}.log"):
+            with contextlib.suppress(OSError):
+                parts.append(path.read_text(errors="replace")[-3000:])
+        return "\n".join(parts)
+
+    def wait_idle(self) -> None:
+        """Until the node takes jobs."""
+        deadline = time.monotonic() + START_TIMEOUT
+        last = ""
+        while time.monotonic() < deadline:
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{process.args[0]} ended:\n{self.log('slurmctld')}\n{self.log('slurmd')}")
+            done = self.run("sinfo", "-h", "-N", "-o", "%T", check=False)
+            last = done.stdout + done.stderr
+            if done.returncode == 0 and set(done.stdout.split()) <= {"idle", "mixed", "allocated"} and done.stdout:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the Slurm node is not idle in {START_TIMEOUT}s ({last.strip()}):\n{self.log('slurmd')}")
+
+    def cancel_all(self) -> None:
+        """Cancel every job of the cluster (between tests)."""
+        self.run("scancel", "--full", "-u", "root", check=False)
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+
+
+def start_cluster(base: Path, tries: int = 3) -> SlurmCluster:
+    """munged, slurmctld and slurmd with a config in ``base``; ready when this returns. A daemon that
+    lost its port to another process in between is started again, on other ports."""
+    for attempt in range(tries):
+        try:
+            return _start_cluster(base)
+        except RuntimeError as e:
+            if "Address already in use" not in str(e) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_cluster(base: Path) -> SlurmCluster:
+    base.mkdir(parents=True, exist_ok=True)
+    node = socket.gethostname().split(".")[0]
+    for folder in ("state", "spool", "munge"):
+        (base / folder).mkdir(mode=0o700, exist_ok=True)
+    for left in ("munge/munge.sock", "munge/munge.key", *(f"{d}.{e}" for d in TOOLS[:3] for e in ("out", "log"))):
+        (base / left).unlink(missing_ok=True)  # an earlier try's
+    key = base / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    sock = base / "munge" / "munge.sock"
+    gpus = [base / f"gpu{i}" for i in range(2)]
+    for gpu in gpus:  # character devices (slurmd wants them), /dev/null's: nothing to touch behind them
+        with contextlib.suppress(FileNotFoundError):
+            gpu.unlink()
+        os.mknod(gpu, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    conf = base / "slurm.conf"
+    conf.write_text(
+        f"""ClusterName=gpuport-test
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={sock}
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={base / "state"}
+SlurmdSpoolDir={base / "spool"}
+SlurmctldPidFile={base / "slurmctld.pid"}
+SlurmdPidFile={base / "slurmd.pid"}
+SlurmctldLogFile={base / "slurmctld.log"}
+SlurmdLogFile={base / "slurmd.log"}
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU_Memory
+DefMemPerCPU=100
+GresTypes=gpu
+ReturnToService=2
+KillWait=5
+MinJobAge=30
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MaxJobCount=20000
+NodeName={node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2 State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes={node} MaxTime=10 State=UP
+"""
+    )
+    (base / "gres.conf").write_text(f"AutoDetect=off\nNodeName={node} Name=gpu File={base}/gpu[0-1]\n")
+    cluster = SlurmCluster(base, node, conf)
+    try:
+        cluster._start(
+            "munged",
+            _tool("munged"),
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={sock}",
+            f"--pid-file={base / 'munge' / 'munged.pid'}",
+            f"--log-file={base / 'munge' / 'munged.log'}",
+            f"--seed-file={base / 'munge' / 'munged.seed'}",
+        )
+        deadline = time.monotonic() + START_TIMEOUT
+        while not sock.exists():
+            if time.monotonic() > deadline or cluster.processes[0].poll() is not None:
+                raise RuntimeError(f"munged did not start:\n{cluster.log('munged')}")
+            time.sleep(0.05)
+        cluster._start("slurmctld", _tool("slurmctld"), "-D", "-i", "-f", str(conf))
+        cluster._start("slurmd", _tool("slurmd"), "-D", "-f", str(conf))
+        cluster.wait_idle()
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster

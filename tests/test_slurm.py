@@ -1,0 +1,296 @@
+"""gpuport in front of a real Slurm cluster (`gpuport server --slurm`): jobs become Slurm jobs.
+
+The cluster (tests/_slurm.py) is one node of this machine with 2 fake GPUs as gres; the shared
+directory is a local folder. Jobs that hold wait for the file 'go' in their workdir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests._slurm import SlurmCluster, missing, start_cluster
+from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
+
+pytestmark = pytest.mark.skipif(bool(missing()), reason=missing() or "Slurm is here")
+
+HOLD = "import os, time\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield cluster
+    finally:
+        cluster.cancel_all()
+        cluster.close()
+
+
+def _start(cluster: SlurmCluster, state_dir: Path, shared: Path, *args: str) -> RunningServer:
+    env = server_env(SLURM_CONF=str(cluster.conf))
+    return start_server(state_dir, "--slurm", "--shared-dir", str(shared), *args, env=env)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def slurm_server(
+    cluster: SlurmCluster, shared: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    running = _start(cluster, tmp_path_factory.mktemp("state"), shared)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(autouse=True)
+def _released(cluster: SlurmCluster, shared: Path) -> Iterator[None]:
+    """Whatever a test leaves holding is released after it (the next test gets both GPUs)."""
+    yield
+    _go(shared)
+    cluster.cancel_all()
+
+
+def _go(shared: Path, job_id: str = "") -> None:
+    for work in (shared / "jobs").glob(f"{job_id or '*'}/work"):
+        (work / "go").touch()
+
+
+def _submit(server: RunningServer, code: str, **spec: object) -> dict:
+    reply = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": [sys.executable, "-c", code], **spec})
+    assert reply.status_code == 201, reply.text
+    return reply.json()
+
+
+def _job(server: RunningServer, job_id: str) -> dict:
+    reply = server.rest("GET", f"/v1/jobs/{job_id}", server.admin_token)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def _ended(server: RunningServer, job_id: str, timeout: float = 60) -> dict:
+    return wait_for(
+        lambda: (j := _job(server, job_id))["state"] not in ("queued", "running") and j,
+        timeout,
+        f"job {job_id} to end",
+    )
+
+
+def _log(server: RunningServer, job_id: str) -> str:
+    reply = server.rest("GET", f"/v1/jobs/{job_id}/logs", server.admin_token)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["data"]
+
+
+def _cli(server: RunningServer, *args: str, cwd: Path | None = None, code: int = 0) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **client_env(server), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuport", *args], check=False, env=env, cwd=cwd, capture_output=True, text=True
+    )
+    assert done.returncode == code, done.stdout + done.stderr
+    return done
+
+
+def _slurm_id(shared: Path, job_id: str) -> str:
+    return wait_for(lambda: (p := shared / "jobs" / job_id / "slurm.id").exists() and p.read_text(), 30, "its Slurm id")
+
+
+def test_the_banner_names_slurm(slurm_server: RunningServer) -> None:
+    assert "cluster      Slurm at partitions debug*, short: 1 node" in slurm_server.banner
+
+
+def test_a_job_gets_the_gpus_slurm_allocated_and_its_exit_code(
+    slurm_server: RunningServer, cluster: SlurmCluster, shared: Path
+) -> None:
+    code = (
+        "import os, sys\n"
+        "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['SLURM_JOB_ID'], os.environ['SLURM_CPUS_PER_TASK'])\n"
+        "open('result.txt', 'w').write('kept')\n"
+        "sys.exit(3)\n"
+    )
+    job = _submit(slurm_server, code, gpus=2, cpus=2, outputs=["result.txt"])
+    ended = _ended(slurm_server, job["job_id"])
+    assert (ended["state"], ended["exit_code"]) == ("failed", 3), ended
+    slurm_id = _slurm_id(shared, job["job_id"])
+    assert _log(slurm_server, job["job_id"]) == f"0,1 {slurm_id} 2\n"
+    files = slurm_server.rest("GET", f"/v1/jobs/{job['job_id']}/outputs", slurm_server.admin_token)
+    assert files.status_code == 200 and "result.txt" in files.text, files.text
+    one = _submit(slurm_server, "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))", gpus=1)
+    assert _ended(slurm_server, one["job_id"])["state"] == "succeeded"
+    assert _log(slurm_server, one["job_id"]) == "'0'\n"
+
+
+def test_a_job_slurm_holds_shows_slurms_reason_in_the_queue(slurm_server: RunningServer, shared: Path) -> None:
+    first = _submit(slurm_server, HOLD, gpus=2)
+    wait_for(lambda: (shared / "jobs" / first["job_id"] / "supervisor.json").exists(), 60, "the first job to run")
+    second = _submit(slurm_server, HOLD + "print('second ran')\n", gpus=2)
+    assert second["state"] == "running"  # handed over to Slurm at once: gpuport holds nothing back
+    out = wait_for(
+        lambda: second["job_id"] in (o := _cli(slurm_server, "queue").stdout) and "Slurm: Resources" in o and o,
+        30,
+        "the queue to show Slurm's reason",
+    )
+    assert first["job_id"] not in out  # it runs
+    listed = slurm_server.rest("GET", "/v1/queue", slurm_server.admin_token)
+    assert listed.status_code == 200, listed.text
+    _go(shared, first["job_id"])
+    assert _ended(slurm_server, first["job_id"])["state"] == "succeeded"
+    wait_for(
+        lambda: second["job_id"] not in _cli(slurm_server, "queue").stdout, 30, "the second job to leave the queue"
+    )
+    _go(shared, second["job_id"])
+    assert _ended(slurm_server, second["job_id"])["state"] == "succeeded"
+    assert _log(slurm_server, second["job_id"]) == "second ran\n"
+
+
+def test_cancel_stops_a_running_job_with_sigterm_and_a_pending_one_at_once(
+    slurm_server: RunningServer, shared: Path
+) -> None:
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
+        "print('started', flush=True)\n"
+        "while True: time.sleep(0.05)\n"
+    )
+    running = _submit(slurm_server, code, gpus=2)
+    wait_for(lambda: "started" in _log(slurm_server, running["job_id"]), 60, "the log's first line, live")
+    pending = _submit(slurm_server, HOLD, gpus=2)
+    wait_for(lambda: pending["job_id"] in _cli(slurm_server, "queue").stdout, 30, "the second job pending")
+    slurm_server.rest("POST", f"/v1/jobs/{pending['job_id']}/cancel", slurm_server.admin_token)
+    assert _ended(slurm_server, pending["job_id"])["state"] == "cancelled"
+    slurm_server.rest("POST", f"/v1/jobs/{running['job_id']}/cancel", slurm_server.admin_token)
+    ended = _ended(slurm_server, running["job_id"])
+    assert ended["state"] == "cancelled" and ended["exit_code"] == 7, ended
+    assert "got SIGTERM" in _log(slurm_server, running["job_id"])
+
+
+SCRIPT = """#!/bin/sh
+# an ordinary Slurm script
+#SBATCH --job-name=mine
+#SBATCH --gres=gpu:2
+#SBATCH --time=5
+#SBATCH --output=out-%j.txt
+
+echo "$SLURM_JOB_NAME $CUDA_VISIBLE_DEVICES $*"
+cat data.txt
+exit 4
+"""
+
+
+def test_a_batch_script_runs_with_its_own_sbatch_lines(
+    slurm_server: RunningServer, shared: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "train.sh").write_text(SCRIPT)
+    (tmp_path / "data.txt").write_text("synced\n")
+    done = _cli(slurm_server, "sbatch", "--wait", "train.sh", "a", "b c", cwd=tmp_path, code=4)
+    job_id = done.stdout.strip()
+    assert _log(slurm_server, job_id) == "mine 0,1 a b c\nsynced\n"
+    slurm_id = _slurm_id(shared, job_id)
+    job = _job(slurm_server, job_id)
+    assert job["state"] == "failed", job
+    files = slurm_server.rest("GET", f"/v1/jobs/{job_id}/outputs", slurm_server.admin_token)
+    assert files.status_code == 200 and f"out-{slurm_id}.txt" in files.text, files.text
+    with slurm_server.connect() as client:  # the Python door, and REST's
+        again = client.submit_batch(tmp_path / "train.sh", ["x"]).wait()
+        assert again.info.exit_code == 4 and list(again.logs()) == ["mine 0,1 x", "synced"]
+    snapshot = slurm_server.rest(
+        "POST",
+        "/v1/snapshots?name=script",
+        slurm_server.admin_token,
+        content=_tar(tmp_path),
+        headers={"Content-Type": "application/x-tar"},
+    )
+    assert snapshot.status_code in (200, 201), snapshot.text
+    rest = slurm_server.rest(
+        "POST",
+        "/v1/jobs",
+        slurm_server.admin_token,
+        json={"batch_script": "train.sh", "command": ["r"], "project": "script"},
+    )
+    assert rest.status_code == 201, rest.text
+    assert _ended(slurm_server, rest.json()["job_id"])["exit_code"] == 4
+    assert _log(slurm_server, rest.json()["job_id"]).startswith("mine 0,1 r\n")
+
+
+def _tar(folder: Path) -> bytes:
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name in ("train.sh", "data.txt"):
+            tar.add(folder / name, arcname=name)
+    return buffer.getvalue()
+
+
+def test_a_job_slurm_rejects_is_refused_with_slurms_message(slurm_server: RunningServer, tmp_path: Path) -> None:
+    reply = slurm_server.rest("POST", "/v1/jobs", slurm_server.admin_token, json={"command": ["true"], "gpus": 5})
+    assert reply.status_code == 400, reply.text
+    assert "Slurm refused the job" in reply.text and "Requested node configuration is not available" in reply.text
+    reply = slurm_server.rest(
+        "POST", "/v1/jobs", slurm_server.admin_token, json={"command": ["true"], "partition": "nope"}
+    )
+    assert reply.status_code == 400 and "invalid partition" in reply.text.lower(), reply.text
+    (tmp_path / "big.sh").write_text("#!/bin/sh\n#SBATCH --gres=gpu:9\ntrue\n")
+    done = _cli(slurm_server, "sbatch", "big.sh", cwd=tmp_path, code=1)
+    assert "Slurm refused the job" in done.stderr and "Requested node configuration" in done.stderr, done.stderr
+    listed = slurm_server.rest("GET", "/v1/jobs?all=true", slurm_server.admin_token).text
+    assert "big.sh" not in listed  # refused: never queued
+
+
+def test_a_batch_script_elsewhere_is_refused_saying_why(server: RunningServer, tmp_path: Path) -> None:
+    (tmp_path / "train.sh").write_text(SCRIPT)
+    done = _cli(server, "sbatch", "train.sh", cwd=tmp_path, code=1)
+    assert "gpuport server --slurm" in done.stderr, done.stderr
+
+
+def test_a_server_killed_and_restarted_finds_its_slurm_jobs(
+    cluster: SlurmCluster, shared: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    first = _start(cluster, state, shared)
+    job = _submit(first, HOLD + "print('released', flush=True)\nraise SystemExit(5)\n", gpus=1)
+    wait_for(lambda: (shared / "jobs" / job["job_id"] / "supervisor.json").exists(), 60, "the job to run")
+    ended_meanwhile = _submit(first, "print('quick')", gpus=1)
+    _slurm_id(shared, ended_meanwhile["job_id"])  # handed over to Slurm
+    first.stop(signal.SIGKILL)
+    wait_for(lambda: (shared / "jobs" / ended_meanwhile["job_id"] / "slurm.done").exists(), 60, "the quick job's end")
+    second = _start(cluster, state, shared)
+    second.admin_token = first.admin_token  # shown on the first start only
+    try:
+        assert _job(second, job["job_id"])["state"] == "running"
+        quick = _ended(second, ended_meanwhile["job_id"])
+        assert quick["state"] == "succeeded" and _log(second, quick["job_id"]) == "quick\n"
+        _go(shared, job["job_id"])
+        ended = _ended(second, job["job_id"])
+        assert (ended["state"], ended["exit_code"]) == ("failed", 5), ended
+        assert _log(second, job["job_id"]) == "released\n"
+    finally:
+        second.stop()
+
+
+def test_slurm_options_alone_are_refused_saying_what_to_give(tmp_path: Path) -> None:
+    def refused(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpuport", "server", "--state-dir", str(tmp_path / "state"), *args],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stdout + done.stderr
+        return done.stderr
+
+    assert "--slurm needs --shared-dir DIR" in refused("--slurm")
+    assert "go with --slurm" in refused("--shared-dir", str(tmp_path))

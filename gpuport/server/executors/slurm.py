@@ -314,6 +314,11 @@ class SlurmExecutor(Executor):
             return
         job_dir = self.folders.folder(job_id)
         atomic_write(job_dir / "cancel", b"", 0o600, durable=False)  # the supervisor reads it as it starts
+        # Slurm's commands on a thread of their own: the caller is the server's event loop.
+        threading.Thread(target=self._cancel, args=(job_id, slurm_id), name=f"cancel {job_id}", daemon=True).start()
+
+    def _cancel(self, job_id: str, slurm_id: str) -> None:
+        job_dir = self.folders.folder(job_id)
         state = (self._squeue(0.0) or {}).get(slurm_id, ("", ""))[0]
         if state == "PENDING":  # never ran: it ends here, cancelled
             with contextlib.suppress(RuntimeError, OSError):
@@ -338,8 +343,7 @@ class SlurmExecutor(Executor):
 
     def _kill_if_running(self, job_id: str, slurm_id: str) -> None:
         if self.is_running(job_id):
-            with contextlib.suppress(RuntimeError, OSError):
-                self._run(["scancel", "--signal=KILL", "--full", slurm_id])
+            self._scancel_kill(slurm_id)
 
     def kill(self, job_id: str, reason: str) -> None:
         slurm_id = self._slurm_id(job_id)
@@ -348,6 +352,9 @@ class SlurmExecutor(Executor):
         job_dir = self.folders.folder(job_id)
         atomic_write(job_dir / "kill.json", json.dumps({"reason": reason}).encode(), 0o600, durable=False)
         atomic_write(job_dir / "kill", b"", 0o600, durable=False)
+        threading.Thread(target=self._scancel_kill, args=(slurm_id,), name=f"kill {job_id}", daemon=True).start()
+
+    def _scancel_kill(self, slurm_id: str) -> None:
         with contextlib.suppress(RuntimeError, OSError):
             self._run(["scancel", "--signal=KILL", "--full", slurm_id])
 

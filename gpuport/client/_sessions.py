@@ -51,6 +51,7 @@ from gpuport.protocol.errors import (
     WorkerDied,
     error_from_name,
 )
+from gpuport.protocol.sockets import recv_exact
 from gpuport.protocol.units import parse_duration, parse_size
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class Ref:
     """A value held by a session's worker. Pass it among a call's arguments (anywhere: in a list, a
     dict) and the worker uses the value itself; ``session.get(ref)`` brings it here."""
 
-    __slots__ = ("session_id", "id", "name", "type", "summary")
+    __slots__ = ("id", "name", "session_id", "summary", "type")
 
     def __init__(self, session_id: str, info: pb.RefInfo) -> None:
         self.session_id = session_id
@@ -753,10 +754,10 @@ class _Channel:
         with self._lock:
             try:
                 self._sock.sendall(self._LENGTH.pack(len(data)) + data)
-                _recv_exact(self._sock, memoryview(head))
+                recv_exact(self._sock, memoryview(head), "the server")
                 size, kind = self._REPLY.unpack(head)
                 body = bytearray(size)
-                _recv_exact(self._sock, memoryview(body))
+                recv_exact(self._sock, memoryview(body), "the server")
             except (OSError, EOFError):
                 raise _ChannelLost from None
         if kind == 0:
@@ -767,15 +768,6 @@ class _Channel:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.close()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise EOFError("the server closed the connection")
-        got += n
 
 
 # ---- remote functions --------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from gpuport.defaults import (
     DEFAULT_SHUTDOWN_GRACE,
 )
 from gpuport.protocol.errors import ConfigError
+from gpuport.protocol.sockets import is_loopback
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups, isolation
 from gpuport.server.api.callers import with_client_certificate
@@ -48,15 +48,6 @@ from gpuport.server.state import open_state_dir
 from gpuport.server.tls import TLSIdentity, load_or_create_identity
 
 log = logging.getLogger("gpuport.server")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _HttpServer(uvicorn.Server):

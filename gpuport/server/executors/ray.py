@@ -45,6 +45,7 @@ from gpuport.protocol.errors import ConfigError
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
 from gpuport.server.inventory import GpuInfo
 from gpuport.server.services.blobs import BlobStore, BlobWriter, read_parts
+from gpuport.server.worker.supervisor import peer_envs, roles_of
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def check_cluster(address: str, insecure: bool) -> None:
     (CVE-2023-48022). Asks the cluster's GCS for its id, without a token and with ours."""
     import grpc
 
-    from gpuport.server.daemon import is_loopback
+    from gpuport.protocol.sockets import is_loopback
 
     if _token():  # read by Ray when it is first imported: the driver then sends the token
         os.environ["RAY_AUTH_MODE"] = "token"
@@ -149,9 +150,9 @@ class NodeAgent:
 
         from gpuport.server import cgroups, isolation
         from gpuport.server.executors.local import this_machine
-        from gpuport.server.services.jobs import memory_floor
         from gpuport.server.executors.workspace import JobFolders
         from gpuport.server.inventory import FakeInventory, detect_inventory
+        from gpuport.server.services.jobs import memory_floor
 
         ray = _ray()
         root = Path(os.environ.get(ENV_NODE_DIR) or Path(ray.get_runtime_context().get_temp_dir()) / "gpuport")
@@ -343,7 +344,7 @@ class NodeAgent:
 
 
 class _Part:
-    __slots__ = ("blob", "offset", "data", "last")
+    __slots__ = ("blob", "data", "last", "offset")
 
     def __init__(self, blob: str, offset: int, data: bytes, last: bool) -> None:
         self.blob, self.offset, self.data, self.last = blob, offset, data, last
@@ -627,14 +628,10 @@ class RayExecutor(Executor):
             ray.get(handle.free_ports.remote(per + (1 if r == 0 else 0)), timeout=_CALL_TIMEOUT)
             for r, handle in enumerate(handles)
         ]
-        master = f"{addresses[0]}:{ports[0][-1]}"
-        roles = [role for role, count in job.tf_roles or [("worker", job.nprocs)] for _ in range(count)]
-        cluster: dict[str, list[str]] = {}
-        tasks = []
-        for rank, role in enumerate(roles):
-            listed = cluster.setdefault(role, [])
-            tasks.append({"type": role, "index": len(listed)})
-            listed.append(f"{addresses[rank // per]}:{ports[rank // per][rank % per]}")
+        endpoints = [f"{addresses[rank // per]}:{ports[rank // per][rank % per]}" for rank in range(job.nprocs)]
+        peers = peer_envs(
+            roles_of(job.tf_roles, job.nprocs), endpoints, (addresses[0], ports[0][-1]), per, nodes=addresses
+        )
         folder = self.root / job.job_id
         folder.mkdir(mode=0o700, exist_ok=True)
         for name in ("exit.json", "pump.json"):
@@ -650,26 +647,10 @@ class RayExecutor(Executor):
                 if len(part.gpu_indices) >= per:
                     each = len(part.gpu_indices) // per
                     gpus = [list(part.gpu_indices[i * each : (i + 1) * each]) for i in range(per)]
-                rank_env = []
-                for local in range(per):
-                    rank = r * per + local
-                    rank_env.append(
-                        {
-                            "TF_CONFIG": json.dumps({"cluster": cluster, "task": tasks[rank]}),
-                            "MASTER_ADDR": addresses[0],
-                            "MASTER_PORT": master.rsplit(":", 1)[1],
-                            "RANK": str(rank),
-                            "LOCAL_RANK": str(local),
-                            "WORLD_SIZE": str(job.nprocs),
-                            "LOCAL_WORLD_SIZE": str(per),
-                            "NODE_RANK": str(r),
-                            "GPUPORT_RANK": str(rank),
-                            "GPUPORT_NPROCS": str(job.nprocs),
-                            "GPUPORT_NODE_RANK": str(r),
-                            "GPUPORT_NODE_IPS": ",".join(addresses),
-                            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[local])),
-                        }
-                    )
+                rank_env = [
+                    {**peers[r * per + local], "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[local]))}
+                    for local in range(per)
+                ]
                 piece = dataclasses.replace(
                     job,
                     placement=part,

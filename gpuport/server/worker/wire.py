@@ -26,6 +26,8 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from gpuport.protocol.sockets import recv_exact
+
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
 _MAX_HEADER = 64 * 1024 * 1024
 _MAX_FDS = 16
@@ -36,7 +38,7 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Frame:
-    __slots__ = ("header", "buffers", "fds")
+    __slots__ = ("buffers", "fds", "header")
 
     def __init__(self, header: dict[str, Any], buffers: list[memoryview], fds: list[int]) -> None:
         self.header = header
@@ -209,15 +211,6 @@ def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] 
         sock.sendall(part)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise EOFError("the other side closed the connection")
-        got += n
-
-
 def recv(sock: socket.socket) -> Frame:
     """The next frame; ``EOFError`` when the other side has gone."""
     prefix = bytearray(_PREFIX.size)
@@ -231,7 +224,7 @@ def recv(sock: socket.socket) -> Frame:
         got += len(data)
     head_size, total = _sizes(prefix)
     body = memoryview(bytearray(head_size + total))
-    _recv_exact(sock, body)
+    recv_exact(sock, body)
     return _frame(body, head_size, fds)
 
 

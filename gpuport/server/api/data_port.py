@@ -95,8 +95,9 @@ from gpuport.server.executors.base import Executor
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.blobs import BlobSink, check_hash
-from gpuport.server.services.sessions import Direct, Redeemed, SessionService, Staged
+from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
+from gpuport.server.services.staging import Direct, Redeemed, Staged
 from gpuport.server.services.storage import StorageService, over_quota
 from gpuport.server.worker import wire
 
@@ -393,7 +394,7 @@ class DataPort:
         fd, _, size = staged.parts[0]
         try:
             if size:
-                if staged.mapped is None:  # kept once the value went to the worker: see _Live.sent
+                if staged.mapped is None:  # kept once the value went to the worker: see SessionMemory.sent
                     staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
                 view = memoryview(staged.mapped)
                 try:

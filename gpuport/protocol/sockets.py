@@ -1,9 +1,11 @@
-"""Socket helpers that client, server and workers share: what counts as a loopback address, and
-reading an exact number of bytes from a stream."""
+"""Socket helpers that client, server and workers share: what counts as a loopback address,
+reading an exact number of bytes from a stream, and a private Unix socket listening under a name."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
 import socket
 
 
@@ -29,3 +31,25 @@ def recv_exact(sock: socket.socket, view: memoryview, peer: str = "the other sid
         if not n:
             raise EOFError(f"{peer} closed the connection")
         got += n
+
+
+def listen(folder: str, name: str, backlog: int = 4) -> socket.socket:
+    """A Unix socket listening as ``folder/name``, private to this uid (0600). It appears under that
+    name only once it accepts connections (bound as ``name.new``, then renamed), and is bound by its
+    relative name: the folder's path may be longer than a socket's address allows."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name + ".new")
+        listener.bind(name + ".new")
+        os.chmod(name + ".new", 0o600)
+        listener.listen(backlog)
+        os.replace(name + ".new", name)
+    except BaseException:
+        listener.close()
+        raise
+    finally:
+        os.chdir(cwd)
+    return listener

@@ -43,7 +43,7 @@ from gpuport.server.api.http_api import build_http_app
 from gpuport.server.app import ServerApp
 from gpuport.server.executors import Executor
 from gpuport.server.inventory import Inventory, detect_inventory
-from gpuport.server.services.jobs import memory_floor as resolve_memory_floor
+from gpuport.server.inventory import memory_floor as resolve_memory_floor
 from gpuport.server.state import open_state_dir
 from gpuport.server.tls import TLSIdentity, load_or_create_identity
 
@@ -230,8 +230,8 @@ async def serve(
     )
     executor = None
     if ray_address:
+        from gpuport.server.blobs import BlobStore
         from gpuport.server.executors.ray import RayExecutor
-        from gpuport.server.services.blobs import BlobStore
 
         executor = RayExecutor(ray_address, state.jobs_dir, BlobStore(state.blobs_dir), insecure=ray_insecure)
     floor = resolve_memory_floor(memory_floor)

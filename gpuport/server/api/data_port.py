@@ -91,10 +91,10 @@ from gpuport.protocol.errors import (
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.api.reach import serve_exec
+from gpuport.server.blobs import BlobSink, check_hash
 from gpuport.server.executors.base import Executor
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.blobs import BlobSink, check_hash
 from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.services.staging import Direct, Redeemed, Staged

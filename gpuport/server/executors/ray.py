@@ -36,10 +36,10 @@ from typing import Any, BinaryIO
 
 from gpuport._files import atomic_write
 from gpuport.protocol.errors import ConfigError
+from gpuport.server.blobs import BlobStore, read_parts
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
 from gpuport.server.executors.ray_agent import NodeAgent, import_ray
 from gpuport.server.inventory import GpuInfo
-from gpuport.server.services.blobs import BlobStore, read_parts
 from gpuport.server.worker.supervisor import peer_envs, roles_of
 
 log = logging.getLogger(__name__)

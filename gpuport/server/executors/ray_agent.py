@@ -24,9 +24,9 @@ from typing import Any
 from gpuport._files import atomic_write
 from gpuport._packages import missing_package
 from gpuport.protocol.errors import ConfigError
+from gpuport.server.blobs import BlobStore, BlobWriter
 from gpuport.server.executors.base import JobLaunch, Usage
 from gpuport.server.inventory import GpuInfo
-from gpuport.server.services.blobs import BlobStore, BlobWriter
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ class NodeAgent:
         from gpuport.server import cgroups, isolation
         from gpuport.server.executors.local import this_machine
         from gpuport.server.executors.workspace import JobFolders
-        from gpuport.server.inventory import FakeInventory, detect_inventory
-        from gpuport.server.services.jobs import memory_floor
+        from gpuport.server.inventory import FakeInventory, detect_inventory, memory_floor
 
         ray = import_ray()
         root = Path(os.environ.get(ENV_NODE_DIR) or Path(ray.get_runtime_context().get_temp_dir()) / "gpuport")

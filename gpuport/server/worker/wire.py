@@ -26,7 +26,10 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from gpuport.protocol.sockets import recv_exact
+from gpuport.protocol.sockets import (
+    listen,  # noqa: F401 - re-exported: the workers make their endpoints with it
+    recv_exact,
+)
 
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
 _MAX_HEADER = 64 * 1024 * 1024
@@ -136,28 +139,6 @@ def _reachable(path: str) -> Iterator[str]:
 
 
 # ---- blocking: the worker's side, and the server's data-port channels ------------------------------
-
-
-def listen(folder: str, name: str, backlog: int = 4) -> socket.socket:
-    """A Unix socket listening as ``folder/name``, private to this uid (0600). It appears under that
-    name only once it accepts connections (bound as ``name.new``, then renamed), and is bound by its
-    relative name: the folder's path may be longer than a socket's address allows."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name + ".new")
-        listener.bind(name + ".new")
-        os.chmod(name + ".new", 0o600)
-        listener.listen(backlog)
-        os.replace(name + ".new", name)
-    except BaseException:
-        listener.close()
-        raise
-    finally:
-        os.chdir(cwd)
-    return listener
 
 
 def connect(path: str, peer: Callable[[int], bool]) -> socket.socket:

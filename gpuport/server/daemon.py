@@ -276,15 +276,7 @@ async def serve(
         if data_port is None:
             data_port = port + 2 if port else 0
         data = DataPort(
-            app.sessions,
-            app.snapshots,
-            app.transfers,
-            host,
-            data_port,
-            state.cert_path if identity else None,
-            state.key_path if identity else None,
-            storage=app.storage,
-            executor=app.executor,
+            app, host, data_port, state.cert_path if identity else None, state.key_path if identity else None
         )
         app.sessions.data_port = data.port
         app.auth.revoked_hooks.append(data.revoke)

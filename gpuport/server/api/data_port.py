@@ -91,6 +91,7 @@ from gpuport.protocol.errors import (
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.api.reach import serve_exec
+from gpuport.server.app import ServerApp
 from gpuport.server.blobs import BlobSink, check_hash
 from gpuport.server.executors.base import Executor
 from gpuport.server.metrics import Transfers
@@ -121,24 +122,14 @@ _FOR_STAGED = ("upload", "download")  # tickets for a session's value: they coun
 
 
 class DataPort:
-    def __init__(
-        self,
-        sessions: SessionService,
-        snapshots: SnapshotService,
-        transfers: Transfers,
-        host: str,
-        port: int,
-        cert: Path | None,
-        key: Path | None,
-        storage: StorageService | None = None,
-        executor: Executor | None = None,
-    ) -> None:
-        self.sessions = sessions
-        self.executor = executor  # where forwards and commands reach running jobs
-        self.snapshots = snapshots
-        self.storage = storage  # blobs count against their sender's storage quota
-        self.transfers = transfers
-        self.staging = sessions.staging
+    def __init__(self, app: ServerApp, host: str, port: int, cert: Path | None, key: Path | None) -> None:
+        # The services, through the app as the gRPC and HTTP doors reach them.
+        self.sessions: SessionService = app.sessions
+        self.executor: Executor | None = app.executor  # where forwards and commands reach running jobs
+        self.snapshots: SnapshotService = app.snapshots
+        self.storage: StorageService | None = app.storage  # blobs count against their sender's storage quota
+        self.transfers: Transfers = app.transfers
+        self.staging = self.sessions.staging
         self._context: ssl.SSLContext | None = None
         if cert is not None and key is not None:
             self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

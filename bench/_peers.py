@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpuport.protocol.sockets import is_loopback
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -56,13 +58,6 @@ def session_processes(sid: int) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def _is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip.split("%", 1)[0])
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # ::ffff:127.0.0.1, as a dual-stack socket shows it
-    return address.is_loopback
 
 
 def alive_in_session(sid: int) -> list[int]:
@@ -206,9 +201,9 @@ class RayHead:
             if conn.status == psutil.CONN_LISTEN:
                 listening += 1
                 mapped += conn.laddr.ip.startswith("::ffff:")
-                if not _is_loopback(conn.laddr.ip):
+                if not is_loopback(conn.laddr.ip):
                     offenders.add(f"{conn.laddr.ip}:{conn.laddr.port}")
-            elif conn.raddr and not _is_loopback(conn.raddr.ip):
+            elif conn.raddr and not is_loopback(conn.raddr.ip):
                 remote.add(f"{conn.raddr.ip}:{conn.raddr.port}")
         in_logs = set()
         for path in self.temp_dir.glob("session_*/logs/**/*"):
@@ -216,10 +211,11 @@ class RayHead:
                 text = path.read_text(errors="replace")
                 for found in re.findall(r"(?<![\d.])(\d{1,3}(?:\.\d{1,3}){3})(?![\d.])", text):
                     try:
-                        if not _is_loopback(found):
-                            in_logs.add(found)
+                        ipaddress.ip_address(found)
                     except ValueError:
                         continue  # a version number or the like
+                    if not is_loopback(found):
+                        in_logs.add(found)
         parts = [f"{listening} listening sockets of {len(pids)} Ray processes"]
         if offenders:
             parts.append(f"NOT loopback: {', '.join(sorted(offenders))}")

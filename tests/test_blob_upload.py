@@ -17,7 +17,7 @@ import gpuport
 from gpuport.client import _sync
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.sessions import Staging
+from gpuport.server.services.staging import Staging
 from tests.conftest import RunningServer, data_port_unreachable, wait_for
 
 HEAD = struct.Struct("<c64sQ")  # as api/data_port.py reads a blob's header

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 import gpuport
-from gpuport.client._sessions import _Channel
+from gpuport.client._data_port import Channel
 from gpuport.protocol import gpuport_pb2 as pb
 from tests.conftest import JobFlag, RunningServer, client_env, needs_users, start_server, wait_for
 
@@ -220,7 +220,7 @@ def test_a_flood_of_bare_connections_from_one_address_leaves_another_users_hands
             assert held is not None
             then = sum(opened)
             wait_for(lambda: sum(opened) > then + 600, what="600 more bare connections")
-            slow = _Channel(held, ticket.ticket)  # answered C: its connection was not pushed out
+            slow = Channel(held, ticket.ticket)  # answered C: its connection was not pushed out
             slow.close()
             before = sum(opened)
             started = time.monotonic()

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.paths import check_path
+from gpuport.server.blobs import BlobStore
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.snapshots import Entry, SnapshotService
 from gpuport.server.store import Store
 

@@ -21,7 +21,7 @@ import gpuport
 from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups
-from gpuport.server.services.jobs import memory_floor
+from gpuport.server.inventory import memory_floor
 from gpuport.server.worker import supervisor
 from tests.conftest import JobFlag, RunningServer, client_env, start_server, wait_for
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from gpuport.server.blobs import BlobStore
 from gpuport.server.executors.base import JobLaunch, Placement
 from gpuport.server.executors.local import LocalExecutor
 from gpuport.server.inventory import CpuInventory
 from gpuport.server.isolation import detect
-from gpuport.server.services.blobs import BlobStore
 from gpuport.server.worker import wire
 
 from .conftest import wait_for

@@ -9,7 +9,6 @@ port" it was.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -25,6 +24,7 @@ from gpuport.protocol.errors import (
     TLSError,
     error_from_status,
 )
+from gpuport.protocol.sockets import is_loopback
 
 if TYPE_CHECKING:
     import grpc  # imported where a channel is made: URLs and profiles need none of it
@@ -75,15 +75,6 @@ def reach(target: Target) -> Target:
     return Target("https", "127.0.0.1", made.grpc_port, via=route.url, forwards=forwards)
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def parse_url(url: str) -> Target:
     """Read a server URL (``https://gpubox:7600``; the port defaults to 7600). Raises ``ConfigError``."""
     if "://" not in url:
@@ -109,7 +100,7 @@ def parse_url(url: str) -> Target:
     if parts.path not in ("", "/") or parts.query:
         raise ConfigError(f"server URL {url!r} has a path; give only scheme, host and port: https://gpubox:7600")
     target = Target(scheme, parts.hostname, port)
-    if not target.tls and not _is_loopback(target.host):
+    if not target.tls and not is_loopback(target.host):
         raise ConfigError(
             f"http:// sends your token in clear, so it is only for a server on this machine started with "
             f"--insecure; use https://{target.address}"

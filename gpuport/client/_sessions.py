@@ -12,14 +12,10 @@ import concurrent.futures
 import contextlib
 import functools
 import hashlib
-import json
 import mmap
 import os
 import platform
-import select
 import signal
-import socket
-import struct
 import sys
 import sysconfig
 import threading
@@ -33,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import grpc
 
+from gpuport.client._data_port import Channel, ChannelLost
 from gpuport.defaults import (
     SESSION_INLINE_BYTES,
     SESSION_PROGRESS_BYTES,
@@ -49,7 +46,6 @@ from gpuport.protocol.errors import (
     InvalidRequest,
     RemoteError,
     WorkerDied,
-    error_from_name,
 )
 from gpuport.protocol.units import parse_duration, parse_size
 
@@ -58,7 +54,6 @@ if TYPE_CHECKING:
 
 _OUTPUT_WAIT = 5.0  # seconds a call waits for its output to arrive before returning anyway
 _RECONNECT_PAUSE = 0.5
-_DATA_SLICE = 1024 * 1024  # bytes per send or receive call on the data port
 _encoding_for = threading.local()  # the session whose call is being encoded, for Ref.__reduce__
 _NO_ARGS_ENCODED = values.encode(((), {}))
 _NO_ARGS_VALUE = pb.Value(header=_NO_ARGS_ENCODED.header, buffers=[b.tobytes() for b in _NO_ARGS_ENCODED.buffers])
@@ -114,7 +109,7 @@ class Ref:
     """A value held by a session's worker. Pass it among a call's arguments (anywhere: in a list, a
     dict) and the worker uses the value itself; ``session.get(ref)`` brings it here."""
 
-    __slots__ = ("session_id", "id", "name", "type", "summary")
+    __slots__ = ("id", "name", "session_id", "summary", "type")
 
     def __init__(self, session_id: str, info: pb.RefInfo) -> None:
         self.session_id = session_id
@@ -339,7 +334,7 @@ class Session:
         self._worker = info.job_id
         self._progress = progress
         self._closed = False
-        self._channel: _Channel | None = None
+        self._channel: Channel | None = None
         self._output = _Output(self, start_at_end=info.reattached)
 
     # ---- life -------------------------------------------------------------------------------------
@@ -402,7 +397,7 @@ class Session:
         if channel is not None:
             try:
                 reply = channel.call(request)
-            except _ChannelLost:
+            except ChannelLost:
                 self._close_channel()
                 raise ConnectionFailed(
                     f"lost the connection to the server during a call to session {self.id}: the call may or may "
@@ -417,18 +412,15 @@ class Session:
             raise _remote_error(reply.failure)
         return reply
 
-    def _open_channel(self) -> _Channel | None:
+    def _open_channel(self) -> Channel | None:
         """The channel carrying this session's calls on the data port (opened on first use, and again
         once the server closed it, as after its restart), or None for gRPC (no data port)."""
         channel = self._channel
         if channel is not None and channel.idle_and_closed():
             self._close_channel()
             channel = None
-        if channel is None and self._transport.data_port:
-            request = pb.TransferRequest(session_id=self.id, channel=True)
-            ticket, connection = self._transport.data_connection(request)
-            if connection is not None:
-                channel = self._channel = _Channel(connection, ticket.ticket)
+        if channel is None:
+            channel = self._channel = self._transport.open_channel(self.id)
         return channel
 
     def _close_channel(self) -> None:
@@ -447,40 +439,21 @@ class Session:
         )
 
     def _upload(self, buffers: Sequence[memoryview], total: int) -> str:
-        if self._transport.data_port:
-            request = pb.TransferRequest(session_id=self.id, size=total)
-            ticket, connection = self._transport.data_connection(request)
-            if connection is not None:
-                bar = _Progress("sending", total, self._progress)
-                try:
-                    with connection:
-                        connection.sendall(ticket.ticket.encode() + b"\n")
-                        for buffer in buffers:
-                            flat = buffer.cast("B") if buffer.ndim != 1 or buffer.format != "B" else buffer
-                            for at in range(0, flat.nbytes, _DATA_SLICE):
-                                piece = flat[at : at + _DATA_SLICE]
-                                connection.sendall(piece)
-                                bar.advance(piece.nbytes)
-                        answer = connection.recv(1)
-                except OSError as e:
-                    raise ConnectionFailed(f"sending a value to the server's data port failed: {e}") from None
-                finally:
-                    bar.close()
-                if answer != b"K":
-                    raise ConnectionFailed("the server's data port did not confirm the upload; try again")
-                return ticket.staged
         bar = _Progress("sending", total, self._progress)
-
-        def chunks() -> Iterator[pb.UploadChunk]:
-            yield pb.UploadChunk(session_id=self.id, size=total)
-            for buffer in buffers:
-                flat = buffer.cast("B") if buffer.ndim != 1 or buffer.format != "B" else buffer
-                for at in range(0, flat.nbytes, SESSION_INLINE_BYTES):
-                    piece = flat[at : at + SESSION_INLINE_BYTES]
-                    yield pb.UploadChunk(data=piece.tobytes())
-                    bar.advance(piece.nbytes)
-
         try:
+            staged = self._transport.send_value(self.id, buffers, total, bar.advance)
+            if staged is not None:
+                return staged
+
+            def chunks() -> Iterator[pb.UploadChunk]:
+                yield pb.UploadChunk(session_id=self.id, size=total)
+                for buffer in buffers:
+                    flat = buffer.cast("B") if buffer.ndim != 1 or buffer.format != "B" else buffer
+                    for at in range(0, flat.nbytes, SESSION_INLINE_BYTES):
+                        piece = flat[at : at + SESSION_INLINE_BYTES]
+                        yield pb.UploadChunk(data=piece.tobytes())
+                        bar.advance(piece.nbytes)
+
             reply: pb.Staged = self._transport.call(self._transport.sessions.Upload, chunks(), timeout=None)
         finally:
             bar.close()
@@ -496,7 +469,7 @@ class Session:
             view = memoryview(_RESULTS.take(total))[:total] if total else memoryview(bytearray())
             bar = _Progress("receiving", total, self._progress)
             try:
-                if not self._download_direct(value.staged, view, bar):
+                if not self._transport.receive_value(self.id, value.staged, view, bar.advance):
                     at = 0
                     request = pb.DownloadChunkRequest(session_id=self.id, staged=value.staged)
                     for chunk in self._transport.stream(self._transport.sessions.Download, request):
@@ -511,32 +484,6 @@ class Session:
                 buffers.append(view[at : at + size])
                 at += size
         return values.decode(value.header, buffers)
-
-    def _download_direct(self, staged: str, view: memoryview, bar: _Progress) -> bool:
-        """Receive a staged result through the data port into ``view``; False when there is none."""
-        if not self._transport.data_port:
-            return False
-        request = pb.TransferRequest(session_id=self.id, staged=staged)
-        ticket, connection = self._transport.data_connection(request)
-        if connection is None:
-            return False
-        got = 0
-        try:
-            with connection:
-                connection.sendall(ticket.ticket.encode() + b"\n")
-                while got < len(view):
-                    n = connection.recv_into(view[got : got + _DATA_SLICE])
-                    if not n:
-                        break
-                    if got == 0 and view[0:1] == b"E" and n < 200 and bytes(view[n - 1 : n]) == b"\n":
-                        raise ConnectionFailed(f"the server's data port refused: {bytes(view[1:n]).decode().strip()}")
-                    got += n
-                    bar.advance(n)
-        except OSError as e:
-            raise ConnectionFailed(f"receiving a value from the server's data port failed: {e}") from None
-        if got != len(view):
-            raise ConnectionFailed(f"the server's data port sent {got} of {len(view)} bytes; try again")
-        return True
 
     def put(self, value: Any, *, device: str | None = None, name: str | None = None) -> Ref:
         """Send ``value`` to the worker, where it stays; returns its Ref. ``device="gpu"`` places an
@@ -707,75 +654,6 @@ class _Memory:
 
 
 _RESULTS = _Memory()
-
-
-class _ChannelLost(Exception):
-    pass
-
-
-class _Channel:
-    """A session's calls over one data-port connection (see server/api/data_port.py): a length and
-    a serialized ``CallRequest`` out, a length, a kind and a ``CallReply`` (or an error) back."""
-
-    _LENGTH = struct.Struct("<I")
-    _REPLY = struct.Struct("<IB")
-
-    def __init__(self, sock: socket.socket, ticket: str) -> None:
-        self._sock = sock
-        self._lock = threading.Lock()  # one call at a time, whichever thread makes it
-        try:
-            sock.sendall(ticket.encode() + b"\n")
-            answer = sock.recv(1)
-        except OSError as e:
-            sock.close()
-            raise ConnectionFailed(f"opening a channel on the server's data port failed: {e}") from None
-        if answer != b"C":
-            rest = b""
-            with contextlib.suppress(OSError):
-                rest = sock.recv(200)
-            sock.close()
-            raise ConnectionFailed(
-                f"the server's data port refused the channel: {(answer + rest)[1:].decode().strip()}"
-            )
-
-    def idle_and_closed(self) -> bool:
-        """Whether the server closed the channel while no call was on it (it sends nothing unasked)."""
-        with self._lock:
-            try:
-                readable, _, _ = select.select([self._sock], [], [], 0)
-            except (OSError, ValueError):
-                return True
-            return bool(readable)
-
-    def call(self, request: pb.CallRequest) -> pb.CallReply:
-        data = request.SerializeToString()
-        head = bytearray(self._REPLY.size)
-        with self._lock:
-            try:
-                self._sock.sendall(self._LENGTH.pack(len(data)) + data)
-                _recv_exact(self._sock, memoryview(head))
-                size, kind = self._REPLY.unpack(head)
-                body = bytearray(size)
-                _recv_exact(self._sock, memoryview(body))
-            except (OSError, EOFError):
-                raise _ChannelLost from None
-        if kind == 0:
-            return pb.CallReply.FromString(bytes(body))
-        error = json.loads(body)
-        raise error_from_name(error["error"], error["message"])
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise EOFError("the server closed the connection")
-        got += n
 
 
 # ---- remote functions --------------------------------------------------------------------------------

@@ -51,9 +51,9 @@ def _start_server(port: int) -> list[str]:
 
     cluster = tf.train.ClusterSpec({JOB: [f"127.0.0.1:{port}"]})
     server = tf.distribute.Server(cluster, job_name=JOB, task_index=0, protocol="grpc", start=True)
-    from gpuport.server.worker import wire  # in the worker: the server's package is there
+    from gpuport.protocol.sockets import listen
 
-    listener = wire.listen(os.environ["GPUPORT_SESSION_DIR"], f"tunnel-{_TUNNEL}.sock", backlog=64)
+    listener = listen(os.environ["GPUPORT_SESSION_DIR"], f"tunnel-{_TUNNEL}.sock", backlog=64)
 
     def accept() -> None:
         while True:

@@ -26,6 +26,7 @@ from gpuport.defaults import (
 )
 from gpuport.protocol.errors import AuthenticationError, GpuportError, InvalidRequest, PermissionDenied
 from gpuport.server import cgroups as cgroups_
+from gpuport.server.blobs import BlobStore
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Environments, env_cache_default
 from gpuport.server.executors import Executor, LocalExecutor
@@ -34,7 +35,6 @@ from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.metrics import Metrics, Transfers
 from gpuport.server.services.auth import AuthService, Identity, LoginCodes, TokenRecord
-from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.jobs import JobService
 from gpuport.server.services.quotas import QuotaService
 from gpuport.server.services.serving import ServingService

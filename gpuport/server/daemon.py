@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import os
 import re
@@ -34,6 +33,7 @@ from gpuport.defaults import (
     DEFAULT_SHUTDOWN_GRACE,
 )
 from gpuport.protocol.errors import ConfigError
+from gpuport.protocol.sockets import is_loopback
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups, isolation
 from gpuport.server.api.callers import with_client_certificate
@@ -43,20 +43,11 @@ from gpuport.server.api.http_api import build_http_app
 from gpuport.server.app import ServerApp
 from gpuport.server.executors import Executor
 from gpuport.server.inventory import Inventory, detect_inventory
-from gpuport.server.services.jobs import memory_floor as resolve_memory_floor
+from gpuport.server.inventory import memory_floor as resolve_memory_floor
 from gpuport.server.state import open_state_dir
 from gpuport.server.tls import TLSIdentity, load_or_create_identity
 
 log = logging.getLogger("gpuport.server")
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _HttpServer(uvicorn.Server):
@@ -254,8 +245,8 @@ async def serve(
 
         executor = SlurmExecutor(slurm_dir, BlobStore(state.blobs_dir), inventory, slurm_partition)
     if ray_address:
+        from gpuport.server.blobs import BlobStore
         from gpuport.server.executors.ray import RayExecutor
-        from gpuport.server.services.blobs import BlobStore
 
         executor = RayExecutor(ray_address, state.jobs_dir, BlobStore(state.blobs_dir), insecure=ray_insecure)
     floor = resolve_memory_floor(memory_floor)
@@ -300,15 +291,7 @@ async def serve(
         if data_port is None:
             data_port = port + 2 if port else 0
         data = DataPort(
-            app.sessions,
-            app.snapshots,
-            app.transfers,
-            host,
-            data_port,
-            state.cert_path if identity else None,
-            state.key_path if identity else None,
-            storage=app.storage,
-            executor=app.executor,
+            app, host, data_port, state.cert_path if identity else None, state.key_path if identity else None
         )
         app.sessions.data_port = data.port
         app.auth.revoked_hooks.append(data.revoke)

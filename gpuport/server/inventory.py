@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpuport._files import read_small_beneath
 from gpuport._packages import missing_package
-from gpuport.defaults import ENV_FAKE_GPUS
+from gpuport.defaults import DEFAULT_MEMORY_FLOOR_FRACTION, DEFAULT_MEMORY_FLOOR_MAX, ENV_FAKE_GPUS
 from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.protocol.units import parse_size
 
@@ -238,3 +238,13 @@ def detect_inventory() -> Inventory:
         pynvml.nvmlShutdown()
         return CpuInventory("NVML found no GPU; jobs run on the CPU")
     return NvmlInventory(pynvml)
+
+
+def memory_floor(setting: int | None = None) -> int:
+    """The memory floor in bytes: ``setting``, or by default 5% of the machine's memory, at most 2 GiB."""
+    if setting is not None:
+        return setting
+    import psutil
+
+    total = psutil.virtual_memory().total
+    return min(int(total * DEFAULT_MEMORY_FLOOR_FRACTION), DEFAULT_MEMORY_FLOOR_MAX)

@@ -58,7 +58,7 @@ async def unpack(blobs: Path, archive: Path, kind: str) -> list[Entry]:
 
 
 def main(argv: list[str]) -> int:
-    from gpuport.server.services.blobs import BlobStore
+    from gpuport.server.blobs import BlobStore
     from gpuport.server.services.snapshots import unpack_archive
 
     os.nice(_NICE)

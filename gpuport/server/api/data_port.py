@@ -91,12 +91,14 @@ from gpuport.protocol.errors import (
 from gpuport.protocol.relay import relay
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.api.reach import serve_exec
+from gpuport.server.app import ServerApp
+from gpuport.server.blobs import BlobSink, check_hash
 from gpuport.server.executors.base import Executor
 from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.blobs import BlobSink, check_hash
-from gpuport.server.services.sessions import Direct, Redeemed, SessionService, Staged
+from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
+from gpuport.server.services.staging import Direct, Redeemed, Staged
 from gpuport.server.services.storage import StorageService, over_quota
 from gpuport.server.worker import wire
 
@@ -120,24 +122,14 @@ _FOR_STAGED = ("upload", "download")  # tickets for a session's value: they coun
 
 
 class DataPort:
-    def __init__(
-        self,
-        sessions: SessionService,
-        snapshots: SnapshotService,
-        transfers: Transfers,
-        host: str,
-        port: int,
-        cert: Path | None,
-        key: Path | None,
-        storage: StorageService | None = None,
-        executor: Executor | None = None,
-    ) -> None:
-        self.sessions = sessions
-        self.executor = executor  # where forwards and commands reach running jobs
-        self.snapshots = snapshots
-        self.storage = storage  # blobs count against their sender's storage quota
-        self.transfers = transfers
-        self.staging = sessions.staging
+    def __init__(self, app: ServerApp, host: str, port: int, cert: Path | None, key: Path | None) -> None:
+        # The services, through the app as the gRPC and HTTP doors reach them.
+        self.sessions: SessionService = app.sessions
+        self.executor: Executor | None = app.executor  # where forwards and commands reach running jobs
+        self.snapshots: SnapshotService = app.snapshots
+        self.storage: StorageService | None = app.storage  # blobs count against their sender's storage quota
+        self.transfers: Transfers = app.transfers
+        self.staging = self.sessions.staging
         self._context: ssl.SSLContext | None = None
         if cert is not None and key is not None:
             self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -393,7 +385,7 @@ class DataPort:
         fd, _, size = staged.parts[0]
         try:
             if size:
-                if staged.mapped is None:  # kept once the value went to the worker: see _Live.sent
+                if staged.mapped is None:  # kept once the value went to the worker: see SessionMemory.sent
                     staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
                 view = memoryview(staged.mapped)
                 try:

@@ -29,9 +29,9 @@ from gpuport.protocol.errors import (
 from gpuport.server.api.callers import grpc_caller, grpc_credentials
 from gpuport.server.api.serving_grpc import add_serving_services
 from gpuport.server.app import GpuListing, ServerApp
+from gpuport.server.blobs import check_hash, read_parts
 from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity, TokenRecord
-from gpuport.server.services.blobs import check_hash, read_parts
 from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
 from gpuport.server.services.quotas import QuotaRecord
 from gpuport.server.services.serving import DeploymentRecord, DeploySpec, message_for

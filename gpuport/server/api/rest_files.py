@@ -22,8 +22,8 @@ from fastapi.responses import StreamingResponse
 from gpuport.defaults import MAX_ARCHIVE_BYTES
 from gpuport.protocol.errors import Conflict, InvalidRequest, NotFound
 from gpuport.protocol.paths import check_path
+from gpuport.server.blobs import BlobStore
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.blobs import BlobStore
 from gpuport.server.services.snapshots import Entry
 
 if TYPE_CHECKING:

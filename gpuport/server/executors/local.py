@@ -10,6 +10,7 @@ from typing import Any
 import psutil
 
 from gpuport.server import cgroups as cgroups_
+from gpuport.server.blobs import BlobStore
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Environments
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
@@ -18,7 +19,6 @@ from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.scheduler import Machine
-from gpuport.server.services.blobs import BlobStore
 
 
 def this_machine(inventory: Inventory) -> Machine:

@@ -2,11 +2,11 @@
 
 The server stays the only door users see (TLS, tokens, sync, the fair queue, logs, outputs); it
 joins the cluster as a Ray driver, and gpuport's scheduler picks each job's node and GPUs. On every
-node the server starts one agent: a detached, named Ray actor (``gpuport-agent-<node id>``, with
-no CPU or GPU of its own) that does there what the local executor does here (``workspace.py``):
-it makes the job's folders, runs the job under the same supervisor and sandbox, and answers for
-its log, exit status, outputs and usage. A restarted server finds the agents by name, and through
-them the jobs it left running.
+node the server starts one agent (``ray_agent.py``): a detached, named Ray actor
+(``gpuport-agent-<node id>``, with no CPU or GPU of its own) that does there what the local executor
+does here (``workspace.py``): it makes the job's folders, runs the job under the same supervisor and
+sandbox, and answers for its log, exit status, outputs and usage. A restarted server finds the
+agents by name, and through them the jobs it left running.
 
 - **Files**: a job's snapshot and datasets reach its node as blobs, content-addressed: the agent
   keeps a blob store of its own and is sent only the blobs it lacks, so a dataset crosses the
@@ -23,16 +23,11 @@ them the jobs it left running.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import io
 import json
 import logging
 import os
-import queue
-import shutil
-import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -40,16 +35,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gpuport._files import atomic_write
-from gpuport._packages import missing_package
 from gpuport.protocol.errors import ConfigError
+from gpuport.server.blobs import BlobStore, read_parts
 from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.executors.ray_agent import NodeAgent, import_ray
 from gpuport.server.inventory import GpuInfo
-from gpuport.server.services.blobs import BlobStore, BlobWriter, read_parts
+from gpuport.server.worker.supervisor import peer_envs, roles_of
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "gpuport"
-ENV_NODE_DIR = "GPUPORT_NODE_DIR"  # where an agent keeps its jobs and blobs (default: under Ray's temp dir)
 _PART_BYTES = 8 << 20  # blob bytes per call to an agent
 _READ_BYTES = 8 << 20  # output bytes per call
 _CALL_TIMEOUT = 30.0  # seconds for an agent's answer
@@ -60,14 +55,6 @@ _SIZES_EVERY = 1.0  # seconds between asks of the nodes for the log sizes listin
 _SIZES_KEPT = 60.0  # seconds a job's log size is kept asked for after a listing last showed it
 _LOST_AFTER = 6.0  # seconds an agent may stay unreachable before its node counts as lost
 _REFRESH = 2.0  # seconds between looks at the cluster's nodes
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as e:
-        raise ConfigError(missing_package(e, "gpuport server --ray")) from None
-    return ray
 
 
 def _token() -> str:
@@ -87,11 +74,11 @@ def check_cluster(address: str, insecure: bool) -> None:
     (CVE-2023-48022). Asks the cluster's GCS for its id, without a token and with ours."""
     import grpc
 
-    from gpuport.server.daemon import is_loopback
+    from gpuport.protocol.sockets import is_loopback
 
     if _token():  # read by Ray when it is first imported: the driver then sends the token
         os.environ["RAY_AUTH_MODE"] = "token"
-    _ray()
+    import_ray()
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     host = address.rsplit(":", 1)[0]
@@ -136,223 +123,6 @@ def check_cluster(address: str, insecure: bool) -> None:
             ) from None
     finally:
         channel.close()
-
-
-# ---- on each node ---------------------------------------------------------------------------------
-
-
-class NodeAgent:
-    """gpuport on one node of the cluster: runs as a Ray actor there (see ``RayExecutor._agent``)."""
-
-    def __init__(self, name: str, address: str) -> None:
-        import psutil
-
-        from gpuport.server import cgroups, isolation
-        from gpuport.server.executors.local import this_machine
-        from gpuport.server.services.jobs import memory_floor
-        from gpuport.server.executors.workspace import JobFolders
-        from gpuport.server.inventory import FakeInventory, detect_inventory
-
-        ray = _ray()
-        root = Path(os.environ.get(ENV_NODE_DIR) or Path(ray.get_runtime_context().get_temp_dir()) / "gpuport")
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.umask(0o077)
-        inventory = detect_inventory()
-        if isinstance(inventory, FakeInventory):
-            inventory.usage_dir = root / "fake-gpus"
-            inventory.usage_dir.mkdir(mode=0o700, exist_ok=True)
-        self.name, self.address = name, address
-        # Ray puts its driver's folders on its workers' sys.path: they are not this Python's, and a
-        # job must not see them (the server's working folder, say). The paths come from a clean Python.
-        sandbox = isolation.detect()
-        paths, copied = isolation.clean_python_paths(), ()
-        if sandbox.mode == "uids":  # as the server does: jobs' uids read all of it, or a copy
-            paths, copied = isolation.readable_by_jobs(paths, root / "python")
-        self.sandbox = dataclasses.replace(sandbox, python_paths=paths, python_copies=copied)
-        self.blobs = BlobStore(root / "blobs")
-        room = max(0, psutil.virtual_memory().total - memory_floor())
-        limits = cgroups.detect(cgroups.server_key(root / "jobs"), room)
-        self.folders = JobFolders(root / "jobs", self.blobs, self.sandbox, inventory, node=name, cgroups=limits)
-        self.machine = this_machine(inventory)
-        self.inventory = inventory
-        self.received = 0  # blob bytes received: what crossed the network
-        self._writers: dict[str, BlobWriter] = {}  # blob → the writer that has its first parts
-        # Supervisors are started from this one thread, which lives as long as the agent: their
-        # parent-death signal is tied to the thread that forked them.
-        self._spawns: queue.Queue[tuple[JobLaunch, queue.Queue[BaseException | None]]] = queue.Queue()
-        # Jobs asked to start and not yet launched: a server that died while asking must find them
-        # running (not lost, not launched twice) when it comes back.
-        self._launching: dict[str, threading.Event] = {}
-        self._launching_lock = threading.Lock()
-        threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
-        # Jobs of an agent that ended (its raylet died) were killed when it did; any left are ended now.
-        for job_id in self.folders.kill_all(f"node lost: {name} (its gpuport agent ended)"):
-            log.warning("job %s outlived this node's previous agent: killed", job_id)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "address": self.address,
-            "hostname": socket.gethostname(),
-            "machine": self.machine,
-            "sandbox": self.sandbox.describe(),
-            "isolated": self.sandbox.isolated,
-            "pid": os.getpid(),
-        }
-
-    def ping(self) -> bool:
-        return True
-
-    def free_ports(self, count: int) -> list[int]:
-        """``count`` distinct TCP ports free on this node's address now (for a job's ranks to listen on)."""
-        sockets = []
-        try:
-            for _ in range(count):
-                sockets.append(socket.socket())
-                sockets[-1].bind((self.address, 0))
-            return [s.getsockname()[1] for s in sockets]
-        finally:
-            for s in sockets:
-                s.close()
-
-    # files
-    def missing(self, blobs: list[str]) -> list[str]:
-        sizes = self.blobs.sizes(blobs)
-        return [b for b in blobs if sizes.get(b) is None]
-
-    def write(self, parts: list[tuple[str, int, bytes, bool]]) -> int:
-        """Whole blobs, or a blob's parts in order from its offset 0 (one call per blob at a time)."""
-        writer = self._writers.get(parts[0][0]) if parts[0][1] else None
-        if writer is None:
-            writer = BlobWriter(self.blobs)
-        for blob, offset, data, last in parts:
-            writer.write([_Part(blob, offset, data, last)])
-            self.received += len(data)
-            if last:
-                self._writers.pop(blob, None)
-            else:
-                self._writers[blob] = writer
-        return self.received
-
-    # processes
-    def _spawner(self) -> None:
-        while True:
-            job, done = self._spawns.get()
-            try:
-                spec = self.folders.prepare(job)
-                # Written now, read only if this agent's end kills the job (a deliberate kill rewrites it).
-                reason = {"reason": f"node lost: {self.name} (its gpuport agent ended)"}
-                atomic_write(self.folders.folder(job.job_id) / "kill.json", json.dumps(reason).encode(), 0o600)
-                self.folders.launch(job.job_id, spec, lambda: None, preexec=_die_with_agent)
-                done.put(None)
-            except BaseException as e:  # said to the server
-                done.put(e)
-            finally:
-                with self._launching_lock:
-                    launching = self._launching.pop(job.job_id, None)
-                if launching is not None:
-                    launching.set()
-
-    def start(self, job: JobLaunch) -> None:
-        if job.uid is None and self.sandbox.mode == "uids":
-            raise RuntimeError(f"node {self.name} runs jobs as a uid per user, and the server gave none")
-        done: queue.Queue[BaseException | None] = queue.Queue()
-        with self._launching_lock:
-            self._launching[job.job_id] = threading.Event()
-        self._spawns.put((job, done))
-        error = done.get()
-        if error is not None:
-            raise error
-
-    def _launched(self, job_id: str) -> None:
-        """Block while the job is being launched here."""
-        with self._launching_lock:
-            launching = self._launching.get(job_id)
-        if launching is not None:
-            launching.wait()
-
-    def wait(self, job_id: str) -> dict[str, Any] | None:
-        self._launched(job_id)
-        self.folders.wait(job_id)
-        return self.folders.exit_status(job_id)
-
-    def is_running(self, job_id: str) -> bool:
-        with self._launching_lock:
-            if job_id in self._launching:
-                return True
-        return self.folders.is_running(job_id)
-
-    def cancel(self, job_id: str) -> None:
-        self.folders.cancel(job_id)
-
-    def kill(self, job_id: str, reason: str) -> None:
-        self.folders.kill(job_id, reason)
-
-    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
-        return self.folders.read_log(job_id, offset, limit)
-
-    def log_size(self, job_id: str) -> int:
-        return self.folders.log_size(job_id)
-
-    def log_data_offset(self, job_id: str, offset: int) -> int:
-        return self.folders.log_data_offset(job_id, offset)
-
-    def exit_status(self, job_id: str) -> dict[str, Any] | None:
-        return self.folders.exit_status(job_id)
-
-    def was_started(self, job_id: str) -> bool:
-        self._launched(job_id)
-        return self.folders.was_started(job_id)
-
-    def usage(self, job_ids: list[str]) -> dict[str, Usage]:
-        return self.folders.usage(job_ids)
-
-    def gpus(self, job_ids: list[str]) -> list[GpuInfo]:
-        return self.folders.gpus(job_ids)
-
-    def outputs(self, job_id: str, declared: list[str]) -> tuple[list[tuple[str, str, str, int]], list[str]]:
-        """The job's output files, each as (path in the snapshot, "work" or "out", path below it, mode)."""
-        found, missing = self.folders.output_files(job_id, declared)
-        root = self.folders.folder(job_id)
-        files = []
-        for path, (base, below) in sorted(found.items()):
-            f = self.folders.open_output(base, below)
-            if f is not None:
-                with f:
-                    files.append((path, str(base.relative_to(root)), below, os.fstat(f.fileno()).st_mode))
-        return files, missing
-
-    def read_output(self, job_id: str, base: str, path: str, offset: int, size: int) -> bytes | None:
-        """Bytes of an output file (None: it is no longer a regular file there)."""
-        if base not in ("work", "out"):
-            return None
-        f = self.folders.open_output(self.folders.folder(job_id) / base, path)
-        if f is None:
-            return None
-        with f:
-            f.seek(offset)
-            return f.read(size)
-
-    def tidy(self, job_id: str, everything: bool = False) -> None:
-        self.folders.tidy(job_id)
-        if everything:
-            shutil.rmtree(self.folders.folder(job_id), ignore_errors=True)
-
-    def stats(self) -> dict[str, int]:
-        return {"received": self.received}
-
-
-class _Part:
-    __slots__ = ("blob", "offset", "data", "last")
-
-    def __init__(self, blob: str, offset: int, data: bytes, last: bool) -> None:
-        self.blob, self.offset, self.data, self.last = blob, offset, data, last
-
-
-def _die_with_agent() -> None:
-    """In a supervisor before it runs: SIGUSR1 (kill the job at once) when the agent's thread ends."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGUSR1)
 
 
 # ---- on the server --------------------------------------------------------------------------------
@@ -435,7 +205,7 @@ class RayExecutor(Executor):
 
     def __init__(self, address: str, root: Path, blobs: BlobStore, *, insecure: bool = False) -> None:
         check_cluster(address, insecure)
-        ray = self._ray = _ray()
+        ray = self._ray = import_ray()
         try:
             ray.init(
                 address=address,
@@ -627,14 +397,10 @@ class RayExecutor(Executor):
             ray.get(handle.free_ports.remote(per + (1 if r == 0 else 0)), timeout=_CALL_TIMEOUT)
             for r, handle in enumerate(handles)
         ]
-        master = f"{addresses[0]}:{ports[0][-1]}"
-        roles = [role for role, count in job.tf_roles or [("worker", job.nprocs)] for _ in range(count)]
-        cluster: dict[str, list[str]] = {}
-        tasks = []
-        for rank, role in enumerate(roles):
-            listed = cluster.setdefault(role, [])
-            tasks.append({"type": role, "index": len(listed)})
-            listed.append(f"{addresses[rank // per]}:{ports[rank // per][rank % per]}")
+        endpoints = [f"{addresses[rank // per]}:{ports[rank // per][rank % per]}" for rank in range(job.nprocs)]
+        peers = peer_envs(
+            roles_of(job.tf_roles, job.nprocs), endpoints, (addresses[0], ports[0][-1]), per, nodes=addresses
+        )
         folder = self.root / job.job_id
         folder.mkdir(mode=0o700, exist_ok=True)
         for name in ("exit.json", "pump.json"):
@@ -650,26 +416,10 @@ class RayExecutor(Executor):
                 if len(part.gpu_indices) >= per:
                     each = len(part.gpu_indices) // per
                     gpus = [list(part.gpu_indices[i * each : (i + 1) * each]) for i in range(per)]
-                rank_env = []
-                for local in range(per):
-                    rank = r * per + local
-                    rank_env.append(
-                        {
-                            "TF_CONFIG": json.dumps({"cluster": cluster, "task": tasks[rank]}),
-                            "MASTER_ADDR": addresses[0],
-                            "MASTER_PORT": master.rsplit(":", 1)[1],
-                            "RANK": str(rank),
-                            "LOCAL_RANK": str(local),
-                            "WORLD_SIZE": str(job.nprocs),
-                            "LOCAL_WORLD_SIZE": str(per),
-                            "NODE_RANK": str(r),
-                            "GPUPORT_RANK": str(rank),
-                            "GPUPORT_NPROCS": str(job.nprocs),
-                            "GPUPORT_NODE_RANK": str(r),
-                            "GPUPORT_NODE_IPS": ",".join(addresses),
-                            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[local])),
-                        }
-                    )
+                rank_env = [
+                    {**peers[r * per + local], "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus[local]))}
+                    for local in range(per)
+                ]
                 piece = dataclasses.replace(
                     job,
                     placement=part,

@@ -56,6 +56,7 @@ from gpuport.defaults import (
     ENV_RUN_DIR,
 )
 from gpuport.server import cgroups as cgroups_
+from gpuport.server.blobs import BlobStore, Entry, write_entries
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Built, Environments, EnvRequest, say
 from gpuport.server.executors import reach
@@ -63,8 +64,6 @@ from gpuport.server.executors.base import ENDPOINT_NAME, Files, JobLaunch, OnExi
 from gpuport.server.executors.reach import Command
 from gpuport.server.inventory import FakeInventory, GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
-from gpuport.server.services.blobs import BlobStore
-from gpuport.server.services.snapshots import Entry, write_entries
 from gpuport.server.worker import bootstrap, supervisor, wire
 
 log = logging.getLogger(__name__)

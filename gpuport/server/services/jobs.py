@@ -40,8 +40,6 @@ import psutil
 
 from gpuport.defaults import (
     DEFAULT_CANCEL_GRACE,
-    DEFAULT_MEMORY_FLOOR_FRACTION,
-    DEFAULT_MEMORY_FLOOR_MAX,
     DEFAULT_PREEMPT_AFTER,
     DEFAULT_RETRY_BACKOFF,
     DEFAULT_RETRY_BACKOFF_MAX,
@@ -283,14 +281,6 @@ LAUNCHES_PER_USER = max(1, (os.cpu_count() or 1) // 2)
 _SETUP_WAIT = 10.0
 _SETUP_POLL = 0.005
 _MEMORY_READ_FOR = 0.2  # seconds a look at free memory stands for the passes that follow it
-
-
-def memory_floor(setting: int | None = None) -> int:
-    """The memory floor in bytes: ``setting``, or by default 5% of the machine's memory, at most 2 GiB."""
-    if setting is not None:
-        return setting
-    total = psutil.virtual_memory().total
-    return min(int(total * DEFAULT_MEMORY_FLOOR_FRACTION), DEFAULT_MEMORY_FLOOR_MAX)
 
 
 def _files(snapshots: SnapshotService, record: SnapshotRecord) -> Files:

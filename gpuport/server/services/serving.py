@@ -50,6 +50,7 @@ from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobS
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.serving import formats
 from gpuport.server.serving.batcher import Batcher, BatcherStats, Timings
+from gpuport.server.serving.records import DeploymentRecord
 from gpuport.server.store import Store
 from gpuport.server.worker import wire
 from gpuport.server.worker.model import (
@@ -88,25 +89,6 @@ class DeploySpec:
     public: bool = False  # predictions and metadata need no credentials
     label: str = ""  # a version label (TensorFlow Serving's) given to the new version once deployed
     requirements: str = ""  # its replicas' Python environment, as text; "": the box's own
-
-
-@dataclass(frozen=True)
-class DeploymentRecord:
-    id: str
-    name: str
-    version: int
-    owner: str
-    source: str
-    format: str
-    state: str  # loading, ready, failed
-    message: str
-    inputs: list[dict[str, Any]]
-    outputs: list[dict[str, Any]]
-    spec: dict[str, Any]
-    jobs: list[str]
-    created_at: float
-    stats: BatcherStats  # its batcher's counters (all 0 while it loads, or once it failed)
-    labels: list[str] = field(default_factory=list)  # the version labels that name this version
 
 
 @dataclass(frozen=True)

@@ -41,22 +41,13 @@ from gpuport.defaults import (
 from gpuport.protocol.errors import InvalidRequest, NotFound, ResourceUnavailable
 from gpuport.protocol.paths import check_entries, check_path, snapshot_id
 from gpuport.protocol.units import format_size
+from gpuport.server.blobs import BlobStore, Entry, check_hash, write_entries
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.blobs import BlobStore, check_hash
 from gpuport.server.store import Store
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _CACHED_MANIFESTS = 64
 _SQL_CHUNK = 500  # blobs per `IN (...)` query: under SQLite's limit on bound parameters
-
-
-@dataclass(frozen=True)
-class Entry:
-    path: str
-    blob: str  # empty for a symlink
-    size: int
-    mode: int
-    link: str = ""
 
 
 @dataclass(frozen=True)
@@ -569,21 +560,3 @@ def unpack_archive(blobs: BlobStore, archive: Path, kind: str) -> list[Entry]:
             unpacked += size
             entries.append(Entry(path, blob, size, 0o755 if mode & 0o111 else 0o644))
     return check_manifest(entries)
-
-
-def write_entries(entries: Iterable[Entry], blobs: BlobStore, dest: Path, *, read_only: bool = False) -> None:
-    """Write a manifest's files under ``dest`` from ``blobs`` (copies; read-only hard links with ``read_only``)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    made: set[str] = set()
-    for e in entries:
-        target = dest / e.path
-        parent = os.path.dirname(e.path)
-        if parent and parent not in made:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            made.add(parent)
-        if e.link:
-            os.symlink(e.link, target)
-        elif read_only:
-            blobs.link_to(e.blob, target)
-        else:
-            blobs.copy_to(e.blob, target, e.mode)

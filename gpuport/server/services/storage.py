@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from gpuport.defaults import DEFAULT_BLOB_GRACE, DEFAULT_SWEEP_INTERVAL
 from gpuport.protocol.errors import ResourceUnavailable
 from gpuport.protocol.units import format_size
-from gpuport.server.services.blobs import BlobStore
+from gpuport.server.blobs import BlobStore
 from gpuport.server.services.quotas import QuotaService
 from gpuport.server.store import Store
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuport.server.services.serving import DeploymentRecord
 from gpuport.server.serving.batcher import Duration, Timings
+from gpuport.server.serving.records import DeploymentRecord
 
 # What KServe's model metadata and Triton's config call each format (Triton's platform names).
 PLATFORMS = {

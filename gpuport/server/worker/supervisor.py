@@ -179,46 +179,66 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _roles(spec: dict, nprocs: int) -> list[str]:
-    """Each rank's TF_CONFIG role."""
-    roles = [role for role, count in spec.get("tf_roles") or [["worker", nprocs]] for _ in range(count)]
-    assert len(roles) == nprocs, f"tf_roles {spec.get('tf_roles')} must count {nprocs} processes"
+def roles_of(tf_roles: list | tuple | None, nprocs: int) -> list[str]:
+    """Each rank's TF_CONFIG role, from (role, count) pairs (None: all workers)."""
+    roles = [role for role, count in tf_roles or [["worker", nprocs]] for _ in range(count)]
+    assert len(roles) == nprocs, f"tf_roles {tf_roles} must count {nprocs} processes"
     return roles
+
+
+def peer_envs(
+    roles: list[str], endpoints: list[str], master: tuple[str, int], per_node: int, nodes: list[str] | None = None
+) -> list[dict[str, str]]:
+    """What each rank of a distributed job needs to find its peers: TF_CONFIG (rank r listens at
+    ``endpoints[r]``), MASTER_ADDR/MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and
+    GPUPORT_RANK/GPUPORT_NPROCS; over several ``nodes`` (their addresses, ``per_node`` ranks on each)
+    NODE_RANK, GPUPORT_NODE_RANK and GPUPORT_NODE_IPS too. Used here for the ranks on one machine
+    and by the Ray executor for a job over several nodes."""
+    import json
+
+    cluster: dict[str, list[str]] = {}
+    tasks = []
+    for role, endpoint in zip(roles, endpoints):
+        listed = cluster.setdefault(role, [])
+        tasks.append({"type": role, "index": len(listed)})
+        listed.append(endpoint)
+    nprocs = len(roles)
+    envs = []
+    for rank in range(nprocs):
+        env = {
+            "TF_CONFIG": json.dumps({"cluster": cluster, "task": tasks[rank]}),
+            "MASTER_ADDR": master[0],
+            "MASTER_PORT": str(master[1]),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank % per_node),
+            "WORLD_SIZE": str(nprocs),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GPUPORT_RANK": str(rank),
+            "GPUPORT_NPROCS": str(nprocs),
+        }
+        if nodes is not None:
+            env["NODE_RANK"] = env["GPUPORT_NODE_RANK"] = str(rank // per_node)
+            env["GPUPORT_NODE_IPS"] = ",".join(nodes)
+        envs.append(env)
+    return envs
 
 
 def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
     """The environment of each rank: the job's, plus what distributed training needs to find its peers."""
     rank_gpus = spec.get("rank_gpus")
-    roles = _roles(spec, nprocs)
+    roles = roles_of(spec.get("tf_roles"), nprocs)
     assert rank_gpus is None or len(rank_gpus) == nprocs, f"rank_gpus must have {nprocs} lists"
-    if nprocs > 1 and not spec.get("rank_env"):
-        import json
-
-        *ports, master_port = _free_ports(nprocs + 1)
-        cluster: dict[str, list[str]] = {}
-        tasks = []
-        for role, port in zip(roles, ports):
-            addresses = cluster.setdefault(role, [])
-            tasks.append({"type": role, "index": len(addresses)})
-            addresses.append(f"127.0.0.1:{port}")
-    envs = []
     given = spec.get("rank_env")  # a part of a job over several nodes: its peers are on other nodes
+    if nprocs > 1 and not given:
+        *ports, master_port = _free_ports(nprocs + 1)
+        peers = peer_envs(roles, [f"127.0.0.1:{port}" for port in ports], ("127.0.0.1", master_port), nprocs)
+    envs = []
     for rank in range(nprocs):
         env = dict(spec["env"])
         if given:
             env.update(given[rank])
         elif nprocs > 1:
-            env.update(
-                TF_CONFIG=json.dumps({"cluster": cluster, "task": tasks[rank]}),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(master_port),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(nprocs),
-                LOCAL_WORLD_SIZE=str(nprocs),
-                GPUPORT_RANK=str(rank),
-                GPUPORT_NPROCS=str(nprocs),
-            )
+            env.update(peers[rank])
         if rank_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in rank_gpus[rank])
         envs.append(env)
@@ -1013,7 +1033,7 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
     first_failure = None  # (rank, code) of the first rank seen to exit with a non-zero code
     killed = oom = False
     oom_check_at = None  # an OOM was signalled before its kill was counted: look again then
-    roles = _roles(spec, nprocs)
+    roles = roles_of(spec.get("tf_roles"), nprocs)
     chief = roles.index("chief") if "chief" in roles and len(ranks) == nprocs else None
     chief_done = False  # the chief exited 0: the others are stopped, and their codes are no failure
     while None in codes:

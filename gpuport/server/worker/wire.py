@@ -26,6 +26,11 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from gpuport.protocol.sockets import (
+    listen,  # noqa: F401 - re-exported: the workers make their endpoints with it
+    recv_exact,
+)
+
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
 _MAX_HEADER = 64 * 1024 * 1024
 _MAX_FDS = 16
@@ -36,7 +41,7 @@ Buffer = bytes | bytearray | memoryview
 
 
 class Frame:
-    __slots__ = ("header", "buffers", "fds")
+    __slots__ = ("buffers", "fds", "header")
 
     def __init__(self, header: dict[str, Any], buffers: list[memoryview], fds: list[int]) -> None:
         self.header = header
@@ -136,28 +141,6 @@ def _reachable(path: str) -> Iterator[str]:
 # ---- blocking: the worker's side, and the server's data-port channels ------------------------------
 
 
-def listen(folder: str, name: str, backlog: int = 4) -> socket.socket:
-    """A Unix socket listening as ``folder/name``, private to this uid (0600). It appears under that
-    name only once it accepts connections (bound as ``name.new``, then renamed), and is bound by its
-    relative name: the folder's path may be longer than a socket's address allows."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    cwd = os.getcwd()
-    os.chdir(folder)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name + ".new")
-        listener.bind(name + ".new")
-        os.chmod(name + ".new", 0o600)
-        listener.listen(backlog)
-        os.replace(name + ".new", name)
-    except BaseException:
-        listener.close()
-        raise
-    finally:
-        os.chdir(cwd)
-    return listener
-
-
 def connect(path: str, peer: Callable[[int], bool]) -> socket.socket:
     """A blocking connection to the worker listening at ``path``, whose pid ``peer`` accepts."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -209,15 +192,6 @@ def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] 
         sock.sendall(part)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if not n:
-            raise EOFError("the other side closed the connection")
-        got += n
-
-
 def recv(sock: socket.socket) -> Frame:
     """The next frame; ``EOFError`` when the other side has gone."""
     prefix = bytearray(_PREFIX.size)
@@ -231,7 +205,7 @@ def recv(sock: socket.socket) -> Frame:
         got += len(data)
     head_size, total = _sizes(prefix)
     body = memoryview(bytearray(head_size + total))
-    _recv_exact(sock, body)
+    recv_exact(sock, body)
     return _frame(body, head_size, fds)
 
 

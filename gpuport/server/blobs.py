@@ -384,3 +384,32 @@ def read_parts(store: BlobStore, blobs: Iterable[str], part_bytes: int) -> Itera
                     break
                 offset += len(data)
                 data = following
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A file of a snapshot's manifest: its path, its blob (empty for a symlink), size, mode and link."""
+
+    path: str
+    blob: str  # empty for a symlink
+    size: int
+    mode: int
+    link: str = ""
+
+
+def write_entries(entries: Iterable[Entry], blobs: BlobStore, dest: Path, *, read_only: bool = False) -> None:
+    """Write a manifest's files under ``dest`` from ``blobs`` (copies; read-only hard links with ``read_only``)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    made: set[str] = set()
+    for e in entries:
+        target = dest / e.path
+        parent = os.path.dirname(e.path)
+        if parent and parent not in made:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            made.add(parent)
+        if e.link:
+            os.symlink(e.link, target)
+        elif read_only:
+            blobs.link_to(e.blob, target)
+        else:
+            blobs.copy_to(e.blob, target, e.mode)

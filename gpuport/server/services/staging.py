@@ -1,0 +1,343 @@
+"""Staging: a session's values on their way between a client and its worker, held in memory the
+worker maps (memfds), and the data port's single-use tickets that name them.
+
+``Staging`` keeps the staged values of every session and the tickets handed out for them (and for a
+session's channel, a worker's tunnel, a blob upload, a forward); the data port's threads redeem the
+tickets. ``SessionMemory`` keeps, per session, the memory its worker let go of and the server's maps
+of it, so that the next large value costs no new pages. The session's lifecycle (its worker, its
+calls, its end) is ``sessions.py``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import psutil
+
+from gpuport.defaults import SESSION_REUSE_BYTES
+from gpuport.protocol.errors import AuthenticationError, InvalidRequest, ResourceUnavailable
+from gpuport.protocol.units import format_size
+from gpuport.server.services.auth import Identity
+from gpuport.server.worker import wire
+
+STAGED_TTL = 600.0  # seconds an upload waits for its call, or a result for its download
+_TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
+# Seconds a forward's ticket stays valid after its last use: it is good for every connection through
+# the forward (one Jobs.Reach per forward, not per connection), until its owner's token is revoked.
+_FORWARD_TICKET_TTL = 600.0
+_FOR_STAGED = ("upload", "download")  # tickets for a staged value; the others (channel, tunnel, blobs) name none
+KEEP_MAP_BYTES = 16 * 1024 * 1024  # uploads from this size keep the server's map for reuse (see SessionMemory.sent)
+
+
+@dataclass
+class Staged:
+    """Bytes in memory between the client and a worker: an upload on its way to a call, or a result
+    on its way to the client. ``parts`` are (descriptor, offset, size), laid end to end."""
+
+    owner: str
+    session_id: str
+    parts: list[tuple[int, int, int]]
+    size: int
+    complete: bool = True  # an upload through the data port is complete once every byte arrived
+    created: float = field(default_factory=time.monotonic)
+    mapped: mmap.mmap | None = None  # an upload's memory, mapped here (writable)
+    borrow: Callable[[int], mmap.mmap | None] | None = None  # a result's: the session's map of a memfd
+
+    def close(self) -> None:
+        for fd in {fd for fd, _, _ in self.parts}:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+
+    def views(self) -> list[tuple[mmap.mmap | None, memoryview]]:
+        """Each part's bytes, and the map made for them here (close it after use; None: a map the
+        session keeps, of the upload whose memory this is)."""
+        out: list[tuple[mmap.mmap | None, memoryview]] = []
+        for fd, offset, size in self.parts:
+            if not size:
+                continue
+            kept = self.borrow(fd) if self.borrow is not None else None
+            if kept is not None and offset + size <= len(kept):
+                out.append((None, memoryview(kept)[offset : offset + size]))
+                continue
+            # Populated at once: faulting a GiB in page by page costs more than the mapping saves.
+            mapped = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | wire.POPULATE, prot=mmap.PROT_READ)
+            out.append((mapped, memoryview(mapped)[offset : offset + size]))
+        return out
+
+    @contextlib.contextmanager
+    def read_once(self) -> Iterator[list[memoryview]]:
+        """Each part's bytes (``views``), for sending it once: the views and the maps made for them
+        are released afterwards, and this value closed."""
+        views = self.views()
+        try:
+            yield [view for _, view in views]
+        finally:
+            for mapped, view in views:
+                view.release()
+                if mapped is not None:
+                    mapped.close()
+            self.close()
+
+    def inodes(self) -> set[int]:
+        out = set()
+        for fd, _, _ in self.parts:
+            with contextlib.suppress(OSError):
+                out.add(os.fstat(fd).st_ino)
+        return out
+
+
+@dataclass(frozen=True)
+class Redeemed:
+    """What a data-port ticket was for: an upload or a download of ``staged``, or a channel for the
+    calls of session ``key`` by ``caller``."""
+
+    key: str
+    kind: str  # upload, download, channel, tunnel:NAME, blobs
+    staged: Staged | None
+    caller: Identity | None = None
+    revocations: int = 0  # the caller's revocations when it was redeemed (see Staging.revocations)
+
+
+class Staging:
+    """The staged values of every session, by key; shared with the data port's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[str, Staged] = {}
+        # ticket → (key, "upload" | "download" | "channel" | "tunnel:NAME" | "blobs" | "forward:PORT" | "exec",
+        # expiry, caller)
+        self._tickets: dict[str, tuple[str, str, float, Identity | None]] = {}
+        # The tickets of revoked tokens, until they would have expired: ticket → (name, expiry), so that
+        # presenting one is refused with the reason, not as an unknown ticket.
+        self._revoked: dict[str, tuple[str, float]] = {}
+        self._revocations: dict[str, int] = {}  # name → how many times their token was revoked
+
+    def add(self, staged: Staged, prefix: str) -> str:
+        key = prefix + secrets.token_hex(8)
+        with self._lock:
+            self._items[key] = staged
+        return key
+
+    def take(self, key: str) -> Staged | None:
+        with self._lock:
+            return self._items.pop(key, None)
+
+    def peek(self, key: str) -> Staged | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def ticket(self, key: str, kind: str, caller: Identity) -> str:
+        ticket = secrets.token_hex(32)
+        lasts = _FORWARD_TICKET_TTL if kind.startswith("forward:") else _TICKET_TTL
+        with self._lock:
+            self._tickets[ticket] = (key, kind, time.monotonic() + lasts, caller)
+        return ticket
+
+    def forget(self, name: str) -> None:
+        """``name``'s token was revoked: refuse the tickets handed to them that are not redeemed yet,
+        and free what they uploaded that no call took yet and the results those tickets were for."""
+        doomed: list[Staged] = []
+        with self._lock:
+            self._revocations[name] = self._revocations.get(name, 0) + 1
+            for ticket, (key, kind, expiry, caller) in list(self._tickets.items()):
+                if caller is not None and caller.name == name:
+                    del self._tickets[ticket]
+                    self._revoked[ticket] = (name, expiry)
+                    if kind in _FOR_STAGED and key in self._items:
+                        doomed.append(self._items.pop(key))
+            # Their uploads that arrived whole (one still arriving is cut by the data port, which drops it).
+            for key in [k for k, v in self._items.items() if k.startswith("u-") and v.owner == name and v.complete]:
+                doomed.append(self._items.pop(key))
+        for staged in doomed:
+            staged.close()
+
+    def revocations(self, name: str) -> int:
+        """How many times ``name``'s token was revoked: a transfer redeemed before a revocation it
+        did not see (``Redeemed.revocations``) must not start."""
+        with self._lock:
+            return self._revocations.get(name, 0)
+
+    def redeem(self, ticket: str) -> Redeemed | None:
+        """What a ticket is for (once: a ticket is used up; a forward's, ``forward:PORT``, again and
+        again, each use keeping it for ``_FORWARD_TICKET_TTL`` more), or None for an unknown, used or
+        expired one. Raises ``AuthenticationError`` for a ticket whose token was revoked since it was
+        handed out."""
+        with self._lock:
+            found = self._tickets.pop(ticket, None)
+            if found is not None and found[1].startswith("forward:") and found[2] >= time.monotonic():
+                self._tickets[ticket] = (*found[:2], time.monotonic() + _FORWARD_TICKET_TTL, found[3])
+            if found is None or found[2] < time.monotonic():
+                revoked = self._revoked.pop(ticket, None)
+                if revoked is not None and revoked[1] >= time.monotonic():
+                    raise AuthenticationError(
+                        f"this ticket was handed to '{revoked[0]}', whose token has been revoked since: "
+                        "nothing was transferred — log in with a valid token and try again"
+                    )
+                return None
+            key, kind, _, caller = found
+            revocations = self._revocations.get(caller.name, 0) if caller is not None else 0
+            if kind not in _FOR_STAGED:
+                return Redeemed(key, kind, None, caller, revocations)
+            staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
+        return Redeemed(key, kind, staged, caller, revocations) if staged is not None else None
+
+    def holds(self, inode: int) -> bool:
+        """Whether a staged value lies in the memfd ``inode`` (a result on its way out of it)."""
+        with self._lock:
+            items = list(self._items.values())
+        return any(inode in staged.inodes() for staged in items)
+
+    def drop(self, session_id: str | None = None, older_than: float | None = None) -> None:
+        """Free the staged values of a session, or those older than ``older_than`` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            doomed = [
+                key
+                for key, staged in self._items.items()
+                if (session_id is None or staged.session_id == session_id)
+                and (older_than is None or now - staged.created > older_than)
+            ]
+            gone = [self._items.pop(key) for key in doomed]
+            # A ticket for a staged value goes with it; one for a channel, a tunnel or blobs stays.
+            self._tickets = {
+                t: v
+                for t, v in self._tickets.items()
+                if v[2] >= now and (v[1] not in _FOR_STAGED or v[0] in self._items)
+            }
+            self._revoked = {t: v for t, v in self._revoked.items() if v[1] >= now}
+        for staged in gone:
+            staged.close()
+
+
+@dataclass
+class SessionMemory:
+    """A session's memory for large values: memfds its worker let go of, and the server's maps of them."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)  # calls come from channel threads too
+    spare: list[tuple[int, int, float]] = field(default_factory=list)  # (memfd, size, since): see take_spare
+    # The server's maps of uploads passed to the worker, by the memfd's inode: an upload into memory
+    # that comes back (spare) needs no new map, whose making costs 0.17 s a GiB on a 2-core VM.
+    maps: dict[int, mmap.mmap] = field(default_factory=dict)
+
+    def sent(self, staged: Staged) -> None:
+        """An upload went to the worker: keep its map (a large one: a map costs the server little, but
+        thousands of small values would each hold one) for when its memory comes back, and let it go."""
+        if staged.mapped is not None and staged.parts and staged.size >= KEEP_MAP_BYTES:
+            with contextlib.suppress(OSError):
+                inode = os.fstat(staged.parts[0][0]).st_ino
+                with self.lock:
+                    old = self.maps.pop(inode, None)
+                    self.maps[inode] = staged.mapped
+                if old is not None:
+                    _unmap(old)
+                staged.mapped = None
+        staged.close()
+
+    def borrow(self, fd: int) -> mmap.mmap | None:
+        """The map kept of the memfd ``fd`` (a value that was put), to send a result from; not to close."""
+        try:
+            inode = os.fstat(fd).st_ino
+        except OSError:
+            return None
+        with self.lock:
+            return self.maps.get(inode)
+
+    def keep_spare(self, fd: int, size: int) -> None:
+        """Keep a memfd the worker let go of, for the session's next large value; within
+        ``SESSION_REUSE_BYTES`` (the oldest go first)."""
+        with self.lock:
+            self.spare.append((fd, size, time.monotonic()))
+            doomed = []
+            while sum(s for _, s, _ in self.spare) > SESSION_REUSE_BYTES:
+                doomed.append(self.spare.pop(0)[0])
+        for old in doomed:
+            self._forget(old)
+
+    def take_spare(self, size: int) -> tuple[int, mmap.mmap | None] | None:
+        """A kept memfd made ``size`` bytes long (the one closest in size), with the server's map of it
+        when there is one, or None. Its pages were made by an earlier value, so receiving into it costs
+        no page faults (beyond its old size)."""
+        with self.lock:
+            if not self.spare:
+                return None
+            best = min(range(len(self.spare)), key=lambda i: abs(self.spare[i][1] - size))
+            fd, had, _ = self.spare.pop(best)
+        with self.lock:
+            mapped = self.maps.pop(os.fstat(fd).st_ino, None)
+        if had != size:
+            os.ftruncate(fd, size)  # shrinking frees the rest; growing adds pages to make
+            if mapped is not None:
+                _unmap(mapped)
+                mapped = None
+        return fd, mapped
+
+    def _forget(self, fd: int) -> None:
+        with contextlib.suppress(OSError), self.lock:
+            mapped = self.maps.pop(os.fstat(fd).st_ino, None)
+            if mapped is not None:
+                _unmap(mapped)
+        os.close(fd)
+
+    def drop_spare(self, older_than: float = 0.0) -> None:
+        """Free kept memory: what came back more than ``older_than`` seconds ago, and with 0 every map
+        (the session ends, or its worker and the values it held)."""
+        now = time.monotonic()
+        with self.lock:
+            doomed = [fd for fd, _, since in self.spare if now - since >= older_than]
+            self.spare = [kept for kept in self.spare if now - kept[2] < older_than]
+        for fd in doomed:
+            self._forget(fd)
+        if not older_than:
+            with self.lock:
+                maps, self.maps = list(self.maps.values()), {}
+            for mapped in maps:
+                _unmap(mapped)
+
+    def upload_memory(self, size: int) -> tuple[int, mmap.mmap | None]:
+        """A memfd of ``size`` bytes to receive a value into: one the worker let go of (with the
+        server's map of it, when kept), or a new one."""
+        spare = self.take_spare(size) if size else None
+        return spare if spare is not None else (wire.memory_file(size, "gpuport-upload"), None)
+
+
+def check_size(size: int) -> None:
+    """Refuse an upload of ``size`` bytes that is negative or does not fit in the server's memory."""
+    if size < 0:
+        raise InvalidRequest(f"upload size {size} is negative")
+    available = psutil.virtual_memory().available
+    if size > available:
+        raise ResourceUnavailable(
+            f"a value of {format_size(size)} does not fit in the server's memory ({format_size(available)} "
+            "available): send it in parts"
+        )
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    """Close a map; one a download still sends from is unmapped once that ends (and drops its view)."""
+    with contextlib.suppress(BufferError):
+        mapped.close()
+
+
+@dataclass
+class Direct:
+    """A data-port channel's own connection to a session's worker, used by the channel's thread only."""
+
+    session_id: str
+    sock: socket.socket | None = None
+    job_id: str = ""
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None

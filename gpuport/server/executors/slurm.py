@@ -45,7 +45,7 @@ from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.scheduler import Machine
-from gpuport.server.services.blobs import BlobStore
+from gpuport.server.blobs import BlobStore
 from gpuport.server.worker import supervisor
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,8 @@ that whole GPUs stay free for whole requests).
 Scale: the server keeps its queue in a ``Queue`` (each user's jobs in order, per priority), so a pass
 reads the order lazily instead of sorting every job, and it looks at most ``LOOK_AHEAD`` jobs deep
 (as Slurm's ``default_queue_depth``) unless something further back could still start: a pass stops
-once every kind of request left behind has been found not to fit. The decisions are those of a
+once every kind of request left behind has been found not to fit, or, once the reservation is made,
+does not fit what is left free (which only shrinks from then on). The decisions are those of a
 pass over the whole queue; only the jobs it did not reach have no position or reason of their own.
 
 Nodes: the machines of a ``Cluster`` (one, without a cluster engine). A job runs on one node and
@@ -687,7 +688,15 @@ def plan(
                     behind[queue[decided.job_id].request] -= 1
             if checked != changed:
                 checked = changed
-                if all(n <= 0 or k in why or (low_memory and not k.memory) for k, n in behind.items()):
+                # Once the reservation is made, what is free only shrinks: a kind that does not fit
+                # it now never will in this pass, whether or not a job of it was met yet.
+                if all(
+                    n <= 0
+                    or k in why
+                    or (low_memory and not k.memory)
+                    or (reservation is not None and free.fit_all(k) is None)
+                    for k, n in behind.items()
+                ):
                     break
             behind[job.request] -= 1
             if not behind[job.request]:

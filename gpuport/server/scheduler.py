@@ -530,6 +530,10 @@ class _Free:
     held_gpus: dict[str, float] = field(default_factory=dict)  # user → GPUs held (slices as fractions)
     held_jobs: dict[str, int] = field(default_factory=dict)  # user → jobs running
 
+    def copy(self) -> _Free:
+        pools = {name: _Pool(set(p.whole), dict(p.slice_free), p.cpus, p.memory) for name, p in self.pools.items()}
+        return _Free(pools, dict(self.held_gpus), dict(self.held_jobs))
+
     def fit(self, request: Request) -> tuple[str, tuple[int, ...]] | None:
         """The node and GPUs the request would get now, or None when it fits no node."""
         placed = self.fit_all(request)
@@ -671,7 +675,7 @@ def plan(
     behind: Counter[Request] | None = None
     changed, checked = 0, -1  # a count of changes to ``why`` (and to the kinds behind), and the one last checked
     free = _initial_free(machine, running)  # less the reservation, once there is one
-    unreserved = _initial_free(machine, running)
+    unreserved = free.copy()
     decisions = []
     waiting = 0  # jobs ahead that wait
     reservation: Pending | None = None
@@ -806,6 +810,7 @@ def preempt(
         return ((fair.used.get(user, 0.0) if fair is not None else 0.0) + held) / shares
 
     free: _Free | None = None  # what ``holding`` leaves free: worked out again only when it changes
+    without: dict[str, float] = {}  # a running job → its owner's standing without it, while ``usage`` holds
     for position, job in enumerate(queue.order(usage, share_of, fair)):
         if position >= depth:
             break
@@ -827,7 +832,12 @@ def preempt(
                 return False
             if h.priority < job.priority:
                 return True
-            return h.owner != job.owner and standing(h.owner, usage.get(h.owner, 0.0) - share_of(h.request)) > mine
+            if h.owner == job.owner:
+                return False
+            found = without.get(h.job_id)
+            if found is None:
+                found = without[h.job_id] = standing(h.owner, usage.get(h.owner, 0.0) - share_of(h.request))
+            return found > mine
 
         candidates = sorted((i for i, h in enumerate(holding) if may_stop(h)), key=lambda i: (holding[i].priority, -i))
         if not candidates:
@@ -841,6 +851,7 @@ def preempt(
         else:
             continue  # even all of them would not make room
         free = None
+        without.clear()
         for i in chosen:
             victims.append((holding[i].job_id, job.job_id))
             usage[holding[i].owner] -= share_of(holding[i].request)

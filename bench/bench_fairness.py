@@ -1,5 +1,5 @@
 """Fair over a week: the pure scheduler (``plan``) driven by a simulated clock, the same jobs under
-three policies in one run.
+three policies (four with ``--quick`` or ``--all``) in one run.
 
 The workload (seeded): 1,000 users with 1 to 4 shares (uniform) submit 100,000 jobs over one
 simulated week to 8 nodes of 8 GPUs (a ``Cluster``: a job runs on one node, an 8-GPU job takes a
@@ -50,8 +50,11 @@ utilisation (GPU-hours held, lost work included, / GPU-hours in the window; goal
 
 Differences from the server, named: a pass that ``could_start`` says starts nothing is skipped
 after a submit too (the server runs it for the reply's reasons; it can record a reservation, which
-the next pass here records instead); preemption as above. ``--hours`` simulates only the window's
-start, for the figures' trend and the cost per pass.
+the next pass here records instead); after a pass that started nothing, a submit of a kind of
+request already queued has no pass either (no queued kind fits what is free less the reservation,
+which sticks, so that pass would decide nothing new); preemption as above. ``--hours`` simulates
+only the window's start, for the figures' trend and the cost per pass; each policy prints its
+progress a simulated day at a time.
 """
 
 from __future__ import annotations

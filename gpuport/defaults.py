@@ -193,6 +193,9 @@ DEFAULT_PREEMPT_AFTER = 600.0
 # Seconds before a job's first retry (after its node was lost, the server restarted, or it exited with
 # a code of its --retry-on-exit); each next retry waits twice as long, at most DEFAULT_RETRY_BACKOFF_MAX.
 DEFAULT_RETRY_BACKOFF = 1.0
+# The exit code --retry-on-exit names to retry a job the kernel's OOM killer ended (128 + SIGKILL, as a
+# shell reports it; the server tells an OOM kill from its own kills).
+OOM_EXIT_CODE = 137
 DEFAULT_RETRY_BACKOFF_MAX = 300.0
 # How much a user's turn improves once their next job has waited DEFAULT_MAX_AGE, in units of the
 # machine's average decayed use per share (what a user at exactly their share has used): 1 puts a

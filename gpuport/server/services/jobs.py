@@ -56,6 +56,7 @@ from gpuport.defaults import (
     MAX_NAME_LENGTH,
     MAX_SPEC_BYTES,
     MAX_TIME_LIMIT,
+    OOM_EXIT_CODE,
 )
 from gpuport.protocol.arrays import parse_array, sweep_args, sweep_env_name, sweep_grid
 from gpuport.protocol.errors import (
@@ -1681,6 +1682,10 @@ class JobService:
                 message = f"rank {status['failed_rank']} {message}"
             if status.get("killed"):
                 state, message = JobState.KILLED, status["killed"]
+                if status.get("oom") and retry and OOM_EXIT_CODE in spec.get("retry_on_exit", ()):
+                    await self._keep_checkpoint(row, spec)
+                    self._requeue(row, spec, f"the kernel's OOM killer ended it ({message})", outputs=outputs)
+                    return
             elif status.get("timed_out"):
                 limit = format_duration(row["time_limit"])
                 state, message = JobState.TIMEOUT, f"stopped at its time limit of {limit} ({message})"

@@ -1,5 +1,5 @@
 """Fair over a week: the pure scheduler (``plan``) driven by a simulated clock, the same jobs under
-three policies in one run.
+three policies (four with ``--quick`` or ``--all``) in one run.
 
 The workload (seeded): 1,000 users with 1 to 4 shares (uniform) submit 100,000 jobs over one
 simulated week to 8 nodes of 8 GPUs (a ``Cluster``: a job runs on one node, an 8-GPU job takes a
@@ -10,15 +10,26 @@ jobs ask for ``--load`` times what the GPUs give in the week: 1.3 by default). A
 over the week. ``--quick``: 100 users, 10,000 jobs, 2 nodes of 8 GPUs, one day.
 
 Event-driven, as the server runs: at each submit and each end, a pass of ``plan`` over the kept
-``Queue`` with the server's look-ahead (``LOOK_AHEAD``), skipped as the server skips it when
-``could_start`` says nothing queued fits what is free; what the pass starts starts now (its end is
-an event), and a job the pass says reserves gets ``reserved_at`` as the server records it.
+``Queue``, skipped as the server skips it when ``could_start`` says nothing queued fits what is
+free; what the pass starts starts now (its end is an event), and a job the pass says reserves gets
+``reserved_at`` as the server records it. The pass is ``--depth`` deep (1 by default; the server's
+is ``LOOK_AHEAD``, 100): plan() decides at least that many jobs, then goes on while a job further
+back could still start, so what starts and which job reserves are the same at any depth (plan's
+docstring; ``--depth 100`` gives the same figures): only the reasons of jobs that wait, which the
+simulation does not read, are left out. The policies run in processes of their own (``--processes``).
+
+Preemption, as the server does it: half the jobs (``--preemptible``) are marked preemptible, and
+``preempt()`` (the server's rule, with its default ``--preempt-after`` of 10 minutes) is asked at
+the first event of each simulated minute (the server asks at every event: here a job may wait up
+to a minute longer before it preempts) which running jobs to stop. A victim stops at once (the
+grace period is not simulated), loses the work since its last checkpoint (one every 5 minutes of
+its run), and is queued again with its place and age, to run what is left.
 
 The policies, each over the same jobs:
 (a) decayed fair share: ``plan(..., fair=FairShare(...))`` with each user's decayed use (the
     server's formula in services/usage.py, advanced with the simulated clock, exact at each pass),
-    their shares, and the server's defaults (half-life 7 days, age weight 0.01 an hour); a second
-    row with the age weight 0 shows what the age factor does with 1,000 users;
+    their shares, and the server's defaults (half-life 7 days, age weight 1 with a maximum age of
+    7 days), with preemption; a second row without it shows what preemption costs and gives;
 (b) FIFO: every job given one owner, so the order is submission order (the reservation rule kept);
 (c) today's instantaneous fair share: ``fair=None`` (dominant share of what runs now, no shares).
 
@@ -32,26 +43,28 @@ users alone would drop the light users a bad policy starves.) ``demand_i``: the 
 jobs would hold inside the week if started at submission (a job near the week's end counts only
 to the end).
 
-Figures, within the week: Jain's index (goal >= 0.95), the median wait of 1-GPU jobs (jobs still
-queued at the end count as waiting until the end: a lower bound), GPU utilisation (GPU-hours held
-/ GPU-hours in the week; goal: fair share >= 95% of FIFO's), and the work lost to preemption with
-checkpoints every 5 minutes (goal <= 2% of GPU-hours): ``plan`` does not preempt yet (no preemption
-in gpuport/server/scheduler.py when this was written), so that row says it is not measurable.
+Figures, within the week: Jain's index (goal >= 0.95), the median wait of 1-GPU jobs until their
+first start (jobs still queued at the end count as waiting until the end: a lower bound), GPU
+utilisation (GPU-hours held, lost work included, / GPU-hours in the window; goal: fair share >=
+95% of FIFO's), and the work lost to preemption (goal <= 2% of the GPU-hours held).
 
 Differences from the server, named: a pass that ``could_start`` says starts nothing is skipped
 after a submit too (the server runs it for the reply's reasons; it can record a reservation, which
-the next pass here records instead). Cost: every pass decides ``LOOK_AHEAD`` jobs (0.8-10 ms here),
-and a week of 100,000 jobs is ~200,000 events a policy: the full run takes most of an hour on a
-loaded 2-core machine; ``--hours`` simulates only the window's start, for the figures' trend and
-the cost per pass.
+the next pass here records instead); after a pass that started nothing, a submit of a kind of
+request already queued has no pass either (no queued kind fits what is free less the reservation,
+which sticks, so that pass would decide nothing new); preemption as above. ``--hours`` simulates
+only the window's start, for the figures' trend and the cost per pass; each policy prints its
+progress a simulated day at a time.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import heapq
 import math
+import multiprocessing
 import os
 import random
 import statistics
@@ -66,8 +79,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from _report import ROWS, Row, print_table, say
 
-from gpuport.defaults import DEFAULT_AGE_WEIGHT, DEFAULT_FAIRSHARE_HALF_LIFE
-from gpuport.server import scheduler
+from gpuport.defaults import DEFAULT_AGE_WEIGHT, DEFAULT_FAIRSHARE_HALF_LIFE, DEFAULT_MAX_AGE, DEFAULT_PREEMPT_AFTER
 from gpuport.server.scheduler import (
     LOOK_AHEAD,
     Cluster,
@@ -79,6 +91,7 @@ from gpuport.server.scheduler import (
     Request,
     could_start,
     plan,
+    preempt,
 )
 
 GiB = 2**30
@@ -86,6 +99,8 @@ HOUR = 3600.0
 DAY = 24 * HOUR
 T0 = 1_700_000_000.0  # the simulated clock's start (a ``created_at`` of 0 means no age)
 SIZES = ((1, 0.55), (2, 0.20), (4, 0.15), (8, 0.10))
+CHECKPOINT_EVERY = 300.0  # a preemptible job saves a checkpoint every 5 minutes of its run
+PREEMPT_EVERY = 60.0  # preempt() looks at the first event of each simulated minute
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class Job:
     gpus: int
     submit: float  # seconds after T0
     duration: float
+    preemptible: bool = False
 
 
 @dataclass
@@ -113,7 +129,9 @@ def bounded_pareto(rng: random.Random, alpha: float, low: float, high: float) ->
     return low / (1 - u * (1 - ratio)) ** (1 / alpha)
 
 
-def workload(users: int, jobs: int, nodes: int, span: float, load: float, seed: int = 36) -> Workload:
+def workload(
+    users: int, jobs: int, nodes: int, span: float, load: float, preemptible: float = 0.5, seed: int = 36
+) -> Workload:
     rng = random.Random(seed)
     names = [f"user{i:04d}" for i in range(users)]
     shares = {u: float(rng.randint(1, 4)) for u in names}
@@ -125,37 +143,58 @@ def workload(users: int, jobs: int, nodes: int, span: float, load: float, seed: 
     gpus = nodes * 8
     scale = load * gpus * span / sum(g * d for g, d in zip(sizes, durations, strict=True))
     cluster = Cluster(tuple((f"node{n}", Machine((80 * GiB,) * 8, 64.0, 512 * GiB)) for n in range(nodes)))
-    listed = [Job(f"j{i}", owners[i], sizes[i], submits[i], durations[i] * scale) for i in range(jobs)]
+    flags = [rng.random() < preemptible for _ in range(jobs)]
+    listed = [Job(f"j{i}", owners[i], sizes[i], submits[i], durations[i] * scale, flags[i]) for i in range(jobs)]
     return Workload(names, shares, listed, cluster, gpus, span)
 
 
 class Decayed(Mapping[str, float]):
-    """Each user's decayed use at the simulated ``now``, worked out when asked (``FairShare.turn``
-    asks only for the users with queued jobs): the server's formula (services/usage.py), a run of
-    dominant share ``s`` from ``a`` to ``b`` counting ``s * (2^-(now-b)/h - 2^-(now-a)/h)``, kept
-    as sums against the fixed origin T0 so that advancing the clock costs nothing."""
+    """Each user's decayed use at the simulated ``now`` (set by ``at``), worked out when asked
+    (``FairShare.turn`` asks only for the users with queued jobs): the server's formula
+    (services/usage.py), a run of dominant share ``s`` from ``a`` to ``b`` counting ``s *
+    (2^-(now-b)/h - 2^-(now-a)/h)``, kept as sums against the fixed origin T0 so that advancing the
+    clock costs nothing; the sums over all users too, for the average use per share (the age
+    factor's unit, ``FairShare.per_share``)."""
 
-    def __init__(self, half_life: float) -> None:
+    def __init__(self, half_life: float, shares: Mapping[str, float]) -> None:
         self.h = half_life
+        self.shares = shares
         self.ended: dict[str, float] = {}  # sum of s * (2^(b/h) - 2^(a/h)) of ended runs
         self.held: dict[str, float] = {}  # sum of s of running runs
         self.began: dict[str, float] = {}  # sum of s * 2^(a/h) of running runs
+        self.totals = [0.0, 0.0, 0.0, 0.0]  # the three sums over every user, and those users' shares
         self.now = 0.0
+        self.f = 1.0  # 2^(-now/h)
+
+    def at(self, now: float) -> None:
+        self.now, self.f = now, 2 ** (-now / self.h)
 
     def start(self, user: str, share: float, at: float) -> None:
-        self.held[user] = self.held.get(user, 0.0) + share
-        self.began[user] = self.began.get(user, 0.0) + share * 2 ** (at / self.h)
+        if user not in self.held:
+            self.held[user] = self.began[user] = self.ended[user] = 0.0
+            self.totals[3] += self.shares[user]
+        began = share * 2 ** (at / self.h)
+        self.held[user] += share
+        self.began[user] += began
+        self.totals[1] += share
+        self.totals[2] += began
 
     def end(self, user: str, share: float, began: float, at: float) -> None:
+        a, b = share * 2 ** (began / self.h), share * 2 ** (at / self.h)
         self.held[user] -= share
-        self.began[user] -= share * 2 ** (began / self.h)
-        self.ended[user] = self.ended.get(user, 0.0) + share * (2 ** (at / self.h) - 2 ** (began / self.h))
+        self.began[user] -= a
+        self.ended[user] += b - a
+        self.totals[0] += b - a
+        self.totals[1] -= share
+        self.totals[2] -= a
+
+    def per_share(self) -> float:
+        ended, held, began, shares = self.totals
+        return ((ended - began) * self.f + held) / shares if shares else 0.0
 
     def get(self, user: str, default: float = 0.0) -> float:  # type: ignore[override]
-        if user not in self.held:
-            return default
-        now = self.now
-        return (self.ended.get(user, 0.0) - self.began[user]) * 2 ** (-now / self.h) + self.held[user]
+        held = self.held.get(user)
+        return default if held is None else (self.ended[user] - self.began[user]) * self.f + held
 
     def __getitem__(self, user: str) -> float:
         if user not in self.held:
@@ -178,21 +217,43 @@ class Outcome:
     skipped: int = 0
     seconds: float = 0.0  # wall time of the simulation
     plan_seconds: float = 0.0
+    preempted: int = 0  # runs stopped by preempt()
+    lost: float = 0.0  # GPU-seconds of work lost to preemption (since each victim's last checkpoint)
+    preempt_seconds: float = 0.0
+    preempt_calls: int = 0
 
 
-def simulate(w: Workload, name: str, policy: str, age_weight: float = DEFAULT_AGE_WEIGHT) -> Outcome:
-    """Run ``w`` under ``policy`` ('fair', 'fifo' or 'now') until the window's end."""
+@dataclass(frozen=True)
+class Policy:
+    label: str
+    kind: str  # 'fair', 'fifo' or 'now'
+    age_weight: float = DEFAULT_AGE_WEIGHT
+    preempt: bool = False  # call preempt() (the preemptible jobs' flag is the workload's)
+
+
+def simulate(w: Workload, policy: Policy, depth: int | None = 1) -> Outcome:
+    """Run ``w`` under ``policy`` until the window's end. ``depth``: plan()'s (see the module's docstring)."""
     started = time.perf_counter()
-    out = Outcome(name)
+    out = Outcome(policy.label)
+    kind = policy.kind
     cluster, span = w.cluster, w.span
     jobs = {j.job_id: j for j in w.jobs}
     queue = Queue()
     running: dict[str, Holding] = {}
     began: dict[str, float] = {}
+    left = {j.job_id: j.duration for j in w.jobs}  # work still to do (less what checkpoints saved)
+    seqs: dict[str, int] = {}
+    run = dict.fromkeys(left, 0)  # each job's current run: an end of an earlier (preempted) run is stale
     free = w.gpus
-    decayed = Decayed(DEFAULT_FAIRSHARE_HALF_LIFE)
-    ends: list[tuple[float, str]] = []
+    decayed = Decayed(DEFAULT_FAIRSHARE_HALF_LIFE, w.shares)
+    ends: list[tuple[float, str, int]] = []
     submits = w.jobs
+    next_look = 0.0  # when preempt() looks next
+    # After a pass that started nothing: no kind of request queued fits what is free less the
+    # reservation (which sticks: the next pass reserves the same), so a pass after a submit of one of
+    # these kinds would decide nothing new and is skipped; any other event forgets it.
+    settled = False
+    next_day = DAY
     i, seq = 0, 0
     while True:
         next_submit = submits[i].submit if i < len(submits) else math.inf
@@ -200,9 +261,15 @@ def simulate(w: Workload, name: str, policy: str, age_weight: float = DEFAULT_AG
         now = min(next_submit, next_end)
         if now >= span:
             break
+        if now >= next_day:  # progress, for a run that takes long
+            print(f"    {policy.label}: day {next_day / DAY:g} at {time.perf_counter() - started:.0f} s", flush=True)
+            next_day += DAY
         if next_end <= next_submit:
-            _, job_id = heapq.heappop(ends)
+            _, job_id, n = heapq.heappop(ends)
+            if n != run[job_id]:
+                continue
             del running[job_id]
+            settled = False
             job = jobs[job_id]
             free += job.gpus
             out.got[job.owner] = out.got.get(job.owner, 0.0) + job.gpus * (now - began[job_id])
@@ -211,23 +278,52 @@ def simulate(w: Workload, name: str, policy: str, age_weight: float = DEFAULT_AG
             job = submits[i]
             i += 1
             seq += 1
-            owner = "everyone" if policy == "fifo" else job.owner
-            queue.add(Pending(job.job_id, owner, Request(gpus=job.gpus), 0, seq, created_at=T0 + job.submit))
-        if not free or not queue:
+            seqs[job.job_id] = seq
+            owner = "everyone" if kind == "fifo" else job.owner
+            request = Request(gpus=job.gpus)
+            if settled and not queue.kinds()[request]:
+                settled = False  # a kind not queued: it may fit
+            queue.add(Pending(job.job_id, owner, request, 0, seq, created_at=T0 + job.submit))
+        fair = None
+        if kind == "fair":
+            decayed.at(now)
+            fair = FairShare(decayed, w.shares, T0 + now, policy.age_weight, per_share=decayed.per_share())
+        if policy.preempt and now >= next_look and queue:
+            next_look = now + PREEMPT_EVERY
+            t = time.perf_counter()
+            holdings = list(running.values())
+            victims = preempt(queue, holdings, cluster, T0 + now, DEFAULT_PREEMPT_AFTER, fair)
+            out.preempt_seconds += time.perf_counter() - t
+            out.preempt_calls += 1
+            settled = settled and not victims
+            for victim, _ in victims:
+                job = jobs[victim]
+                held = now - began[victim]
+                saved = held - held % CHECKPOINT_EVERY
+                out.preempted += 1
+                out.lost += job.gpus * (held - saved)
+                left[victim] -= saved
+                run[victim] += 1
+                del running[victim]
+                free += job.gpus
+                out.got[job.owner] = out.got.get(job.owner, 0.0) + job.gpus * held
+                decayed.end(job.owner, job.gpus / w.gpus, began[victim], now)
+                # queued again, as the server does: its place (seq) and its age kept
+                queue.add(
+                    Pending(victim, job.owner, Request(gpus=job.gpus), 0, seqs[victim], created_at=T0 + job.submit)
+                )
+        if not free or not queue or settled:
             out.skipped += 1
             continue
         holdings = list(running.values())
         if not could_start(queue.kinds(), holdings, cluster):
             out.skipped += 1
             continue
-        fair = None
-        if policy == "fair":
-            decayed.now = now
-            fair = FairShare(decayed, w.shares, T0 + now, age_weight)
         t = time.perf_counter()
-        decisions = plan(queue, holdings, cluster, None, "", LOOK_AHEAD, None, fair)
+        decisions = plan(queue, holdings, cluster, None, "", depth, None, fair)
         out.plan_seconds += time.perf_counter() - t
         out.passes += 1
+        settled = all(d.gpu_indices is None for d in decisions)
         for d in decisions:
             pending = queue[d.job_id]
             if d.reserves and pending.reserved_at is None:
@@ -236,17 +332,19 @@ def simulate(w: Workload, name: str, policy: str, age_weight: float = DEFAULT_AG
                 continue
             job = jobs[d.job_id]
             queue.pop(d.job_id)
-            running[d.job_id] = Holding(d.job_id, pending.owner, pending.request, d.gpu_indices, node=d.node)
+            running[d.job_id] = Holding(
+                d.job_id, pending.owner, pending.request, d.gpu_indices, node=d.node, preemptible=job.preemptible
+            )
             began[d.job_id] = now
             free -= job.gpus
             decayed.start(job.owner, job.gpus / w.gpus, now)
-            heapq.heappush(ends, (now + job.duration, d.job_id))
-            if job.gpus == 1:
+            heapq.heappush(ends, (now + left[d.job_id], d.job_id, run[d.job_id]))
+            if job.gpus == 1 and not run[d.job_id]:
                 out.waits.append(now - job.submit)
     for job_id in running:
         job = jobs[job_id]
         out.got[job.owner] = out.got.get(job.owner, 0.0) + job.gpus * (span - began[job_id])
-    out.waits += [span - p.created_at + T0 for p in queue.values() if p.request.gpus == 1]
+    out.waits += [span - p.created_at + T0 for p in queue.values() if p.request.gpus == 1 and not run[p.job_id]]
     out.seconds = time.perf_counter() - started
     return out
 
@@ -285,17 +383,31 @@ def jain(out: Outcome, asked: Mapping[str, float], shares: Mapping[str, float]) 
     return sum(x) ** 2 / (len(x) * sum(v * v for v in x)), saturated
 
 
+def _simulate(args: tuple[Workload, Policy, int | None]) -> Outcome:
+    return simulate(*args)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="100 users, 10,000 jobs, 16 GPUs, one day")
     parser.add_argument("--load", type=float, default=1.3, help="GPU-hours asked / GPU-hours in the window")
+    parser.add_argument("--preemptible", type=float, default=0.5, help="the part of the jobs marked preemptible")
     parser.add_argument("--profile", action="store_true", help="profile the decayed fair share's run")
     parser.add_argument("--hours", type=float, help="simulate only the window's first HOURS (a cost estimate)")
+    parser.add_argument(
+        "--depth", type=int, default=1, help=f"plan()'s depth (the server's: {LOOK_AHEAD}; what starts is the same)"
+    )
+    parser.add_argument("--all", action="store_true", help="the fair share without preemption too (--quick runs it)")
+    parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="policies simulated at once")
     args = parser.parse_args()
+    if not 0 <= args.preemptible <= 1:
+        parser.error(f"--preemptible is a part of the jobs, 0 to 1, not {args.preemptible}")
+    if args.depth < 1:
+        parser.error(f"--depth is at least 1, not {args.depth}")
     if args.quick:
-        w = workload(100, 10_000, 2, DAY, args.load)
+        w = workload(100, 10_000, 2, DAY, args.load, args.preemptible)
     else:
-        w = workload(1_000, 100_000, 8, 7 * DAY, args.load)
+        w = workload(1_000, 100_000, 8, 7 * DAY, args.load, args.preemptible)
     if args.hours:
         w = dataclasses.replace(w, span=min(w.span, args.hours * HOUR))
     say(
@@ -304,51 +416,67 @@ def main() -> None:
         + (" (--quick)" if args.quick else "")
     )
     say(
-        f"{len(w.users):,} users (shares 1-4), {len(w.jobs):,} jobs, {w.gpus} GPUs "
-        f"({len(w.cluster.nodes)} nodes of 8), {w.span / DAY:g} simulated days, asked {args.load:g}x "
-        f"the GPU-hours; plan() {LOOK_AHEAD} jobs deep; half-life {DEFAULT_FAIRSHARE_HALF_LIFE / DAY:g} days"
+        f"{len(w.users):,} users (shares 1-4), {len(w.jobs):,} jobs ({args.preemptible:.0%} preemptible), {w.gpus} "
+        f"GPUs ({len(w.cluster.nodes)} nodes of 8), {w.span / DAY:g} simulated days, asked {args.load:g}x "
+        f"the GPU-hours; plan() {args.depth} deep; half-life {DEFAULT_FAIRSHARE_HALF_LIFE / DAY:g} days, "
+        f"age weight {DEFAULT_AGE_WEIGHT:g} (max age {DEFAULT_MAX_AGE / DAY:g} days), preempt after "
+        f"{DEFAULT_PREEMPT_AFTER / 60:g} min, checkpoints every {CHECKPOINT_EVERY / 60:g} min"
     )
-    runs = [
-        ("decayed fair share", "fair", DEFAULT_AGE_WEIGHT),
-        ("decayed fair share, age weight 0", "fair", 0.0),
-        ("FIFO", "fifo", 0.0),
-        ("instantaneous fair share", "now", 0.0),
+    policies = [
+        Policy("decayed fair share", "fair", preempt=True),
+        Policy("FIFO", "fifo", 0.0),
+        Policy("instantaneous fair share", "now", 0.0),
     ]
+    if args.quick or args.all:
+        policies.insert(1, Policy("decayed fair share, no preemption", "fair"))
     outcomes: dict[str, Outcome] = {}
-    for label, policy, age in runs:
-        if args.profile and policy == "fair" and age == DEFAULT_AGE_WEIGHT:
-            import cProfile
-            import pstats
+    if args.profile:
+        import cProfile
+        import pstats
 
-            profiler = cProfile.Profile()
-            out = profiler.runcall(simulate, w, label, policy, age)
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(20)
-        else:
-            out = simulate(w, label, policy, age)
-        outcomes[label] = out
-        say(
-            f"  {label}: {out.seconds:.1f} s ({out.passes:,} passes, {out.plan_seconds / max(out.passes, 1) * 1e3:.2f} ms "
-            f"each; {out.skipped:,} events without a pass)"
-        )
+        profiler = cProfile.Profile()
+        profiler.runcall(simulate, w, policies[0], args.depth)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        return
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(
+        max(1, min(args.processes, len(policies))), mp_context=multiprocessing.get_context("fork")
+    ) as pool:
+        for out in pool.map(_simulate, [(w, p, args.depth) for p in policies]):
+            outcomes[out.name] = out
+            say(
+                f"  {out.name}: {out.seconds:.1f} s ({out.passes:,} passes, "
+                f"{out.plan_seconds / max(out.passes, 1) * 1e3:.2f} ms each; {out.skipped:,} events without a pass"
+                + (
+                    f"; {out.preempt_calls:,} preempt() calls, {out.preempt_seconds / max(out.preempt_calls, 1) * 1e3:.2f} "
+                    f"ms each, {out.preempted:,} runs preempted"
+                    if out.preempt_calls
+                    else ""
+                )
+                + ")"
+            )
+    say(f"  all: {time.perf_counter() - started:.1f} s, {args.processes} at once")
     asked = demand(w)
     fifo = outcomes["FIFO"]
     capacity = w.gpus * w.span
     util = {k: sum(o.got.values()) / capacity for k, o in outcomes.items()}
     say()
-    say(f"{'policy':<34} {'Jain':>6} {'saturated':>9} {'1-GPU wait':>11} {'util':>6}")
+    say(f"{'policy':<34} {'Jain':>6} {'saturated':>9} {'1-GPU wait':>11} {'util':>6} {'lost':>6}")
     indexes = {}
     for k, o in outcomes.items():
         index, saturated = jain(o, asked, w.shares)
         indexes[k] = index
         wait = statistics.median(o.waits) if o.waits else 0.0
-        say(f"{k:<34} {index:>6.3f} {saturated:>9} {wait / 60:>9.1f} m {util[k]:>6.1%}")
+        lost = o.lost / max(sum(o.got.values()), 1.0)
+        say(f"{k:<34} {index:>6.3f} {saturated:>9} {wait / 60:>9.1f} m {util[k]:>6.1%} {lost:>6.2%}")
     tag = " (quick)" if args.quick else ""
     tag += f" ({args.hours:g} h)" if args.hours else ""
+    main_row = policies[0].label
     for k in outcomes:
         if k == "FIFO":
             continue
-        goal = ">= 0.95" if k == "decayed fair share" else "-"
-        met = indexes[k] >= 0.95 if k == "decayed fair share" else None
+        goal = ">= 0.95" if k == main_row else "-"
+        met = indexes[k] >= 0.95 if k == main_row else None
         ROWS.append(Row(f"Jain index: {k}{tag}", indexes[k], indexes["FIFO"], "FIFO", goal, met, "cores"))
     for k, o in outcomes.items():
         if k != "FIFO":
@@ -360,25 +488,26 @@ def main() -> None:
         goal = ">= 0.95x FIFO" if k.startswith("decayed") else "-"
         met = util[k] >= 0.95 * util["FIFO"] if k.startswith("decayed") else None
         ROWS.append(Row(f"GPU utilisation: {k}{tag}", util[k], util["FIFO"], "FIFO", goal, met, "cores"))
-    preempts = "preempt" in Path(scheduler.__file__).read_text()
+    o = outcomes[main_row]
+    held = sum(o.got.values())
+    lost = o.lost / held if held else 0.0
     ROWS.append(
         Row(
             f"work lost to preemption{tag}",
-            None,
+            lost,
             None,
             "-",
             "<= 2% of GPU-hours",
-            None,
-            note="not measurable: plan() does not preempt yet"
-            if not preempts
-            else "plan() preempts: not simulated here",
+            lost <= 0.02,
+            "cores",
+            note=f"{o.preempted:,} runs preempted, {o.lost / HOUR:,.1f} of {held / HOUR:,.0f} GPU-hours lost",
         )
     )
     print_table(
         ["Jain", "median wait", "GPU util", "work lost"],
-        56,
-        "Jain's index and utilisation as fractions (utilisation: GPU-hours held / GPU-hours in the window), "
-        "waits in seconds; anchor: the same jobs under FIFO",
+        60,
+        "Jain's index, utilisation and work lost as fractions (utilisation: GPU-hours held / GPU-hours in the "
+        "window; work lost: of the GPU-hours held), waits in seconds; anchor: the same jobs under FIFO",
     )
 
 

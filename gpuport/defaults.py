@@ -193,9 +193,16 @@ DEFAULT_PREEMPT_AFTER = 600.0
 # Seconds before a job's first retry (after its node was lost, the server restarted, or it exited with
 # a code of its --retry-on-exit); each next retry waits twice as long, at most DEFAULT_RETRY_BACKOFF_MAX.
 DEFAULT_RETRY_BACKOFF = 1.0
+# The exit code --retry-on-exit names to retry a job the kernel's OOM killer ended (128 + SIGKILL, as a
+# shell reports it; the server tells an OOM kill from its own kills).
+OOM_EXIT_CODE = 137
 DEFAULT_RETRY_BACKOFF_MAX = 300.0
-# How much a user's turn improves per hour their next job has waited, in parts of the whole machine
-# (a user holding all of it for a half-life's worth counts about 0.5): nothing waits forever.
-DEFAULT_AGE_WEIGHT = 0.01
+# How much a user's turn improves once their next job has waited DEFAULT_MAX_AGE, in units of the
+# machine's average decayed use per share (what a user at exactly their share has used): 1 puts a
+# user at twice their share whose job waited a week level with one at their share who just asked.
+DEFAULT_AGE_WEIGHT = 1.0
+# Seconds of waiting after which a job's age counts no more (Slurm's PriorityMaxAge): the age factor
+# grows linearly to it, then stays. What keeps a heavy user from waiting forever is the decay itself.
+DEFAULT_MAX_AGE = 7 * 24 * 3600.0
 # A user's shares of the machine when no quota gives them some (`gpuport quota set USER --shares N`).
 DEFAULT_SHARES = 1.0

@@ -451,3 +451,37 @@ def test_the_gpu_history_survives_a_restart(tmp_path: Path, browser: Any) -> Non
     for gpu in gpus:
         ats = [r[0] for r in gpu["history"]]
         assert ats == sorted(ats) and ats[0] < between < ats[-1], gpu  # the first server's, then the second's
+
+
+def test_the_usage_panel_shows_a_user_their_own_gpu_hours_and_an_admin_everyones(
+    dash_server: RunningServer, browser: Any
+) -> None:
+    server = dash_server
+    with server.connect() as admin:
+        fay = admin.create_token("fay").token
+        gus = admin.create_token("gus").token
+    for token in (fay, gus):
+        with server.connect(token) as gpu:
+            gpu.submit(["sleep", "1"], workdir=None, gpus=1).wait(timeout=60)
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, fay)
+    usage = page.locator("#usage")
+    sync_api.expect(page.locator("#usage-title")).to_have_text("Your usage, last 7 days")
+    heads = ["user", "GPU-hours", "CPU-hours", "runs", "shares", "effective share", "decayed use"]
+    sync_api.expect(usage.locator("th")).to_have_text(heads)
+    sync_api.expect(usage.locator("tr:has(td)")).to_have_count(1)
+    cells = usage.locator("tr:has(td) td")
+    sync_api.expect(cells.nth(0)).to_have_text("fay")
+    assert 1 / 3600 <= float(cells.nth(1).inner_text()) < 0.01  # a GPU for a second or so, in hours
+    sync_api.expect(cells.nth(3)).to_have_text("1")
+    assert "gus" not in usage.inner_text()  # another user's use is not there
+    _shot(page, "usage-user")
+    context.close()
+    context = browser.new_context(ignore_https_errors=True)
+    page = context.new_page()
+    _log_in(page, server, server.admin_token)
+    sync_api.expect(page.locator("#usage-title")).to_have_text("Usage, last 7 days (every user's)")
+    sync_api.expect(page.locator("#usage tr:has(td)")).to_have_count(2)
+    sync_api.expect(page.locator("#usage")).to_contain_text("gus")
+    context.close()

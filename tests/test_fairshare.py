@@ -3,6 +3,7 @@ through a week) and the scheduler's order by decayed use relative to shares, wit
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 import gpuport
+from gpuport.defaults import DEFAULT_AGE_WEIGHT
 from gpuport.protocol.errors import InvalidRequest, PermissionDenied
 from gpuport.server.scheduler import Cluster, FairShare, Machine, Pending, Request, plan, queue_order
 from gpuport.server.services.auth import Identity
@@ -131,14 +133,40 @@ def test_after_a_simulated_week_the_user_who_held_the_gpus_waits_behind_the_one_
 
 
 def test_the_age_factor_lets_a_job_that_waited_long_go_first() -> None:
+    now = 30 * DAY
     queued = [
-        Pending("heavy", "alice", Request(gpus=1), seq=1, created_at=1.0),
-        Pending("light", "bob", Request(gpus=1), seq=2, created_at=100 * HOUR - 60),
+        Pending("heavy", "alice", Request(gpus=1), seq=1, created_at=now - WEEK),
+        Pending("light", "bob", Request(gpus=1), seq=2, created_at=now - 60),
     ]
-    fair = FairShare(used={"alice": 0.5}, now=100 * HOUR, age_weight=0.0)
+    used = {"alice": 0.3, "bob": 0.2}  # 0.25 a share on average: alice is above it, bob below
+    fair = FairShare(used=used, now=now, age_weight=0.0)
     assert [p.job_id for p in queue_order(queued, [], CLUSTER, fair)] == ["light", "heavy"]
-    aged = FairShare(used={"alice": 0.5}, now=100 * HOUR, age_weight=0.01)  # 100 h waited: 1.0 off her turn
+    aged = FairShare(used=used, now=now, age_weight=1.0)  # a week waited: 1 x 0.25 off her turn
+    assert aged.unit == pytest.approx(0.25)
+    assert aged.turn("alice", 0.0, now - WEEK) == pytest.approx(0.05)
     assert [p.job_id for p in queue_order(queued, [], CLUSTER, aged)] == ["heavy", "light"]
+    # A day's wait is not enough, and a wait past the maximum age counts no more than it.
+    day = [dataclasses.replace(queued[0], created_at=now - DAY), queued[1]]
+    assert [p.job_id for p in queue_order(day, [], CLUSTER, aged)] == ["light", "heavy"]
+    assert aged.turn("alice", 0.0, now - 3 * WEEK) == aged.turn("alice", 0.0, now - WEEK)
+
+
+def test_the_age_factor_keeps_its_weight_however_many_users_share_the_machine() -> None:
+    # 1,000 users, each at their share (a user's decayed use per share is tiny): a job that waited an
+    # hour must not go ahead of a user with half the average use per share, as an age weight counted in
+    # parts of the whole machine made it do.
+    now = 30 * DAY
+    used = {f"u{i}": 4e-4 for i in range(1_000)} | {"light": 2e-4}
+    queued = [
+        Pending("old", "u0", Request(gpus=1), seq=1, created_at=now - HOUR),
+        Pending("new", "light", Request(gpus=1), seq=2, created_at=now - 1),
+    ]
+    fair = FairShare(used=used, now=now, age_weight=DEFAULT_AGE_WEIGHT)
+    assert [p.job_id for p in queue_order(queued, [], CLUSTER, fair)] == ["new", "old"]
+    # and a user's turn improves by the same part of the average use per share, with 10 users or 1,000.
+    few = FairShare(used={f"u{i}": 0.04 for i in range(10)}, now=now, age_weight=DEFAULT_AGE_WEIGHT)
+    gain = [f.turn("u0", 0.0, 0.0) - f.turn("u0", 0.0, now - DAY) for f in (fair, few)]
+    assert gain[0] / fair.unit == pytest.approx(gain[1] / few.unit) == pytest.approx(DEFAULT_AGE_WEIGHT / 7)
 
 
 def test_the_default_shares_come_from_the_star_quota() -> None:

@@ -130,6 +130,22 @@ def test_a_job_over_its_memory_limit_is_killed_alone(
         flag.close()
 
 
+def test_a_job_the_kernels_oom_killer_ended_is_retried_when_asked(
+    server: RunningServer, alice: gpuport.Client, tmp_path: Path
+) -> None:
+    needs_cgroups(server)
+    (tmp_path / "alloc.py").write_text(ALLOCATE)
+    asked = alice.submit(["python", "alloc.py"], workdir=tmp_path, memory="256MiB", retries=1, retry_on_exit=[137])
+    info = asked.wait(120).info
+    # Killed again on its retry: the retry spent, it ends as the kernel's OOM killer left it.
+    assert info.state == "killed" and info.retried == 1, info
+    assert info.message == "exceeded its memory limit of 256MiB", info
+    # Not asked (137 not named): the OOM kill ends it at once, whatever its retries.
+    other = alice.submit(["python", "alloc.py"], workdir=tmp_path, memory="256MiB", retries=1, retry_on_exit=[3])
+    info = other.wait(120).info
+    assert info.state == "killed" and info.retried == 0, info
+
+
 def test_a_job_without_memory_gets_the_default_limit_and_the_process_cap(
     server: RunningServer, alice: gpuport.Client
 ) -> None:

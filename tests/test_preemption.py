@@ -7,6 +7,7 @@ preemptible is never touched, and exit codes are retried only when named."""
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 import time
 from collections.abc import Iterator
@@ -193,6 +194,40 @@ def test_a_job_that_ignores_sigterm_is_killed_after_its_grace_and_still_queued_a
     info = stubborn.wait(timeout=120).info
     assert info.state == "succeeded" and info.preemptions == 1
     assert "run 1" in _log(stubborn)  # the second run found the first run's checkpoint folder
+
+
+def test_the_checkpoint_of_a_job_cancelled_while_queued_again_is_discarded(
+    preempting: RunningServer, client: gpuport.Client, tmp_path: Path
+) -> None:
+    script = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "os.makedirs('ckpt', exist_ok=True)\n"
+        "open('ckpt/state', 'w').write('saved')\n"
+        "print('saved', flush=True)\n"
+        "while True: time.sleep(0.1)\n"
+    )
+    victim = client.submit([sys.executable, "-c", script], workdir=tmp_path, gpus=1, priority=-1, checkpoint="ckpt")
+    _wait_for(lambda: "saved" in _log(victim), "the job to save its checkpoint")
+    holder = client.submit(["sleep", "120"], workdir=None, gpus=1)  # not preemptible: the victim stays queued
+
+    def kept() -> str:
+        with sqlite3.connect(preempting.state_dir / "gpuport.db") as db:
+            row = db.execute(
+                "SELECT state, json_extract(spec, '$.checkpoint_snapshot') FROM jobs WHERE id = ?", (victim.id,)
+            )
+            state, snapshot = row.fetchone()
+        return snapshot if state == "queued" and snapshot else ""
+
+    snapshot = _wait_for(kept, "the victim queued again with its checkpoint kept")
+    try:
+        victim.cancel()
+        with sqlite3.connect(preempting.state_dir / "gpuport.db") as db:
+            left = db.execute("SELECT COUNT(*) FROM snapshots WHERE id = ?", (snapshot,)).fetchone()[0]
+        assert left == 0  # its next run will not be: the checkpoint is not kept for it
+    finally:
+        holder.cancel()
+        holder.wait(timeout=60)
 
 
 def test_a_job_not_marked_preemptible_is_never_touched(client: gpuport.Client, tmp_path: Path) -> None:

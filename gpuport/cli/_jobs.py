@@ -404,7 +404,8 @@ def _check_runnable(command: tuple[str, ...], workdir: Path, project: str | None
 @click.option(
     "--retry-on-exit",
     metavar="CODES",
-    help="With --retries: exit codes that are retried too, e.g. 3,75 (others fail the job).",
+    help="With --retries: exit codes that are retried too, e.g. 3,75 (others fail the job); 137 retries a job "
+    "the kernel's OOM killer ended.",
 )
 @click.option(
     "--preemptible/--not-preemptible",

@@ -184,8 +184,9 @@ def cli(ctx: click.Context, profile: str | None) -> None:
 @click.option(
     "--age-weight",
     type=float,
-    help="How much a waiting job's turn improves per hour waited, in parts of the whole machine "
-    "(0: none) [default: 0.01].",
+    help="How much a waiting job's turn in the fair share improves as it waits: after a week (and no more "
+    "after that), by this many times the machine's average use per share; 1 puts a user at twice their share "
+    "whose job waited a week level with one at their share who just asked (0: no age factor) [default: 1].",
 )
 @click.option(
     "--ray",

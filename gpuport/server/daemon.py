@@ -207,8 +207,9 @@ async def serve(
     nobody keeps are removed once ``blob_grace`` seconds old (see services/storage.py). The Python
     environments built for jobs take at most ``env_cache`` bytes (None: a share of the state dir's
     disk; see server/environments.py). The fair share forgets half of a user's use every
-    ``fairshare_half_life`` seconds, and a waiting job's turn improves by ``age_weight`` an hour (see
-    services/usage.py). ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
+    ``fairshare_half_life`` seconds, and a waiting job's turn improves by up to ``age_weight`` times
+    the machine's average use per share, reached after a week's wait (see ``FairShare``).
+    ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     ``slurm_dir``: hand jobs to the Slurm cluster whose compute nodes share that folder, in
     ``slurm_partition`` unless a job names one (see executors/slurm.py).
     """

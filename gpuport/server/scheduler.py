@@ -21,7 +21,8 @@ The rules, in this order:
    Over weeks (``FairShare``, given by the server): a user's use also counts what they held before,
    decayed with a half-life (as Slurm's ``PriorityDecayHalfLife``), and is divided by their shares,
    so that someone who held the GPUs all week waits behind someone who did not; a user's turn
-   improves the longer their next job has waited (the age factor), so nothing waits forever.
+   improves the longer their next job has waited, up to a maximum age (the age factor, weighed
+   against the machine's average use per share, so that it cannot swamp the fair share).
 4. **Quotas** (per user, set by an admin): concurrent GPUs and concurrent jobs. A job over its
    owner's quota waits, saying so, and reserves nothing.
 5. **Arrays and dependencies.** A task of a job array is an ordinary job of its owner (fair share
@@ -44,7 +45,8 @@ that whole GPUs stay free for whole requests).
 Scale: the server keeps its queue in a ``Queue`` (each user's jobs in order, per priority), so a pass
 reads the order lazily instead of sorting every job, and it looks at most ``LOOK_AHEAD`` jobs deep
 (as Slurm's ``default_queue_depth``) unless something further back could still start: a pass stops
-once every kind of request left behind has been found not to fit. The decisions are those of a
+once every kind of request left behind has been found not to fit, or, once the reservation is made,
+does not fit what is left free (which only shrinks from then on). The decisions are those of a
 pass over the whole queue; only the jobs it did not reach have no position or reason of their own.
 
 Nodes: the machines of a ``Cluster`` (one, without a cluster engine). A job runs on one node and
@@ -64,7 +66,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB, DEFAULT_SHARES
+from gpuport.defaults import DEFAULT_MAX_AGE, DEFAULT_PROCESSES_PER_JOB, DEFAULT_SHARES
 from gpuport.protocol.units import format_size
 
 # A job that asks for nothing still counts a little in its owner's fair share, so that the owner
@@ -206,20 +208,45 @@ class FairShare:
     """What orders users over weeks, not just now: each one's decayed past use and shares, and the
     age factor. ``used`` is in parts of the whole machine (its dominant share, as a running job
     counts) averaged over the decay: a user who held all of it for ever counts 1, for one half-life
-    0.5. A user's turn comes by ``(used + what they hold now) / shares - age_weight * hours their
-    next job has waited``, least first. ``now``: the clock, given, so that the plan stays pure."""
+    0.5. A user's turn comes by ``(used + what they hold now) / shares - age_weight * unit *
+    min(waited, max_age) / max_age``, least first, where ``waited`` is how long their next job has
+    waited and ``unit`` the machine's average use per share (``per_share``: the users' summed
+    ``used`` over their summed shares, what a user at exactly their share has used). So the age
+    factor weighs the same against the fair share however many users share the machine: with
+    ``age_weight`` 1, a user at twice their share whose job waited ``max_age`` goes level with a
+    user at their share who just asked, and no wait counts more than ``max_age`` (as Slurm's
+    ``PriorityMaxAge``). Nothing waits forever even so: a user who runs nothing sees their use decay
+    until theirs is the least. ``now``: the clock, given, so that the plan stays pure."""
 
     used: Mapping[str, float] = field(default_factory=dict)
     shares: Mapping[str, float] = field(default_factory=dict)  # absent: DEFAULT_SHARES
     now: float = 0.0
     age_weight: float = 0.0
+    max_age: float = DEFAULT_MAX_AGE
+    per_share: float | None = None  # the average use per share where the caller keeps it; None: from ``used``
 
     def shares_of(self, user: str) -> float:
         return self.shares.get(user, self.shares.get("*", DEFAULT_SHARES))
 
+    @cached_property
+    def unit(self) -> float:
+        """What a wait of ``max_age`` takes off a turn with ``age_weight`` 1: the average use per share."""
+        if self.per_share is not None:
+            return self.per_share
+        users = [u for u, used in self.used.items() if used > 0]
+        total = sum(self.shares_of(u) for u in users)
+        return sum(self.used[u] for u in users) / total if total else 0.0
+
+    @cached_property
+    def _age_rate(self) -> float:  # what a second of waiting takes off a turn, up to max_age
+        return self.age_weight * self.unit / self.max_age if self.age_weight and self.max_age > 0 else 0.0
+
     def turn(self, user: str, held: float, created_at: float) -> float:
-        waited = max(0.0, self.now - created_at) / 3600 if created_at else 0.0
-        return (self.used.get(user, 0.0) + held) / self.shares_of(user) - self.age_weight * waited
+        turn = (self.used.get(user, 0.0) + held) / self.shares_of(user)
+        rate = self._age_rate
+        if rate and created_at:
+            turn -= rate * min(max(0.0, self.now - created_at), self.max_age)
+        return turn
 
     def describe(self, user: str) -> str:
         shares = self.shares_of(user)
@@ -389,6 +416,17 @@ class Queue:
         self, usage: dict[str, float], share_of: Callable[[Request], float], fair: FairShare
     ) -> Iterator[Pending]:
         jobs = self._jobs
+        # ``fair.turn``, its lookups done once: a pass works out the turn of every user with a queued job.
+        used, shares = fair.used.get, fair.shares.get
+        default = fair.shares.get("*", DEFAULT_SHARES)
+        rate, now, max_age = fair._age_rate, fair.now, fair.max_age
+
+        def turn(user: str, held: float, created_at: float) -> float:
+            if rate and created_at:
+                age = rate * min(max(0.0, now - created_at), max_age)
+                return (used(user, 0.0) + held) / shares(user, default) - age
+            return (used(user, 0.0) + held) / shares(user, default)
+
         for priority in sorted(self._users.keys() | self._reserved.keys(), reverse=True):
             reserved = sorted(self._reserved.get(priority, {}).values(), key=lambda p: (p.reserved_at, p.seq))
             for p in reserved:
@@ -396,7 +434,7 @@ class Queue:
             yield from reserved
             lists = self._users.get(priority, {})
             turns = [
-                (fair.turn(user, usage.get(user, 0.0), jobs[queued[0][1]].created_at), queued[0][0], user, 0)
+                (turn(user, usage.get(user, 0.0), jobs[queued[0][1]].created_at), queued[0][0], user, 0)
                 for user, queued in lists.items()
             ]
             heapq.heapify(turns)
@@ -407,7 +445,7 @@ class Queue:
                 held = usage[user] = usage.get(user, 0.0) + share_of(job.request)
                 if i + 1 < len(queued):
                     after = jobs[queued[i + 1][1]]
-                    heapq.heapreplace(turns, (fair.turn(user, held, after.created_at), queued[i + 1][0], user, i + 1))
+                    heapq.heapreplace(turns, (turn(user, held, after.created_at), queued[i + 1][0], user, i + 1))
                 else:
                     heapq.heappop(turns)
                 yield job
@@ -491,6 +529,10 @@ class _Free:
     pools: dict[str, _Pool]
     held_gpus: dict[str, float] = field(default_factory=dict)  # user → GPUs held (slices as fractions)
     held_jobs: dict[str, int] = field(default_factory=dict)  # user → jobs running
+
+    def copy(self) -> _Free:
+        pools = {name: _Pool(set(p.whole), dict(p.slice_free), p.cpus, p.memory) for name, p in self.pools.items()}
+        return _Free(pools, dict(self.held_gpus), dict(self.held_jobs))
 
     def fit(self, request: Request) -> tuple[str, tuple[int, ...]] | None:
         """The node and GPUs the request would get now, or None when it fits no node."""
@@ -633,7 +675,7 @@ def plan(
     behind: Counter[Request] | None = None
     changed, checked = 0, -1  # a count of changes to ``why`` (and to the kinds behind), and the one last checked
     free = _initial_free(machine, running)  # less the reservation, once there is one
-    unreserved = _initial_free(machine, running)
+    unreserved = free.copy()
     decisions = []
     waiting = 0  # jobs ahead that wait
     reservation: Pending | None = None
@@ -650,7 +692,15 @@ def plan(
                     behind[queue[decided.job_id].request] -= 1
             if checked != changed:
                 checked = changed
-                if all(n <= 0 or k in why or (low_memory and not k.memory) for k, n in behind.items()):
+                # Once the reservation is made, what is free only shrinks: a kind that does not fit
+                # it now never will in this pass, whether or not a job of it was met yet.
+                if all(
+                    n <= 0
+                    or k in why
+                    or (low_memory and not k.memory)
+                    or (reservation is not None and free.fit_all(k) is None)
+                    for k, n in behind.items()
+                ):
                     break
             behind[job.request] -= 1
             if not behind[job.request]:
@@ -759,15 +809,19 @@ def preempt(
         shares = fair.shares_of(user) if fair is not None else 1.0
         return ((fair.used.get(user, 0.0) if fair is not None else 0.0) + held) / shares
 
+    free: _Free | None = None  # what ``holding`` leaves free: worked out again only when it changes
+    without: dict[str, float] = {}  # a running job → its owner's standing without it, while ``usage`` holds
     for position, job in enumerate(queue.order(usage, share_of, fair)):
         if position >= depth:
             break
         if job.blocked or not job.created_at or now - job.created_at < after:
             continue
-        free = _initial_free(machine, holding)
+        if free is None:
+            free = _initial_free(machine, holding)
         fits = free.fit_all(job.request)
         if fits is not None:  # it starts at the next pass, in what is free (or being freed)
             holding.append(_held(job, fits))
+            free = None
             continue
         if _over_quota(job, free, quotas.get(job.owner, quotas.get("*")), machine):
             continue
@@ -778,9 +832,16 @@ def preempt(
                 return False
             if h.priority < job.priority:
                 return True
-            return h.owner != job.owner and standing(h.owner, usage.get(h.owner, 0.0) - share_of(h.request)) > mine
+            if h.owner == job.owner:
+                return False
+            found = without.get(h.job_id)
+            if found is None:
+                found = without[h.job_id] = standing(h.owner, usage.get(h.owner, 0.0) - share_of(h.request))
+            return found > mine
 
         candidates = sorted((i for i, h in enumerate(holding) if may_stop(h)), key=lambda i: (holding[i].priority, -i))
+        if not candidates:
+            continue
         chosen: list[int] = []
         for i in candidates:
             chosen.append(i)
@@ -789,6 +850,8 @@ def preempt(
                 break
         else:
             continue  # even all of them would not make room
+        free = None
+        without.clear()
         for i in chosen:
             victims.append((holding[i].job_id, job.job_id))
             usage[holding[i].owner] -= share_of(holding[i].request)

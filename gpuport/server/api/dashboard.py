@@ -220,6 +220,39 @@ def _gpus(app: ServerApp, who: Identity) -> list[dict[str, Any]]:
     return found
 
 
+# The usage panel's span: the last week's use, as `gpuport usage` shows it by default.
+_USAGE_SPAN = 7 * 24 * 3600.0
+
+
+def _usage(app: ServerApp, who: Identity) -> list[dict[str, Any]]:
+    """The usage panel: each user's GPU-hours and CPU-hours over the last week, with their place
+    in the fair share (``app.usage_report``: a user's own, an admin's everyone's). In a thread: the
+    store's."""
+    entries, fair = app.usage_report(who, time.time() - _USAGE_SPAN)
+    standing = {f.user: f for f in fair}
+    rows = []
+    for user in sorted({e.user for e in entries} | standing.keys()):
+        entry = next((e for e in entries if e.user == user), None)
+        place = standing.get(user)
+        rows.append(
+            {
+                "user": user,
+                "runs": entry.runs if entry else 0,
+                "gpu_hours": (entry.gpu_seconds if entry else 0.0) / 3600,
+                "cpu_hours": (entry.cpu_seconds_reserved if entry else 0.0) / 3600,
+                "shares": place.shares if place else None,
+                "effective_share": place.effective_share if place else None,
+                "decayed_use": place.decayed_use if place else None,
+            }
+        )
+    return rows
+
+
+def _board(app: ServerApp, who: Identity) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What the dashboard reads in a thread: the GPUs and the usage panel."""
+    return _gpus(app, who), _usage(app, who)
+
+
 def _job(job: Any) -> dict[str, Any]:
     return {
         "id": job.id,
@@ -284,11 +317,13 @@ def _jobs_view(state: str = "", name: str = "", user: str = "", page: int = 1) -
 Jobs = Annotated[JobsView, Depends(_jobs_view)]
 
 
-def state_for(app: ServerApp, who: Identity, gpus: list[dict[str, Any]], view: JobsView) -> dict[str, Any]:
+def state_for(
+    app: ServerApp, who: Identity, gpus: list[dict[str, Any]], view: JobsView, usage: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """What the dashboard shows ``who``: what the API would answer them. On the event loop, as the
     API's routes: the queue's pass and the services' in-memory state are the loop's; ``gpus``, read
     in a thread (``_gpus``: NVML and the store, as the watchdog reads them), come with it; the jobs
-    are the page of them that ``view`` asks for."""
+    are the page of them that ``view`` asks for; ``usage``, read in the same thread, the usage panel's rows."""
     models = []
     stats = {(r.name, r.version): t for r, t in app.serving.statistics()}
     for record in app.serving.list():
@@ -333,6 +368,7 @@ def state_for(app: ServerApp, who: Identity, gpus: list[dict[str, Any]], view: J
             for s in app.sessions.list_for(who)
         ],
         "models": models,
+        "usage": usage or [],
     }
 
 
@@ -388,7 +424,8 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
 
     @api.get("/ui/state", **hidden)
     async def state(viewer: Seen, view: Jobs) -> dict[str, Any]:
-        return state_for(app, viewer.identity, await asyncio.to_thread(_gpus, app, viewer.identity), view)
+        gpus, usage = await asyncio.to_thread(_board, app, viewer.identity)
+        return state_for(app, viewer.identity, gpus, view, usage)
 
     @api.get("/ui/events", **hidden)
     async def events(viewer: Seen, view: Jobs, request: Request) -> StreamingResponse:
@@ -399,7 +436,8 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
                 except GpuportError as e:
                     yield _sse({"error": str(e)}, "ended")
                     return
-                yield _sse(state_for(app, identity, await asyncio.to_thread(_gpus, app, identity), view))
+                gpus, usage = await asyncio.to_thread(_board, app, identity)
+                yield _sse(state_for(app, identity, gpus, view, usage))
                 await asyncio.sleep(EVENT_SECONDS)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)

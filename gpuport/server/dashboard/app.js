@@ -216,6 +216,17 @@ function renderModels(models, at) {
   lastModels = next;
 }
 
+function renderUsage(usage, admin) {
+  $("usage-title").textContent = admin ? "Usage, last 7 days (every user's)" : "Your usage, last 7 days";
+  const share = (x) => (x === null ? "" : `${(x * 100).toPrecision(2)}%`);
+  const hours = (h) => (h >= 10 || h === 0 ? h.toFixed(1) : h.toPrecision(2));
+  table($("usage"), ["user", "GPU-hours", "CPU-hours", "runs", "shares", "effective share", "decayed use"],
+    usage.map((u) => row([
+      u.user, hours(u.gpu_hours), hours(u.cpu_hours), u.runs, u.shares === null ? "" : u.shares,
+      share(u.effective_share), share(u.decayed_use),
+    ])));
+}
+
 function render(state) {
   $("who").textContent = `${state.user}${state.admin ? " (admin)" : ""}`;
   $("status").textContent = `updated ${new Date(state.at * 1000).toLocaleTimeString()}`;
@@ -224,6 +235,7 @@ function render(state) {
   renderJobs(state.jobs, state);
   renderSessions(state.sessions);
   renderModels(state.models, state.at);
+  renderUsage(state.usage, state.admin);
 }
 
 function updateLogState(job) {

@@ -54,6 +54,7 @@ from gpuport.defaults import (
     MAX_NAME_LENGTH,
     MAX_SPEC_BYTES,
     MAX_TIME_LIMIT,
+    OOM_EXIT_CODE,
 )
 from gpuport.protocol.arrays import parse_array, sweep_args, sweep_env_name, sweep_grid
 from gpuport.protocol.errors import (
@@ -999,6 +1000,7 @@ class JobService:
         if job.state is JobState.QUEUED:
             self._move(job.id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message="cancelled")
             self._queued.pop(job.id, None)
+            self._drop_checkpoint(job.id)
             self._announce_end(job.id)
             self._schedule_soon()  # it may have held the reservation, or been ahead of others
         else:
@@ -1031,6 +1033,7 @@ class JobService:
             db.execute("UPDATE jobs SET cancel_requested = 1 WHERE array_id = ? AND state = 'running'", (array.id,))
         for job_id in queued:
             self._queued.pop(job_id, None)
+            self._drop_checkpoint(job_id)
         for job_id in running:
             self.executor.cancel(job_id)
         for job_id in queued:
@@ -1151,6 +1154,7 @@ class JobService:
             log.info("job %s %s", job_id, why)
             self._move(job_id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message=why)
             self._queued.pop(job_id, None)
+            self._drop_checkpoint(job_id)
             self._announce_end(job_id)
         else:
             self._queued[job_id] = dataclasses.replace(pending, blocked=why)
@@ -1289,6 +1293,12 @@ class JobService:
         if before["live_outputs"] != snapshot:
             self._discard(job.owner, before["live_outputs"])
         return self._load(job.id), snapshot, missing
+
+    def _drop_checkpoint(self, job_id: str) -> None:
+        """Discard the checkpoint a job queued again kept for its next run: it ended while queued."""
+        row = self.store.query_one("SELECT owner, spec FROM jobs WHERE id = ?", (job_id,))
+        if row is not None:
+            self._discard(row["owner"], json.loads(row["spec"] or "{}").get("checkpoint_snapshot", ""))
 
     def _discard(self, owner: str, snapshot: str) -> None:
         """Drop a snapshot of a running job's outputs once nothing else uses it."""
@@ -1717,6 +1727,10 @@ class JobService:
                 message = f"rank {status['failed_rank']} {message}"
             if status.get("killed"):
                 state, message = JobState.KILLED, status["killed"]
+                if status.get("oom") and retry and OOM_EXIT_CODE in spec.get("retry_on_exit", ()):
+                    await self._keep_checkpoint(row, spec)
+                    self._requeue(row, spec, f"the kernel's OOM killer ended it ({message})", outputs=outputs)
+                    return
             elif status.get("timed_out"):
                 limit = format_duration(row["time_limit"])
                 state, message = JobState.TIMEOUT, f"stopped at its time limit of {limit} ({message})"

@@ -51,7 +51,7 @@ ended, whatever they left running in their process groups is killed, so that it 
 exit.json holds ``started_at``, ``ended_at`` and ``exit_code`` (the first failing rank's return code,
 negative for a signal; 0 when every rank exited 0), and where they apply ``cancelled`` (true),
 ``timed_out`` (true), ``killed`` (the reason: the server's, or the kernel's OOM killer's in the
-job's cgroup, "exceeded its memory limit of 256MiB"), ``failed_rank`` (N > 1 only), ``error`` (the
+job's cgroup, "exceeded its memory limit of 256MiB", then with ``oom`` true), ``failed_rank`` (N > 1 only), ``error`` (the
 job could not start; exit code 127) and ``process_cap`` (a fork failed at the job's cap of
 processes, which it gives).
 """
@@ -781,6 +781,7 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
         os.write(log, f"gpuport: job killed: {reason}\n".encode())
     elif oom:
         status["killed"] = reason = oom_reason
+        status["oom"] = True
         status.setdefault("exit_code", -signal.SIGKILL)
         os.write(log, f"gpuport: job killed: {reason}\n".encode())
     elif not reported:

@@ -196,6 +196,8 @@ class Forward:
                 return False
             except (AuthenticationError, Conflict, NotFound, PermissionDenied) as e:
                 error = e
+            except ValueError:  # grpc's "closed channel": the client was closed under the forward
+                error = ConnectionFailed("its client was closed")
             except (GpuportError, OSError):
                 return False
         self.close(str(error))
@@ -256,6 +258,8 @@ class Forward:
             self.close(f"job {self.job.id} ended ({self.job.info.state})")
         except GpuportError as e:
             self.close(str(e))
+        except ValueError:  # grpc's "closed channel"
+            self.close("its client was closed")
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the forward has closed (True), or ``timeout`` seconds have passed (False)."""

@@ -7,6 +7,7 @@ directory is a local folder. Jobs that hold wait for the file 'go' in their work
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests._slurm import SlurmCluster, missing, start_cluster
-from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
+from tests._terminal import Command
+from tests.conftest import CLIENT_ENV, RunningServer, client_env, server_env, start_server, wait_for
 
 pytestmark = pytest.mark.skipif(bool(missing()), reason=missing() or "Slurm is here")
 
@@ -247,6 +249,18 @@ def test_a_job_slurm_rejects_is_refused_with_slurms_message(slurm_server: Runnin
     assert "Slurm refused the job" in done.stderr and "Requested node configuration" in done.stderr, done.stderr
     listed = slurm_server.rest("GET", "/v1/jobs?all=true", slurm_server.admin_token).text
     assert "big.sh" not in listed  # refused: never queued
+
+
+def test_sbatch_on_a_terminal_says_where_the_job_went_and_exits_with_its_code(
+    slurm_server: RunningServer, tmp_path: Path
+) -> None:
+    (tmp_path / "train.sh").write_text(SCRIPT)
+    (tmp_path / "data.txt").write_text("synced\n")
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+    env.update(client_env(slurm_server))
+    with Command(["sbatch", "--wait", "train.sh", "t"], env, tmp_path, "terminal") as sbatch:
+        assert sbatch.wait() == 4, sbatch.text
+    assert re.search(r"job (j-[0-9a-f]{8}) submitted to Slurm: gpuport logs -f \1 follows it", sbatch.text), sbatch.text
 
 
 def test_a_batch_script_elsewhere_is_refused_saying_why(server: RunningServer, tmp_path: Path) -> None:

@@ -319,6 +319,30 @@ def test_a_job_reaches_neither_the_servers_ports_nor_the_machines_loopback(
     assert said[2] == f"default route {bool(shutil.which('slirp4netns'))}", said
 
 
+@pytest.mark.skipif(
+    not shutil.which("slirp4netns"), reason="slirp4netns is not installed (apt-get install slirp4netns)"
+)
+def test_a_jobs_way_out_ends_with_its_supervisor_even_killed(server: RunningServer, alice: gpuport.Client) -> None:
+    """slirp4netns holds the job's network namespace open: it must not outlive the supervisor that
+    started it, even one killed with SIGKILL (a lifeline pipe, ``--exit-fd``)."""
+    import json
+
+    job = alice.submit(["sleep", "600"], workdir=None)
+    try:
+        info = server.state_dir / "jobs" / job.id / "supervisor.json"
+        wait_for(info.exists, 60, "the job's supervisor")
+        supervisor = psutil.Process(json.loads(info.read_text())["pid"])
+        slirp = wait_for(
+            lambda: [p for p in supervisor.children() if "slirp4netns" in p.name()], 30, "the job's slirp4netns"
+        )[0]
+        supervisor.kill()
+        gone, _ = psutil.wait_procs([slirp], timeout=15)
+        assert gone, f"slirp4netns (pid {slirp.pid}) outlived its supervisor"
+    finally:
+        with contextlib.suppress(Exception):
+            job.cancel()
+
+
 # ---- revocation ---------------------------------------------------------------------------------
 
 

@@ -893,6 +893,7 @@ def _reported_status(data: bytes) -> dict | None:
 
 
 _NETWORK_READY_TIMEOUT = 10.0  # seconds for slirp4netns to give a job's namespace its way out
+_LIFELINES: list = []  # write ends of the helpers' exit pipes: closed when this process ends
 
 
 def _connect_network(command: list, inner: int) -> int:
@@ -900,15 +901,20 @@ def _connect_network(command: list, inner: int) -> int:
     ready; returns its pid. The job's only route out then goes through it, never to the host's
     loopback (where the server and other jobs' forwarded ports would be)."""
     ready_r, ready_w = os.pipe()
+    # Its lifeline: the write end stays open in this process only, so slirp4netns ends with it
+    # however it ends (SIGKILL too), instead of holding the job's namespace open for ever.
+    exit_r, exit_w = os.pipe()
+    _LIFELINES.append(exit_w)
     null = os.open(os.devnull, os.O_RDWR)
     actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, null, 2)]
-    actions.append((os.POSIX_SPAWN_DUP2, ready_w, 3))
-    argv = [*command, "--ready-fd=3", str(inner), "tap0"]
+    actions += [(os.POSIX_SPAWN_DUP2, ready_w, 3), (os.POSIX_SPAWN_DUP2, exit_r, 4)]
+    argv = [*command, "--ready-fd=3", "--exit-fd=4", str(inner), "tap0"]
     try:
         pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
     finally:
         os.close(null)
         os.close(ready_w)
+        os.close(exit_r)
     select.select([ready_r], [], [], _NETWORK_READY_TIMEOUT)
     os.close(ready_r)
     return pid

@@ -7,6 +7,7 @@ import shlex
 import sys
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -92,7 +93,7 @@ def _env(pairs: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-class _Follower(threading.Thread):
+class _Follower(threading.Thread, ABC):
     """Copies logs to stdout in a thread of its own, until they end (``_stream``).
 
     The main thread only sleeps meanwhile (``wait``), so that Ctrl-C raises KeyboardInterrupt there,
@@ -115,8 +116,9 @@ class _Follower(threading.Thread):
         finally:
             self.finished = True
 
+    @abstractmethod
     def _stream(self) -> None:
-        raise NotImplementedError
+        """Copy the logs to stdout until they end."""
 
     def _write(self, data: bytes, sink: Any) -> bool:
         """Write ``data`` to ``sink`` unless muted; False once muted."""

@@ -40,6 +40,15 @@ class RayNode:
         except psutil.Error:
             return []
 
+    def running(self, word: str) -> list[psutil.Process]:
+        """Its processes whose command line has ``word`` (those ending meanwhile left out)."""
+        found = []
+        for p in self.processes():
+            with contextlib.suppress(psutil.Error):  # ended, or a zombie until its parent reaps it
+                if word in " ".join(p.cmdline()):
+                    found.append(p)
+        return found
+
     def raylet(self) -> psutil.Process:
         return next(p for p in self.processes() if p.name() == "raylet")
 

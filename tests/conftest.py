@@ -284,15 +284,18 @@ def cli(client_config: Path) -> object:
     return run
 
 
-def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
-    """Poll ``condition`` until it returns something true, for at most ``timeout`` seconds."""
+def wait_for(
+    condition: Callable[[], object], timeout: float = 30.0, what: str | Callable[[], str] = "condition"
+) -> object:
+    """Poll ``condition`` until it returns something true, for at most ``timeout`` seconds. ``what``
+    names the condition in the error (a callable: asked then, to say what was seen last)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.02)
-    raise AssertionError(f"{what} not met within {timeout}s")
+    raise AssertionError(f"{what() if callable(what) else what} not met within {timeout}s")
 
 
 def data_port_unreachable(client: gpuport.Client) -> None:

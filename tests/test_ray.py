@@ -318,7 +318,7 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         assert wait_for(lambda: (j := _job(server, retried["job_id"]))["state"] == "running" and j)["node"] == "node-b"
         node = next(n for n in cluster.nodes if n.name == "node-b")
         holders = wait_for(
-            lambda: [p for p in node.processes() if victim["job_id"] in " ".join(p.cmdline())],
+            lambda: node.running(victim["job_id"]),
             30,
             "the job's supervisor to run under node-b's raylet",
         )
@@ -332,9 +332,14 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
         wait_for(lambda: not any(p.is_running() for p in holders), 15, "the lost node's job processes to end")
         # The job with a retry is queued again instead: it waits for a GPU (node-a's are taken). Its
         # own watcher may see the loss a moment after the victim's did.
-        wait_for(lambda: _job(server, retried["job_id"])["state"] == "queued", 60, "the retried job queued again")
+        seen: list[dict] = []
+        wait_for(
+            lambda: (seen.append(_job(server, retried["job_id"])) or seen[-1])["state"] == "queued",
+            60,
+            lambda: f"the retried job queued again (it is {seen[-1]['state']}: {seen[-1]['message']!r})",
+        )
         # The node comes back: the cluster has two nodes again, and work goes to it.
-        _restart(cluster, node)
+        _restart(server, cluster, node)
         lost = None
         again = _submit(server, "import os; print(os.environ['GPUPORT_NODE'])", gpus=1)
         ended = _ended(server, again["job_id"], 90)
@@ -346,13 +351,19 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
     finally:
         flags.close()
         if lost is not None:  # the tests after this one need both nodes
-            _restart(cluster, lost)
+            _restart(server, cluster, lost)
 
 
-def _restart(cluster: RayCluster, node: RayNode) -> None:
+def _restart(server: RunningServer, cluster: RayCluster, node: RayNode) -> None:
+    """Start a lost node again, and wait until the server places work on it."""
     node.kill()
     cluster.nodes.remove(node)
     cluster.wait_ready(cluster.start_node(node.name, "127.0.0.3"))
+
+    def nodes() -> set[str]:
+        return {g["node"] for g in server.rest("GET", "/v1/gpus", server.admin_token).json()["gpus"]}
+
+    wait_for(lambda: nodes() == {"node-a", node.name}, 90, lambda: f"the server to see {node.name} again: {nodes()}")
 
 
 SCRIPTS = Path(__file__).parent / "_distributed"
@@ -445,8 +456,8 @@ def test_listing_jobs_while_a_node_hangs_answers_with_the_last_known_log_size(
             # Its node is asked for its log's size off the listing's way; the listing shows it once known.
             wait_for(lambda: listed().log_bytes == 100, 60, "the listing to show the log's size")
             node = next(n for n in cluster.nodes if n.name == listed().node)
-            agents = [p for p in node.processes() if "NodeAgent" in " ".join(p.cmdline())]
-            assert agents, [p.cmdline() for p in node.processes()]
+            agents = node.running("NodeAgent")
+            assert agents, [p.name() for p in node.processes()]
             for agent in agents:
                 agent.suspend()  # the node's agent hangs: an actor call to it waits until it times out
             try:

@@ -586,14 +586,15 @@ class RayExecutor(Executor):
                     ray.get(handle.ping.remote(), timeout=2)
                     unreachable_since = None
         # An answer can still come from an agent whose node is going: the job then ended because
-        # the agent did (no status, or the reason pre-written for that). A node lost is one whose
-        # agent no longer answers.
-        # So is one killed by a signal nobody here sent, when its agent then goes too (the agent's
-        # answer raced its node's end: a retried job must be queued again, not failed).
-        ended_with_agent = (
-            status is None
-            or str(status.get("killed") or "").startswith("node lost:")
-            or (int(status.get("exit_code") or 0) < 0 and not status.get("cancelled") and not status.get("killed"))
+        # the agent did. The reason pre-written for that says so for certain (the supervisor reads it
+        # only when the agent's end kills it): its node is lost, whether or not the agent still
+        # answers a ping while it goes. No status, or a job killed by a signal nobody here sent, is
+        # a lost node when the agent then goes too (its answer raced its node's end: a retried job
+        # must be queued again, not failed).
+        if handle is not None and status is not None and str(status.get("killed") or "").startswith("node lost:"):
+            return None, None
+        ended_with_agent = status is None or (
+            int(status.get("exit_code") or 0) < 0 and not status.get("cancelled") and not status.get("killed")
         )
         if handle is not None and ended_with_agent and not self._answers(handle):
             return None, None

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,7 @@ def start_server(
         env=env or server_env(GPUPORT_FAKE_GPUS="2x16GiB"),
     )
     server = RunningServer(process, state_dir)
+    _STARTED.append(server)
     if not expect_ready:
         assert process.stdout is not None
         with process.stdout:
@@ -176,12 +177,47 @@ def start_server(
     return server
 
 
+_STARTED: list[RunningServer] = []  # every server the tests started, in order
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_servers() -> Iterator[None]:
+    """After each test, end the supervisors (jobs, session workers, model replicas) of the state dirs
+    whose servers it started and all stopped: a job a test left running would hold CPU and memory
+    through every later test, under init, for ever."""
+    before = len(_STARTED)
+    yield
+    running = {s.state_dir for s in _STARTED if s.process.poll() is None}
+    stopped = {s.state_dir for s in _STARTED[before:]} - running
+    if stopped:
+        end_supervisors(stopped)
+
+
+def end_supervisors(state_dirs: Collection[Path]) -> list[int]:
+    """End (SIGUSR1: kill the job at once; SIGKILL after 10 s) every supervisor of a job under
+    ``state_dirs``; the pids ended."""
+    under = [str(d) + os.sep for d in state_dirs]
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        args = p.info["cmdline"] or []
+        if len(args) >= 2 and args[-2].endswith("supervisor.py") and any(args[-1].startswith(u) for u in under):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGUSR1)
+                found.append(p)
+    _, alive = psutil.wait_procs(found, timeout=10)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return [p.pid for p in found]
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """One shared server with two fake 16 GiB GPUs, for tests that do not stop or restart it."""
     running = start_server(tmp_path_factory.mktemp("state") / "gpuport")
     yield running
     running.stop()
+    end_supervisors([running.state_dir])
 
 
 @pytest.fixture(autouse=True)

@@ -269,7 +269,8 @@ def test_the_queue_order_survives_a_restart(tmp_path: Path) -> None:
     try:
         with again.connect(first.admin_token) as admin:
             after = [(j.id, j.position, j.message) for j in admin.queue()]
-            assert after == before
+            states = {j.id: (j.state, j.message) for j in (admin.job(h.id).info for h in [*holders, *queued])}
+            assert after == before, (states, "\n".join(again.output[-30:]))
             flag.touch()
             for job in [*holders, *queued]:
                 assert admin.job(job.id).wait(60).info.state == "succeeded"

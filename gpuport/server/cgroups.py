@@ -260,20 +260,16 @@ def user_group(owner: str) -> str:
 
 
 def _remove_empty(parent: str, itself: bool = True) -> None:
-    """Remove the empty groups under ``parent`` (users' groups and the jobs' in them, whose supervisor
-    was killed), then (``itself``) ``parent`` when it is empty. Never kills: a busy group stays."""
+    """Remove the empty users' groups under ``parent``, then (``itself``) ``parent`` when it is empty.
+    Never a job's group, even empty: its supervisor may not have joined it yet (a server stopped, or
+    started, just after a launch), and would then fail to start the job. A job's groups go with its
+    supervisor, or, where that was killed, when the server tidies the job (``remove``). Never kills:
+    a busy group stays."""
     with contextlib.suppress(OSError), os.scandir(parent) as entries:
         for entry in list(entries):
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            if entry.name.startswith("u-"):
-                with contextlib.suppress(OSError), os.scandir(entry.path) as jobs:
-                    for job in list(jobs):
-                        if job.is_dir(follow_symlinks=False):
-                            with contextlib.suppress(OSError):
-                                os.rmdir(job.path)
-            with contextlib.suppress(OSError):  # busy: a job that still runs
-                os.rmdir(entry.path)
+            if entry.name.startswith("u-") and entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):  # busy: a job of the user's is in it
+                    os.rmdir(entry.path)
     if itself:
         with contextlib.suppress(OSError):
             os.rmdir(parent)
@@ -406,7 +402,7 @@ def detect(key: str, room: int) -> Cgroups:
         if isinstance(v1, str):
             return Cgroups(0, f"{found}; {v1}" if "no cgroup v2" not in found else v1)
         found = v1
-    for parent in dict.fromkeys((found.cpu_parent, *found.parents)):  # groups of jobs whose supervisor was killed
+    for parent in dict.fromkeys((found.cpu_parent, *found.parents)):  # users' groups left empty
         if parent:
             _remove_empty(parent, itself=False)
     return found

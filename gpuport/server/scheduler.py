@@ -1,10 +1,11 @@
 """Which queued jobs start now, on which GPUs, and why the others wait.
 
 ``plan`` is a pure function of the queue, the running allocations, the machine and the quotas; the
-job service calls it after every submit and every end, and keeps nothing else: the order is derived
-from what the store holds, so it is the same after a server restart. A submit skips its pass where
-``decided_alike`` shows the pass would change nothing: the job lands behind a deep queue that
-nothing can enter.
+job service calls it after every submit and every end. Between passes a ``Scheduler`` keeps the
+queue, the last plan and a count of what changed; the order is derived from what the store holds, so
+it is the same after a server restart. A submit skips its pass where ``decided_alike`` shows the
+pass would change nothing (and nothing changed since the last): the job lands behind a deep queue
+that nothing can enter.
 
 The rules, in this order:
 
@@ -774,6 +775,101 @@ def decided_alike(job: Pending, queue: Queue, decided: Mapping[Request, int], de
     if len(ahead) < total or (ahead and ahead[-1][0] >= job.seq):
         return False
     return queue.kinds()[job.request] > decided.get(job.request, 0)
+
+
+class Scheduler:
+    """What the scheduler keeps between passes: the queue (the store holds the same), the last
+    pass's plan, and a count of what changed since.
+
+    Every change to the queue goes through here and is counted, and so is every change the caller
+    reports of what the queue depends on (``changed``: a job that moved, a quota, a node, the memory
+    floor). A submit skips its pass (``admit``) only when nothing counted since the last one, so no
+    path can forget to say it changed something the shortcut rests on.
+    """
+
+    def __init__(self, pending: Iterable[Pending] = ()) -> None:
+        self.queue = Queue(pending)
+        # The last pass's decision for each queued job; None when a pass was skipped because nothing
+        # could start: why each job waits is then worked out when someone asks.
+        self.plan: dict[str, Decision] | None = {}
+        self._changes = 0
+        # After a pass that started nothing and reserved nothing: what a submit needs to know that a
+        # pass of its own would decide the same (that count, decisions by kind, the memory floor's
+        # word, the cluster).
+        self._settled: tuple[int, Counter[Request], str, Cluster] | None = None
+
+    def changed(self, replan: bool = False) -> None:
+        """Something the queue depends on changed; ``replan``: the plan's reasons may no longer hold
+        (worked out again when someone asks, or by the next pass)."""
+        self._changes += 1
+        if replan:
+            self.plan = None
+
+    # ---- the queue --------------------------------------------------------------------------------
+
+    def put(self, job: Pending) -> None:
+        """Queue ``job``, or replace the queued job of its id (a reservation, a reason to wait)."""
+        self.queue.add(job)
+        self._changes += 1
+
+    def update(self, job_id: str, **fields: object) -> Pending | None:
+        """Change fields of a queued job (None: it is not queued)."""
+        job = self.queue.get(job_id)
+        if job is not None:
+            self.put(dataclasses.replace(job, **fields))  # type: ignore[arg-type]
+        return job
+
+    def drop(self, job_id: str) -> Pending | None:
+        """Take a job out of the queue (started, cancelled); the job, or None if it was not there."""
+        job = self.queue.pop(job_id, None)
+        if job is not None:
+            self._changes += 1
+            if self.plan:
+                self.plan.pop(job_id, None)
+        return job
+
+    def admit(self, job: Pending, cluster: Cluster, low_memory: Callable[[], str]) -> bool:
+        """Queue a new ``job``; whether a pass would decide what the last one did, and nothing for it
+        (a deep queue that nothing can enter, the job behind all the pass looked at): then the job
+        needs no pass, and the count stays as it was, so that the next submit may skip one too."""
+        settled = self._settled
+        if (
+            settled is not None
+            and settled[0] == self._changes
+            and settled[3] is cluster  # every change counts, so: all that can differ
+            and not job.blocked
+            and settled[2] == low_memory()
+            and decided_alike(job, self.queue, settled[1], LOOK_AHEAD)
+        ):
+            self.queue.add(job)
+            return True
+        self.put(job)
+        return False
+
+    # ---- passes -----------------------------------------------------------------------------------
+
+    def skipped(self) -> None:
+        """A pass was skipped: nothing in the queue can start now."""
+        self._settled = None
+        self.plan = None if self.queue else {}
+
+    def planned(self, decisions: list[Decision], low_memory: str, cluster: Cluster) -> None:
+        """A pass decided ``decisions``; a pass that starts nothing and reserves nothing new is
+        remembered for ``admit``."""
+        self.plan = {d.job_id: d for d in decisions}
+        queue = self.queue
+        if all(
+            d.gpu_indices is None and (not d.reserves or queue[d.job_id].reserved_at is not None) for d in decisions
+        ):
+            decided = Counter(queue[d.job_id].request for d in decisions)
+            self._settled = (self._changes, decided, low_memory, cluster)
+        else:
+            self._settled = None
+
+    def handed_over(self) -> None:
+        """Every job a pass looked at was handed to the cluster's own queue."""
+        self._settled = None
+        self.plan = {}
 
 
 def preempt(

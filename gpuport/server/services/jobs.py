@@ -77,10 +77,9 @@ from gpuport.server.scheduler import (
     Decision,
     Holding,
     Pending,
-    Queue,
     Request,
+    Scheduler,
     could_start,
-    decided_alike,
     plan,
     preempt,
     queue_order,
@@ -323,15 +322,7 @@ class JobService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._nodes: list[Node] = []
         self._cluster = Cluster(())
-        self._queued = Queue()  # the queue as the scheduler sees it; the store holds the same
-        # The last pass's decision for each queued job; None when a pass was skipped because nothing
-        # could start: why each job waits is then worked out when someone asks.
-        self._plan: dict[str, Decision] | None = {}
-        # Moves of jobs and changes of what the queue depends on, counted; and, after a pass that
-        # started nothing and reserved nothing, what a submit needs to know that a pass of its own
-        # would decide the same: (that count, decisions by kind, the memory floor's word, the cluster).
-        self._changes = 0
-        self._settled: tuple[int, Counter[Request], str, Cluster] | None = None
+        self.scheduler = Scheduler()  # the queue, the last plan and what changed since
         self._schedule_pending = False
         self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
         self.executor.on_change = self._nodes_changed  # a node that joins may let jobs start
@@ -564,8 +555,7 @@ class JobService:
         pending = Pending(
             job_id, caller.name, resources, request.priority, seq or 0, blocked=blocked, created_at=time.time()
         )
-        settled = not blocked and self._settled_for(pending)
-        self._queued[job_id] = pending
+        settled = self.scheduler.admit(pending, self.cluster, self._low_memory)
         log.info("job %s queued for %s: %s", job_id, caller.name, " ".join(argv)[:200])
         if not settled:  # at once, so that the reply says whether it started or why it waits
             self._schedule(explain=True)
@@ -640,11 +630,10 @@ class JobService:
         now = time.time()
         for r in seqs:
             blocked = self._wait_for(r["id"], after)
-            self._queued[r["id"]] = Pending(
+            self.scheduler.put(Pending(
                 r["id"], caller.name, resources, request.priority, r["seq"], group=array_id, blocked=blocked,
                 created_at=now,
-            )  # fmt: skip
-        self._changes += 1
+            ))  # fmt: skip
         log.info("array %s of %d tasks queued for %s: %s", array_id, len(indices), caller.name, " ".join(argv)[:200])
         self._schedule(explain=True)
         return self._array_record(self._array_row(array_id))
@@ -723,16 +712,6 @@ class JobService:
             json.dumps(after) if after else "",
         )
 
-    def _settled_for(self, job: Pending) -> bool:
-        """Whether a pass with ``job`` queued would decide what the last one did, and nothing for
-        ``job``: a deep queue that nothing can enter, and ``job`` behind all the pass looked at."""
-        if self._settled is None:
-            return False
-        changes, decided, low_memory, cluster = self._settled  # every change counts, so: all that can differ
-        if changes != self._changes or cluster is not self.cluster or low_memory != self._low_memory():
-            return False
-        return decided_alike(job, self._queued, decided, LOOK_AHEAD)
-
     def _load(self, job_id: str) -> JobRecord:
         row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
         if row is None:
@@ -744,12 +723,13 @@ class JobService:
         log_bytes = self.executor.known_log_size(row["id"]) if row["state"] != JobState.QUEUED.value else 0
         message, position = row["message"], 0
         if row["state"] == JobState.QUEUED.value:
-            if self._plan is None:
+            if self.scheduler.plan is None:
                 self._schedule(explain=True)
-            if self._plan is not None and (decision := self._plan.get(row["id"])) is not None:
+            plan = self.scheduler.plan
+            if plan is not None and (decision := plan.get(row["id"])) is not None:
                 message, position = decision.reason, decision.position
-            elif self._plan is not None:  # past the jobs a pass looks at: none of them can start now
-                message = f"waiting behind the first {len(self._plan)} jobs in the queue, none of which can start now"
+            elif plan is not None:  # past the jobs a pass looks at: none of them can start now
+                message = f"waiting behind the first {len(plan)} jobs in the queue, none of which can start now"
         spec = json.loads(row["spec"])
         return JobRecord(
             id=row["id"],
@@ -964,7 +944,9 @@ class JobService:
         if any(not j.position for j in records):  # a deep queue: the jobs a pass did not reach get theirs now
             cluster = self.cluster
             fair = self.usage.fair_share(cluster, self.quotas.shares())
-            order = {p.job_id: n for n, p in enumerate(queue_order(self._queued, self.running(), cluster, fair), 1)}
+            order = {
+                p.job_id: n for n, p in enumerate(queue_order(self.scheduler.queue, self.running(), cluster, fair), 1)
+            }
             records = [j if j.position else dataclasses.replace(j, position=order.get(j.id, 0)) for j in records]
         records.sort(key=lambda j: j.position or 1 << 30)
         return [
@@ -999,7 +981,7 @@ class JobService:
             raise Conflict(f"job {job.id} has already ended ({job.state.value}); there is nothing to cancel")
         if job.state is JobState.QUEUED:
             self._move(job.id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message="cancelled")
-            self._queued.pop(job.id, None)
+            self.scheduler.drop(job.id)
             self._drop_checkpoint(job.id)
             self._announce_end(job.id)
             self._schedule_soon()  # it may have held the reservation, or been ahead of others
@@ -1017,7 +999,7 @@ class JobService:
         if all(t.state.is_terminal() for t in array.tasks):
             raise Conflict(f"every task of array {array.id} has ended; there is nothing to cancel")
         now = time.time()
-        self._changes += 1
+        self.scheduler.changed(replan=True)
         with self.store.transaction() as db:
             queued = [
                 r["id"] for r in db.execute("SELECT id FROM jobs WHERE array_id = ? AND state = 'queued'", (array.id,))
@@ -1032,13 +1014,12 @@ class JobService:
             ]
             db.execute("UPDATE jobs SET cancel_requested = 1 WHERE array_id = ? AND state = 'running'", (array.id,))
         for job_id in queued:
-            self._queued.pop(job_id, None)
+            self.scheduler.drop(job_id)
             self._drop_checkpoint(job_id)
         for job_id in running:
             self.executor.cancel(job_id)
         for job_id in queued:
             self._announce_end(job_id)
-        self._plan = None
         self._schedule_soon()
         log.info(
             "array %s: cancel asked by %s (%d queued, %d running)", array.id, caller.name, len(queued), len(running)
@@ -1138,7 +1119,7 @@ class JobService:
         """Start, keep waiting or cancel (a dependency failed under ``ok``) queued job ``job_id``."""
         row = self.store.query_one("SELECT state, depends_on FROM jobs WHERE id = ?", (job_id,))
         after = [(ref, mode) for ref, mode in json.loads(row["depends_on"] or "[]")] if row is not None else []
-        pending = self._queued.get(job_id)
+        pending = self.scheduler.queue.get(job_id)
         state, why = self._dependency_state(after) if pending is not None else ("gone", "")
         if state in ("met", "failed", "gone"):
             for ref, _ in after:
@@ -1149,15 +1130,15 @@ class JobService:
                         del self._waiters[ref]
         if pending is None:
             return
-        self._plan, self._changes = None, self._changes + 1
+        self.scheduler.changed(replan=True)
         if state == "failed":
             log.info("job %s %s", job_id, why)
             self._move(job_id, JobState.QUEUED, JobState.CANCELLED, ended_at=time.time(), message=why)
-            self._queued.pop(job_id, None)
+            self.scheduler.drop(job_id)
             self._drop_checkpoint(job_id)
             self._announce_end(job_id)
         else:
-            self._queued[job_id] = dataclasses.replace(pending, blocked=why)
+            self.scheduler.update(job_id, blocked=why)
         self._schedule_soon()
 
     async def wait(self, caller: Identity, job_id: str, timeout: float) -> JobRecord:
@@ -1322,7 +1303,7 @@ class JobService:
 
     def _move(self, job_id: str, old: JobState, new: JobState, **columns: Any) -> None:
         check_move(job_id, old, new)
-        self._changes += 1
+        self.scheduler.changed()
         sets = ", ".join(f"{k} = ?" for k in columns)
         with self.store.transaction() as db:
             changed = db.execute(
@@ -1364,7 +1345,7 @@ class JobService:
                 f"(SELECT 1 FROM jobs WHERE array_id = a.id AND {_ACTIVE})"
             )
         }
-        self._queued = Queue(
+        self.scheduler = Scheduler(
             Pending(
                 r["id"],
                 r["owner"],
@@ -1386,7 +1367,7 @@ class JobService:
 
     def reschedule(self) -> None:
         """Look at the queue again soon: something it depends on (a quota) has changed."""
-        self._plan, self._changes = None, self._changes + 1
+        self.scheduler.changed(replan=True)
         self._schedule_soon()
 
     def _nodes_changed(self) -> None:
@@ -1409,40 +1390,34 @@ class JobService:
         full plan on every submit and every end) unless ``explain`` asks for the reasons.
         """
         self._schedule_pending = False
-        self._settled = None
         if self._loop is None:
             return  # not started yet: start() schedules
         if self.executor.keeps_queue:
             self._hand_over()
             return
         running = self.running()
-        queued = self._queued
+        queued = self.scheduler.queue
         low_memory = self._low_memory() if queued else ""
         if low_memory and self._floor_check is None and any(not r.memory for r in queued.kinds()):
             # Memory comes back without an event to say so: look again in a while.
             self._floor_check = self._loop.call_later(_FLOOR_RECHECK, self._recheck_floor)
         cluster = self.cluster
         if not explain and not could_start(queued.kinds(), running, cluster, low_memory):
-            self._plan = None if queued else {}
+            self.scheduler.skipped()
             self._preempt(running, cluster)
             return
         quotas = self.quotas.all()
         fair = self.usage.fair_share(cluster, self.quotas.shares()) if queued else None
         self._preempt(running, cluster, quotas, fair)
         decisions = plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair) if queued else []
-        self._plan = {d.job_id: d for d in decisions}
-        if all(
-            d.gpu_indices is None and (not d.reserves or queued[d.job_id].reserved_at is not None) for d in decisions
-        ):
-            decided = Counter(queued[d.job_id].request for d in decisions)
-            self._settled = (self._changes, decided, low_memory, cluster)
+        self.scheduler.planned(decisions, low_memory, cluster)
         for decision in decisions:
-            pending = self._queued[decision.job_id]
+            pending = queued[decision.job_id]
             if decision.reserves and pending.reserved_at is None:
                 now = time.time()
                 with self.store.transaction() as db:  # the reservation sticks, across restarts too
                     db.execute("UPDATE jobs SET reserved_at = ? WHERE id = ?", (now, decision.job_id))
-                self._queued[decision.job_id] = dataclasses.replace(pending, reserved_at=now)
+                self.scheduler.update(decision.job_id, reserved_at=now)
             if decision.gpu_indices is None:
                 continue
             now = time.time()
@@ -1457,19 +1432,19 @@ class JobService:
                 message="",
             )
             self._account(pending, decision, cluster, now)
-            del self._plan[decision.job_id], self._queued[decision.job_id]
+            self.scheduler.drop(decision.job_id)
             self._spawn(self._launch(decision.job_id))
 
     def _hand_over(self) -> None:
         """Start every queued job nothing of gpuport's holds: the cluster's own queue orders them."""
         cluster = self.cluster
-        for pending in [p for p in self._queued.values() if not p.blocked]:
+        for pending in [p for p in self.scheduler.queue.values() if not p.blocked]:
             now = time.time()
             self._move(pending.job_id, JobState.QUEUED, JobState.RUNNING, started_at=now, message="")
             self._account(pending, Decision(pending.job_id, 0, ()), cluster, now)
-            del self._queued[pending.job_id]
+            self.scheduler.drop(pending.job_id)
             self._spawn(self._launch(pending.job_id))
-        self._plan = {}
+        self.scheduler.handed_over()
 
     def _preempt(self, running: list[Holding], cluster: Cluster, quotas: Any = None, fair: Any = None) -> None:
         """Stop the preemptible jobs that queued jobs have waited too long for (``scheduler.preempt``);
@@ -1477,14 +1452,15 @@ class JobService:
         if self._preempt_check is not None:
             self._preempt_check.cancel()
             self._preempt_check = None
-        if not self._queued or not any(h.preemptible and h.job_id not in self._preempting for h in running):
+        queued = self.scheduler.queue
+        if not queued or not any(h.preemptible and h.job_id not in self._preempting for h in running):
             return
         now = time.time()
         if quotas is None:
             quotas = self.quotas.all()
         if fair is None:
             fair = self.usage.fair_share(cluster, self.quotas.shares())
-        victims = preempt(self._queued, running, cluster, now, self.preempt_after, fair, quotas, self._preempting)
+        victims = preempt(queued, running, cluster, now, self.preempt_after, fair, quotas, self._preempting)
         for victim, waiting in victims:
             self._preempting.add(victim)
             with self.store.transaction() as db:  # a server restarted meanwhile still knows why it ends
@@ -1493,7 +1469,7 @@ class JobService:
             self.executor.preempt(victim)
         soon = [
             p.created_at + self.preempt_after
-            for p in self._queued.values()
+            for p in queued.values()
             if p.created_at and p.created_at + self.preempt_after > now
         ]
         if soon and self._loop is not None:
@@ -1527,7 +1503,7 @@ class JobService:
 
     def _recheck_floor(self) -> None:
         self._floor_check = None
-        self._plan, self._changes = None, self._changes + 1
+        self.scheduler.changed(replan=True)
         self._schedule_soon()
 
     def _exit_callback(self, job_id: str) -> Any:
@@ -1792,17 +1768,18 @@ class JobService:
             created_at=row["created_at"],
         )  # fmt: skip
         if wait and self._loop is not None:
-            self._queued[row["id"]] = dataclasses.replace(pending, blocked=f"waits {format_duration(wait)} to retry")
+            self.scheduler.put(dataclasses.replace(pending, blocked=f"waits {format_duration(wait)} to retry"))
             self._loop.call_later(wait, self._retry_due, pending)
         else:
-            self._queued[row["id"]] = pending
+            self.scheduler.put(pending)
         self.executor.tidy(row["id"])
         self.reschedule()
 
     def _retry_due(self, pending: Pending) -> None:
         """A job's backoff before its retry is over: it may start."""
-        if pending.job_id in self._queued and self._queued[pending.job_id].blocked.startswith("waits "):
-            self._queued[pending.job_id] = pending
+        waiting = self.scheduler.queue.get(pending.job_id)
+        if waiting is not None and waiting.blocked.startswith("waits "):
+            self.scheduler.put(pending)
             self.reschedule()
 
     def _end(

@@ -15,12 +15,14 @@ beside ``JobFolders``'::
     slurm-outputs.json  a batch script's --output/--error files, brought back as outputs
 
 The supervisor gets the allocation's ``CUDA_VISIBLE_DEVICES`` and ``SLURM_*`` (its spec's
-``inherit``). A job over N nodes (``--nodes N --nprocs-per-node M``) is one Slurm job of N nodes and
-M tasks on each (gres per node); the supervisor runs on its first node and starts each rank through
-``srun`` on its node, with the rank variables the Ray executor gives (the spec's ``srun``: see
-the supervisor). Its cancel goes to the batch shell alone, which passes it to the supervisor, which
-stops the ranks through Slurm: a SIGTERM to srun itself would kill its rank at once. A thread watches the handed-over jobs: a job has ended when its ``slurm.done``
+``inherit``). A thread watches the handed-over jobs: a job has ended when its ``slurm.done``
 appears, or when Slurm no longer lists it (cancelled while pending, killed with its node).
+
+A job over N nodes (``--nodes N --nprocs-per-node M``) is one Slurm job of N nodes and M tasks on
+each (gres per node). The supervisor runs on its first node and starts each rank through ``srun``
+on its node, with the rank variables the Ray executor gives (the spec's ``srun``; see the
+supervisor). Its cancel goes to the batch shell alone, which passes it to the supervisor, which
+stops the ranks through Slurm: a SIGTERM to srun itself would kill its rank at once.
 """
 
 from __future__ import annotations

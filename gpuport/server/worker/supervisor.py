@@ -250,7 +250,10 @@ def _srun_ranks(spec: dict, nprocs: int) -> None:
     env = spec["env"]
 
     def output(argv: list) -> str:
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} did not answer in 120 s") from None
         if done.returncode:
             said = (done.stderr or done.stdout).strip()[-500:]
             raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} exited with {done.returncode}: {said}")

@@ -14,6 +14,10 @@ A one-node Slurm cluster on this machine (tests/_slurm.py: slurmctld + slurmd, 2
     `gpu.queue()` (the Queue RPC, on an open connection; goal: at most 300 ms: one squeue for all of
     them, never one per job), and the whole CLI process `gpuport queue --json` and `gpuport queue`
     (its table), against `squeue` listing the same jobs.
+(c) submit -> exit of a job over two nodes (a second cluster: two slurmd on this machine), one
+    `python -c pass` on each: gpu.submit(..., nodes=2) against `sbatch --wait --nodes=2 --wrap
+    'srun python -c pass'`. No goal: what gpuport's setup of the ranks (scontrol, a srun step that
+    asks each node for free ports, a srun step per rank) adds to Slurm's own.
 
 The cluster and the server run in a temp dir removed at the end, and are stopped by their pids.
 """
@@ -59,24 +63,40 @@ def _sbatch_version(cluster: SlurmCluster) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--only", choices=["one-node", "nodes"], help="(a) and (b), or (c) alone")
     args = parser.parse_args()
     if missing():
         raise SystemExit(missing())
     with isolated_workdir() as work:
-        start = time.perf_counter()
-        cluster = start_cluster(work / "cluster")
-        banner(_sbatch_version(cluster), args.quick)
-        say(f"== a one-node Slurm cluster (2 fake GPUs as gres) up in {time.perf_counter() - start:.1f}s")
-        try:
-            os.environ["SLURM_CONF"] = str(cluster.conf)  # the server's (start_gpuport passes our env on)
-            options = ["--slurm", "--shared-dir", str(work / "shared")]
-            with gpuport_server(work, "slurm-server", options) as server:
-                bench_launch(3 if args.quick else 6, work, server, cluster)
-                bench_queue(1000, work, server, cluster)
-        finally:
-            cluster.cancel_all()
-            cluster.close()
-    print_table(["launch", "queue"], 40, "")
+        if args.only != "nodes":
+            start = time.perf_counter()
+            cluster = start_cluster(work / "cluster")
+            banner(_sbatch_version(cluster), args.quick)
+            say(f"== a one-node Slurm cluster (2 fake GPUs as gres) up in {time.perf_counter() - start:.1f}s")
+            try:
+                os.environ["SLURM_CONF"] = str(cluster.conf)  # the server's (start_gpuport passes our env on)
+                options = ["--slurm", "--shared-dir", str(work / "shared")]
+                with gpuport_server(work, "slurm-server", options) as server:
+                    bench_launch(3 if args.quick else 6, work, server, cluster)
+                    bench_queue(1000, work, server, cluster)
+            finally:
+                cluster.cancel_all()
+                cluster.close()
+        if args.only != "one-node":
+            start = time.perf_counter()
+            cluster = start_cluster(work / "cluster2", nodes=2)
+            if args.only == "nodes":
+                banner(_sbatch_version(cluster), args.quick)
+            say(f"== a two-node Slurm cluster (2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
+            try:
+                os.environ["SLURM_CONF"] = str(cluster.conf)
+                options = ["--slurm", "--shared-dir", str(work / "shared2")]
+                with gpuport_server(work, "slurm-server2", options) as server:
+                    bench_nodes(3 if args.quick else 6, work, server, cluster)
+            finally:
+                cluster.cancel_all()
+                cluster.close()
+    print_table(["launch", "queue", "nodes"], 40, "")
 
 
 def timed(fn: Callable[[], object]) -> Callable[[], float]:
@@ -184,6 +204,29 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
     ROWS.append(Row(f"queue: gpu.queue(), {count} pending", api, anchor, "squeue", "<= 300 ms", api <= 0.300))
     ROWS.append(Row(f"queue: `gpuport queue --json`, {count}", js, anchor, "squeue", "(no goal)", None))
     ROWS.append(Row(f"queue: `gpuport queue`, {count} (table)", table, anchor, "squeue", "(no goal)", None))
+
+
+def bench_nodes(n: int, work: Path, server: object, cluster: SlurmCluster) -> None:
+    say("== (c) submit -> exit of `python -c pass` on each of two nodes: gpuport's API vs sbatch --wait + srun")
+    env = cluster.env()
+    out = str(work / "slurm2-%j.out")
+    with connect(server) as gpu:  # type: ignore[arg-type]
+
+        def through_gpuport() -> None:
+            job = gpu.submit(PASS, workdir=None, nodes=2).wait(120)
+            if job.info.exit_code != 0:
+                raise RuntimeError(f"job {job.id} ended {job.info.state}: {job.info.message}")
+
+        def sbatch_srun() -> None:
+            argv = ["sbatch", "--wait", "--nodes=2", f"--output={out}", "--wrap", "srun " + " ".join(PASS)]
+            subprocess.run(argv, env=env, check=True, capture_output=True)
+
+        calls = {"gpuport": timed(through_gpuport), "sbatch": timed(sbatch_srun)}
+        rotate(1, calls)  # warm-up
+        t = rotate(n, calls)
+    ours, anchor = median(t["gpuport"]), median(t["sbatch"])
+    say(f"  gpuport median {ms(ours)} (min {ms(min(t['gpuport']))}), sbatch --wait + srun {ms(anchor)}, of {n} each")
+    ROWS.append(Row("nodes: API via Slurm, 2 nodes", ours, anchor, "sbatch --wait + srun", "(no goal)", None))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ class SlurmCluster:
     base: Path
     node: str  # the one node's name: this machine's
     conf: Path  # slurm.conf, for SLURM_CONF
+    nodes: list[str] = field(default_factory=list)  # every node's name, the first one's first
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -116,19 +117,19 @@ class SlurmCluster:
                 process.wait(timeout=10)
 
 
-def start_cluster(base: Path, tries: int = 3) -> SlurmCluster:
-    """munged, slurmctld and slurmd with a config in ``base``; ready when this returns. A daemon that
-    lost its port to another process in between is started again, on other ports."""
+def start_cluster(base: Path, tries: int = 3, nodes: int = 1) -> SlurmCluster:
+    """munged, slurmctld and one slurmd per node (``nodes``) with a config in ``base``; ready when this
+    returns. A daemon that lost its port to another process in between is started again, on other ports."""
     for attempt in range(tries):
         try:
-            return _start_cluster(base)
+            return _start_cluster(base, nodes)
         except RuntimeError as e:
             if "Address already in use" not in str(e) or attempt == tries - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_cluster(base: Path) -> SlurmCluster:
+def _start_cluster(base: Path, count: int = 1) -> SlurmCluster:
     base.mkdir(parents=True, exist_ok=True)
     node = socket.gethostname().split(".")[0]
     for folder in ("state", "spool", "munge"):
@@ -139,12 +140,22 @@ def _start_cluster(base: Path) -> SlurmCluster:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     sock = base / "munge" / "munge.sock"
-    gpus = [base / f"gpu{i}" for i in range(2)]
+    # The first node is this machine's name; the others (node2, ...) are more slurmd on this machine,
+    # each for its own NodeName (slurmd -N), on a port of its own.
+    names = [node] + [f"node{n}" for n in range(2, count + 1)]
+    gpus = [base / f"{'' if n == node else n + '-'}gpu{i}" for n in names for i in range(2)]
     for gpu in gpus:  # character devices (slurmd wants them), /dev/null's: nothing to touch behind them
         with contextlib.suppress(FileNotFoundError):
             gpu.unlink()
         os.mknod(gpu, stat.S_IFCHR | 0o666, os.makedev(1, 3))
     conf = base / "slurm.conf"
+    each = "-%n" if count > 1 else ""  # a spool folder, pid and log file per slurmd
+    node_lines = "\n".join(
+        f"NodeName={n} NodeHostname={node} NodeAddr=127.0.0.1"
+        + (f" Port={_free_port()}" if count > 1 else "")
+        + f" CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2 State=UNKNOWN"
+        for n in names
+    )
     conf.write_text(
         f"""ClusterName=gpuport-test
 SlurmctldHost={node}(127.0.0.1)
@@ -156,11 +167,11 @@ AuthInfo=socket={sock}
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={base / "state"}
-SlurmdSpoolDir={base / "spool"}
+SlurmdSpoolDir={base / "spool"}{each}
 SlurmctldPidFile={base / "slurmctld.pid"}
-SlurmdPidFile={base / "slurmd.pid"}
+SlurmdPidFile={base / "slurmd"}{each}.pid
 SlurmctldLogFile={base / "slurmctld.log"}
-SlurmdLogFile={base / "slurmd.log"}
+SlurmdLogFile={base / "slurmd"}{each}.log
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -179,13 +190,14 @@ JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MaxJobCount=20000
-NodeName={node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2 State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
-PartitionName=short Nodes={node} MaxTime=10 State=UP
+{node_lines}
+PartitionName=debug Nodes={",".join(names)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes={",".join(names)} MaxTime=10 State=UP
 """
     )
-    (base / "gres.conf").write_text(f"AutoDetect=off\nNodeName={node} Name=gpu File={base}/gpu[0-1]\n")
-    cluster = SlurmCluster(base, node, conf)
+    gres = "".join(f"NodeName={n} Name=gpu File={base}/{'' if n == node else n + '-'}gpu[0-1]\n" for n in names)
+    (base / "gres.conf").write_text(f"AutoDetect=off\n{gres}")
+    cluster = SlurmCluster(base, node, conf, names)
     try:
         cluster._start(
             "munged",
@@ -204,7 +216,13 @@ PartitionName=short Nodes={node} MaxTime=10 State=UP
                 raise RuntimeError(f"munged did not start:\n{cluster.log('munged')}")
             time.sleep(0.05)
         cluster._start("slurmctld", _tool("slurmctld"), "-D", "-i", "-f", str(conf))
-        cluster._start("slurmd", _tool("slurmd"), "-D", "-f", str(conf))
+        for name in names:
+            if count > 1:
+                (base / f"spool-{name}").mkdir(mode=0o700, exist_ok=True)
+            extra = ("-N", name) if count > 1 else ()
+            cluster._start(
+                "slurmd" if name == node else f"slurmd-{name}", _tool("slurmd"), "-D", "-f", str(conf), *extra
+            )
         cluster.wait_idle()
     except BaseException:
         cluster.close()

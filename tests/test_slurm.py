@@ -6,11 +6,14 @@ directory is a local folder. Jobs that hold wait for the file 'go' in their work
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -292,6 +295,61 @@ def test_a_server_killed_and_restarted_finds_its_slurm_jobs(
         assert _log(second, job["job_id"]) == "released\n"
     finally:
         second.stop()
+
+
+def test_an_arrays_throttle_holds_its_tasks_back_on_slurm_too(slurm_server: RunningServer, shared: Path) -> None:
+    # Four tasks of 1 CPU would all run at once on the node's 4 CPUs: only %2 holds them back.
+    body = {"command": [sys.executable, "-c", HOLD], "array": "0-3%2", "cpus": 1}
+    reply = slurm_server.rest("POST", "/v1/arrays", slurm_server.admin_token, json=body)
+    assert reply.status_code == 201, reply.text
+    tasks = [t["job_id"] for t in reply.json()["tasks"]]
+    folders = [shared / "jobs" / task for task in tasks]
+    wait_for(lambda: sum((f / "supervisor.json").exists() for f in folders) == 2, 60, "two tasks to run")
+    queue = slurm_server.rest("GET", "/v1/queue", slurm_server.admin_token).json()
+    held = sorted(j["job_id"] for j in queue if "the most at once (%2)" in j["message"])
+    assert held == sorted(t for t, f in zip(tasks, folders) if not (f / "slurm.id").exists()), queue
+    assert len(held) == 2, [(j["job_id"], j["message"]) for j in queue]  # the others are not Slurm's yet
+
+    def all_ended() -> bool:
+        _go(shared)
+        return all(_job(slurm_server, task)["state"] == "succeeded" for task in tasks)
+
+    wait_for(all_ended, 120, "every task to end")
+    spans = [json.loads((f / "exit.json").read_text()) for f in folders]
+    at_once = max(sum(s["started_at"] <= t["started_at"] < s["ended_at"] for s in spans) for t in spans)
+    assert at_once == 2, spans
+
+
+def test_a_submit_waiting_on_slurm_does_not_hold_the_server_up(
+    cluster: SlurmCluster, shared: Path, tmp_path: Path
+) -> None:
+    """sbatch --test-only (a submit's check) may wait on a busy slurmctld: other calls go on meanwhile."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    held, entered = tmp_path / "held", tmp_path / "entered"
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/sh\n"
+        f'case " $* " in *" --test-only "*) : > {entered}; while [ -e {held} ]; do sleep 0.05; done;; esac\n'
+        f'exec {shutil.which("sbatch")} "$@"\n'
+    )
+    (bin_dir / "sbatch").chmod(0o755)
+    held.touch()
+    env = server_env(SLURM_CONF=str(cluster.conf), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    server = start_server(tmp_path / "state", "--slurm", "--shared-dir", str(shared), env=env)
+    try:
+        submitted: list[object] = []
+        thread = threading.Thread(target=lambda: submitted.append(_submit(server, "print('checked')")))
+        thread.start()
+        wait_for(entered.exists, 30, "the submit to wait in sbatch --test-only")
+        listed = server.rest("GET", "/v1/jobs", server.admin_token)  # 10 s at most: the loop answers
+        assert listed.status_code == 200, listed.text
+        assert thread.is_alive()  # still held in sbatch
+        held.unlink()
+        thread.join(60)
+        assert submitted and _ended(server, submitted[0]["job_id"])["state"] == "succeeded"  # type: ignore[index]
+    finally:
+        held.unlink(missing_ok=True)
+        server.stop()
 
 
 def test_slurm_options_alone_are_refused_saying_what_to_give(tmp_path: Path) -> None:

@@ -866,10 +866,10 @@ class Scheduler:
         else:
             self._settled = None
 
-    def handed_over(self) -> None:
-        """Every job a pass looked at was handed to the cluster's own queue."""
+    def handed_over(self, held: dict[str, Decision]) -> None:
+        """A pass handed every job it could to the cluster's own queue; ``held``: why the others wait."""
         self._settled = None
-        self.plan = {}
+        self.plan = held
 
 
 def preempt(

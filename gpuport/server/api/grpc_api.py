@@ -447,7 +447,9 @@ _MAX_WAIT = 300.0
 class JobsServicer(_Servicer, pb_grpc.JobsServicer):
     @rpc
     async def Submit(self, request: pb.JobSpec, caller: Identity) -> pb.JobInfo:
-        return job_message(self.app.jobs.submit(caller, job_request(request)))
+        job = job_request(request)
+        checked = await asyncio.to_thread(self.app.jobs.check, caller, job)  # a cluster's admission may block
+        return job_message(self.app.jobs.submit(caller, job, checked))
 
     @rpc
     async def Get(self, request: pb.JobRef, caller: Identity) -> pb.JobInfo:
@@ -489,7 +491,9 @@ class JobsServicer(_Servicer, pb_grpc.JobsServicer):
         sweep = {p.name: list(p.values) for p in request.sweep}
         if len(sweep) != len(request.sweep):
             raise InvalidRequest("a sweep parameter is given twice: give each once, with all its values")
-        array = self.app.jobs.submit_array(caller, job_request(request.job), request.array, sweep)
+        job = job_request(request.job)
+        checked = await asyncio.to_thread(self.app.jobs.check, caller, job)  # a cluster's admission may block
+        array = self.app.jobs.submit_array(caller, job, request.array, sweep, checked)
         return array_message(array)
 
     @rpc

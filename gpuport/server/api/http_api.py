@@ -493,7 +493,8 @@ def build_http_app(app: ServerApp) -> Predictions:
         request = job_request(body)
         if body.script is not None:
             _check_script(app, identity, request, request.command[1])
-        return job_json(app.jobs.submit(identity, request))
+        checked = await asyncio.to_thread(app.jobs.check, identity, request)  # a cluster's admission may block
+        return job_json(app.jobs.submit(identity, request, checked))
 
     @api.post(
         "/v1/arrays",
@@ -505,7 +506,8 @@ def build_http_app(app: ServerApp) -> Predictions:
         if body.script is not None:
             _check_script(app, identity, request, request.command[1])
         sweep = {name: [_flag_value(v) for v in values] for name, values in body.sweep.items()}
-        return array_json(app.jobs.submit_array(identity, request, body.array, sweep))
+        checked = await asyncio.to_thread(app.jobs.check, identity, request)  # a cluster's admission may block
+        return array_json(app.jobs.submit_array(identity, request, body.array, sweep, checked))
 
     @api.get(
         "/v1/arrays/{array_id}", summary="A job array (by its id or name) with its tasks and their counts by state"

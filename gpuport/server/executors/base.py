@@ -111,6 +111,7 @@ class JobLaunch:
     cpus: float = 0.0
     partition: str = ""
     batch_script: str = ""
+    nodes: int = 1  # a job over several nodes of such a cluster: ``nprocs // nodes`` processes on each
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Ask:
     partition: str = ""
     batch_script: str = ""  # its path in the workdir
     script_text: str = ""  # its content (its own options are read from it)
+    nodes: int = 1  # nodes it spans, ``nprocs // nodes`` processes on each
+    nprocs: int = 1
 
 
 @dataclass

@@ -17,6 +17,12 @@ beside ``JobFolders``'::
 The supervisor gets the allocation's ``CUDA_VISIBLE_DEVICES`` and ``SLURM_*`` (its spec's
 ``inherit``). A thread watches the handed-over jobs: a job has ended when its ``slurm.done``
 appears, or when Slurm no longer lists it (cancelled while pending, killed with its node).
+
+A job over N nodes (``--nodes N --nprocs-per-node M``) is one Slurm job of N nodes and M tasks on
+each (gres per node). The supervisor runs on its first node and starts each rank through ``srun``
+on its node, with the rank variables the Ray executor gives (the spec's ``srun``; see the
+supervisor). Its cancel goes to the batch shell alone, which passes it to the supervisor, which
+stops the ranks through Slurm: a SIGTERM to srun itself would kill its rank at once.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import pwd
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -52,12 +59,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SLURM_POLL = 0.1  # seconds between looks for the ended jobs' slurm.done
 DEFAULT_SQUEUE_INTERVAL = 1.0  # seconds between the watcher's looks at Slurm's queue (jobs gone from it)
-# Seconds a look at Slurm's queue answers `gpuport queue` and a restart's checks: while jobs are
-# watched, the watcher's last look does, and the server's event loop never waits on squeue.
+# Seconds a look at Slurm's queue answers whether a job still runs (a restart's checks, on threads).
+# `gpuport queue` takes the watcher's last look, whatever its age: the event loop never waits on squeue.
 DEFAULT_SQUEUE_FRESH = 2.0
 DEFAULT_SLURM_KILL_MARGIN = 5.0  # seconds after a cancel's grace before Slurm is asked to SIGKILL
 _COMMAND_TIMEOUT = 60.0  # seconds a Slurm command may take (slurmctld busy)
-_NODES_FRESH = 10.0  # seconds the node list from sinfo is kept
+_NODES_FRESH = 10.0  # seconds between the watcher's looks at the node list (sinfo)
 _INHERIT = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_")
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SBATCH = re.compile(r"#SBATCH\s+(.*)")
@@ -115,6 +122,7 @@ class SlurmExecutor(Executor):
     kind = "slurm"
     keeps_queue = True
     runs_here = False
+    spans_nodes = True
 
     def __init__(self, shared_dir: Path, blobs: BlobStore, inventory: Inventory, partition: str = "") -> None:
         if partition and not _PARTITION.fullmatch(partition):
@@ -134,6 +142,7 @@ class SlurmExecutor(Executor):
         except (OSError, RuntimeError) as e:
             raise ConfigError(f"--slurm: Slurm's commands do not answer here ({e}); is SLURM_CONF right?") from None
         self.address = f"partitions {', '.join(found.split())}"
+        self._read_nodes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="slurm watcher", daemon=True)
         self._thread.start()
@@ -183,10 +192,14 @@ class SlurmExecutor(Executor):
     def _options(self, ask: Ask) -> list[str]:
         """The #SBATCH options of gpuport's own for a job (a script's own lines come after, and win)."""
         options = []
-        if ask.gpus:
+        per_task = 1  # processes of each Slurm task: all of them, but on several nodes one task per process
+        if ask.nodes > 1:
+            per_task = max(1, ask.nprocs // ask.nodes)
+            options += [f"--nodes={ask.nodes}", f"--ntasks-per-node={per_task}"]
+        if ask.gpus:  # on each node
             options.append(f"--gres=gpu:{ask.gpus}")
-        if ask.cpus:
-            options.append(f"--cpus-per-task={max(1, math.ceil(ask.cpus))}")
+        if ask.cpus:  # on each node
+            options.append(f"--cpus-per-task={max(1, math.ceil(ask.cpus / per_task))}")
         if ask.memory:
             options.append(f"--mem={max(1, math.ceil(ask.memory / (1 << 20)))}M")
         if ask.time_limit:  # the supervisor stops it at its limit; Slurm's is a backstop past the grace
@@ -197,8 +210,15 @@ class SlurmExecutor(Executor):
         return options
 
     def admit(self, ask: Ask) -> None:
+        # Blocks on sbatch for as long as slurmctld takes to answer: the job service calls this from
+        # ``JobService.check``, which the API runs on a thread, never on the server's event loop.
         if ask.partition and not _PARTITION.fullmatch(ask.partition):
             raise InvalidRequest(f"partition {ask.partition[:80]!r}: a Slurm partition's name (letters, digits, _.-)")
+        if ask.batch_script and ask.nodes > 1:
+            raise InvalidRequest(
+                f"batch script {ask.batch_script!r} over {ask.nodes} nodes: give the nodes in its own #SBATCH lines "
+                "(--nodes, --ntasks-per-node) and start its steps with srun, as on Slurm"
+            )
         header = self._options(ask) + (sbatch_lines(ask.script_text) if ask.batch_script else [])
         script = "#!/bin/sh\n" + "".join(f"#SBATCH {line}\n" for line in header) + "true\n"
         try:
@@ -219,6 +239,10 @@ class SlurmExecutor(Executor):
         job_dir = self.folders.folder(job.job_id)
         work = job_dir / "work"
         ask = Ask(job.gpus, job.cpus, job.memory, job.time_limit, partition=job.partition)
+        ask = dataclasses.replace(ask, nodes=job.nodes, nprocs=job.nprocs)
+        if job.nodes > 1:
+            commands = {name: shutil.which(name) or name for name in ("srun", "scontrol", "scancel")}
+            spec["srun"] = {**commands, "per_node": job.nprocs // job.nodes, "gpus": job.gpus}
         options = [f"--job-name=gpuport-{job.job_id}", f"--output={job_dir / 'slurm.out'}", f"--chdir={work}"]
         options += self._options(ask)
         outputs: list[str] = []
@@ -234,12 +258,18 @@ class SlurmExecutor(Executor):
         copies = "".join(
             f"cat {q(str(job_dir / 'log'))} > {q(path.replace('%j', '$SLURM_JOB_ID'))}\n" for path in outputs
         )
+        run = (
+            f"{q(sys.executable)} -I -S {q(supervisor.__file__)} {q(str(job_dir))} "
+            f">> {q(str(job_dir / 'supervisor.log'))} 2>&1"
+        )
+        if job.nodes > 1:  # a cancel reaches this shell alone (scancel --batch): it passes it on
+            run = f"trap 'kill -TERM $pid' TERM\n{run} &\npid=$!\nwhile kill -0 $pid 2>/dev/null; do wait $pid; done\n"
+        else:
+            run = f"trap : TERM\n{run}\n"  # the shell waits for the supervisor, which passes a cancel on
         script = (
             "#!/bin/sh\n"
             + "".join(f"#SBATCH {line}\n" for line in options)
-            + "trap : TERM\n"  # the shell waits for the supervisor, which passes a cancel on
-            + f"{q(sys.executable)} -I -S {q(supervisor.__file__)} {q(str(job_dir))} "
-            + f">> {q(str(job_dir / 'supervisor.log'))} 2>&1\n"
+            + run
             + copies
             + f": > {q(str(job_dir / 'slurm.done'))}\n"
         )
@@ -259,6 +289,8 @@ class SlurmExecutor(Executor):
     def _watch(self) -> None:
         next_look = 0.0
         while not self._stop.wait(DEFAULT_SLURM_POLL):
+            if time.monotonic() - self._nodes[0] >= _NODES_FRESH:
+                self._read_nodes()
             with self._lock:
                 watched = dict(self._watched)
             if not watched:
@@ -298,7 +330,9 @@ class SlurmExecutor(Executor):
             self._watched[job_id] = (slurm_id, on_exit, time.monotonic())
 
     def waiting(self, job_ids: list[str]) -> dict[str, str]:
-        queue = self._squeue(DEFAULT_SQUEUE_FRESH) or {}
+        # The watcher's last look (it looks every second while jobs are handed over): `gpuport queue`
+        # runs on the server's event loop, which must not wait on squeue.
+        queue = self._queue[1]
         out = {}
         for job_id in job_ids:
             state, reason = queue.get(self._slurm_id(job_id), ("", ""))
@@ -328,18 +362,23 @@ class SlurmExecutor(Executor):
                 status = {"started_at": now, "ended_at": now, "exit_code": -15, "cancelled": True}
                 atomic_write(job_dir / "exit.json", json.dumps(status).encode(), 0o600, durable=False)
             return
+        spec = self._spec(job_id)
+        # Over several nodes, srun would kill its rank at once on a SIGTERM of its own: the batch
+        # shell alone gets it, and the supervisor stops the ranks through Slurm (see the supervisor).
+        which = "--batch" if spec.get("srun") else "--full"
         with contextlib.suppress(RuntimeError, OSError):
-            self._run(["scancel", "--signal=TERM", "--full", slurm_id])
-        grace = self._grace(job_id) + DEFAULT_SLURM_KILL_MARGIN
+            self._run(["scancel", "--signal=TERM", which, slurm_id])
+        grace = float(spec.get("grace", 5.0)) + DEFAULT_SLURM_KILL_MARGIN
         timer = threading.Timer(grace, self._kill_if_running, (job_id, slurm_id))
         timer.daemon = True
         timer.start()
 
-    def _grace(self, job_id: str) -> float:
+    def _spec(self, job_id: str) -> dict[str, Any]:
         try:
-            return float(marshal.loads((self.folders.folder(job_id) / "spec.marshal").read_bytes())["grace"])
-        except (OSError, ValueError, EOFError, KeyError):
-            return 5.0
+            spec = marshal.loads((self.folders.folder(job_id) / "spec.marshal").read_bytes())
+        except (OSError, ValueError, EOFError):
+            return {}
+        return spec if isinstance(spec, dict) else {}
 
     def _kill_if_running(self, job_id: str, slurm_id: str) -> None:
         if self.is_running(job_id):
@@ -399,13 +438,16 @@ class SlurmExecutor(Executor):
     # ---- the cluster ------------------------------------------------------------------------------------
 
     def nodes(self) -> list[Node]:
-        when, nodes = self._nodes
-        if time.monotonic() - when < _NODES_FRESH:
-            return nodes
+        # Read by the watcher every _NODES_FRESH seconds: the scheduler asks on the server's event loop.
+        return self._nodes[1]
+
+    def _read_nodes(self) -> None:
         try:
             out = self._run(["sinfo", "-h", "-N", "-o", "%N|%c|%m|%G"])
-        except (OSError, RuntimeError, subprocess.TimeoutExpired):
-            return nodes
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            log.warning("sinfo failed: %s", e)
+            self._nodes = (time.monotonic(), self._nodes[1])
+            return
         found: dict[str, Node] = {}
         for line in out.splitlines():
             name, cpus, memory, gres = (line.split("|") + ["", "", ""])[:4]
@@ -413,7 +455,6 @@ class SlurmExecutor(Executor):
                 machine = Machine((0,) * _gpus_of(gres), float(cpus), int(memory) << 20)
                 found.setdefault(name, Node(name, machine))
         self._nodes = (time.monotonic(), list(found.values()))
-        return self._nodes[1]
 
     def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
         return {}  # read on the compute nodes, by Slurm

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -190,6 +190,15 @@ class JobRequest:
     # batch script of the workdir (``command``: it and its arguments) run with its own options.
     partition: str = ""
     batch_script: str = ""
+
+
+class Checked(NamedTuple):
+    """A request as ``JobService.check`` found it: the command, workdir snapshot, outputs and spec to store."""
+
+    argv: list[str]
+    snapshot: str
+    outputs: list[str]
+    spec: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -449,7 +458,10 @@ class JobService:
             with self.snapshots.blobs.open(entry.blob) as f:
                 text = f.read(_SCRIPT_HEADER_BYTES).decode(errors="replace")
         ask = Ask(request.gpus, request.cpus, request.memory, request.time_limit, request.name, request.partition)
-        self.executor.admit(dataclasses.replace(ask, batch_script=request.batch_script, script_text=text))
+        ask = dataclasses.replace(
+            ask, batch_script=request.batch_script, script_text=text, nodes=request.nodes, nprocs=request.nprocs
+        )
+        self.executor.admit(ask)  # may block: ``check`` runs this off the event loop
 
     def _check_resources(self, caller: Identity, request: JobRequest) -> None:
         """Refuse what no machine state could ever grant: more than a node has, or than the quota allows."""
@@ -503,7 +515,7 @@ class JobService:
             raise InvalidRequest(f"nodes must be 1 .. {_MAX_NODES}, not {request.nodes}")
         if not self.executor.spans_nodes:
             raise InvalidRequest(
-                f"a job over {request.nodes} nodes needs a server in front of a cluster (gpuport server --ray); "
+                f"a job over {request.nodes} nodes needs a server in front of a cluster (gpuport server --ray or --slurm); "
                 "this one runs jobs on one machine — use --nprocs for several processes here"
             )
         if request.nprocs % request.nodes:
@@ -538,11 +550,18 @@ class JobService:
                 f"of {per_node}, or fewer GPUs than processes (they then share)"
             )
 
-    def submit(self, caller: Identity, request: JobRequest) -> JobRecord:
+    def check(self, caller: Identity, request: JobRequest) -> Checked:
+        """Validate ``request`` as ``submit`` does, and ask the executor's cluster whether it takes the
+        job: that may block (Slurm's ``sbatch --test-only``), so the API calls this on a thread of its
+        own and hands the result to ``submit`` or ``submit_array``. Raises what ``submit`` raises."""
+        return Checked(*self._check(caller, request))
+
+    def submit(self, caller: Identity, request: JobRequest, checked: Checked | None = None) -> JobRecord:
         """Queue a job for ``caller``. Raises ``InvalidRequest``, ``NotFound`` (snapshot, or a job it
         is to wait for), ``Conflict`` (its name is taken; a job it is to wait for has already failed)
-        or ``ResourceUnavailable``."""
-        argv, snapshot, outputs, spec = self._check(caller, request)
+        or ``ResourceUnavailable``. ``checked``: what ``check`` gave for this request (else it is
+        checked here, on the caller's thread)."""
+        argv, snapshot, outputs, spec = checked or self._check(caller, request)
         after = self._dependencies(caller, request.after)
         with self.store.transaction() as db:
             self._admit(db, caller, request, 1)
@@ -562,7 +581,12 @@ class JobService:
         return self._load(job_id)
 
     def submit_array(
-        self, caller: Identity, request: JobRequest, array: str = "", sweep: dict[str, list[str]] | None = None
+        self,
+        caller: Identity,
+        request: JobRequest,
+        array: str = "",
+        sweep: dict[str, list[str]] | None = None,
+        checked: Checked | None = None,
     ) -> ArrayRecord:
         """Queue a job array (``array``: Slurm's syntax, "0-99%8") or a sweep (the grid of ``sweep``'s
         values; ``array`` then only "%N" or ""), one job per task, in one transaction: all of them or,
@@ -578,7 +602,7 @@ class JobService:
             indices, cap = parse_array(array)
         else:
             raise InvalidRequest("a job array needs its indices (array='0-99%8') or a sweep (sweep={'lr': [...]})")
-        argv, snapshot, outputs, spec = self._check(caller, request)
+        argv, snapshot, outputs, spec = checked or self._check(caller, request)
         after = self._dependencies(caller, request.after)
         # Each task stores its own copy (a sweep's point twice: as arguments and as variables).
         each = _spec_size(argv) + _spec_size(spec) + 2 * max((_spec_size(sweep_args(p)) for p in grid or ()), default=0)
@@ -1436,15 +1460,25 @@ class JobService:
             self._spawn(self._launch(decision.job_id))
 
     def _hand_over(self) -> None:
-        """Start every queued job nothing of gpuport's holds: the cluster's own queue orders them."""
+        """Start every queued job nothing of gpuport's holds: the cluster's own queue orders them. An
+        array's ``%N`` still holds its tasks here, N at a time (each task is a job of the cluster's)."""
         cluster = self.cluster
+        caps = self._caps
+        in_group = Counter(h.group for h in self.running() if h.group in caps) if caps else Counter()
+        held: dict[str, Decision] = {}
         for pending in [p for p in self.scheduler.queue.values() if not p.blocked]:
+            cap = caps.get(pending.group, 0) if pending.group else 0
+            if cap and in_group[pending.group] >= cap:
+                reason = f"array {pending.group} runs {in_group[pending.group]} of its tasks, the most at once (%{cap})"
+                held[pending.job_id] = Decision(pending.job_id, len(held) + 1, None, reason)
+                continue
+            in_group[pending.group] += 1
             now = time.time()
             self._move(pending.job_id, JobState.QUEUED, JobState.RUNNING, started_at=now, message="")
             self._account(pending, Decision(pending.job_id, 0, ()), cluster, now)
             self.scheduler.drop(pending.job_id)
             self._spawn(self._launch(pending.job_id))
-        self.scheduler.handed_over()
+        self.scheduler.handed_over(held)
 
     def _preempt(self, running: list[Holding], cluster: Cluster, quotas: Any = None, fair: Any = None) -> None:
         """Stop the preemptible jobs that queued jobs have waited too long for (``scheduler.preempt``);
@@ -1617,6 +1651,7 @@ class JobService:
             cpus=row["cpus"],
             partition=spec.get("partition", ""),
             batch_script=spec.get("batch_script", ""),
+            nodes=row["nodes"],
         )
 
     def record_environment(self, job_id: str, built: Built) -> None:

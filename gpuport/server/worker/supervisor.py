@@ -20,6 +20,10 @@ training on this machine:
   (an empty list: no GPU). Default: every rank keeps the one in ``env``.
 - ``inherit``: prefixes of variables of this process's own environment that the job's gets too
   (a Slurm allocation's ``CUDA_VISIBLE_DEVICES`` and ``SLURM_*``); default: none.
+- ``srun``: a job over the nodes of the Slurm allocation this runs in: ``srun``, ``scontrol`` and
+  ``scancel`` (the commands' paths), ``per_node`` (ranks on each node) and ``gpus`` (GPUs on each
+  node). Each rank starts through ``srun`` on its node (see ``_srun_ranks``), and a stop reaches
+  the ranks through ``scancel``, since srun ends its step with SIGKILL at once when it gets SIGTERM.
 - ``cgroup``: the job's cgroups, made by the server with its limits (``server/cgroups.py``). The
   job's first process starts in them (this process joins them just before, and leaves right
   after); an OOM kill in them ends the whole job; once it has ended, what is left in them is
@@ -221,6 +225,67 @@ def peer_envs(
             env["GPUPORT_NODE_IPS"] = ",".join(nodes)
         envs.append(env)
     return envs
+
+
+# The ports of a node, as a probe run there by srun prints them: its name, then the ports.
+_PORTS_PROBE = """import os, socket
+held = [socket.socket() for _ in range(%d)]
+for s in held:
+    s.bind(("", 0))
+print(os.environ.get("SLURMD_NODENAME", ""), *(s.getsockname()[1] for s in held))
+"""
+
+
+def _srun_ranks(spec: dict, nprocs: int) -> None:
+    """Set the spec's ``rank_env`` and ``rank_argv`` for a job over the nodes of the Slurm allocation
+    this runs in (the spec's ``srun``): the nodes from ``scontrol show hostnames $SLURM_JOB_NODELIST``,
+    their addresses from ``scontrol show node``, ports free on each node now (one srun step that
+    asks them all), and the rank variables from ``peer_envs``. Rank r runs on node ``r // per_node``
+    through ``srun`` as a step of one task: with GPUs to spare, ``gpus // per_node`` of its node's of
+    its own (``--exact``); with fewer GPUs than ranks, the node's GPUs shared (``--overlap``).
+    Raises ``OSError`` or ``RuntimeError`` when Slurm's commands fail."""
+    import subprocess  # only a job over several nodes needs it
+
+    slurm = spec["srun"]
+    env = spec["env"]
+
+    def output(argv: list) -> str:
+        try:
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} did not answer in 120 s") from None
+        if done.returncode:
+            said = (done.stderr or done.stdout).strip()[-500:]
+            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} exited with {done.returncode}: {said}")
+        return done.stdout
+
+    names = output([slurm["scontrol"], "show", "hostnames", env["SLURM_JOB_NODELIST"]]).split()
+    per = int(slurm["per_node"])
+    if len(names) * per != nprocs:
+        raise RuntimeError(f"the allocation has {len(names)} nodes for {nprocs} processes, {per} on each")
+    addresses = {}
+    for line in output([slurm["scontrol"], "-o", "show", "node", ",".join(names)]).splitlines():
+        fields = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        addresses[fields.get("NodeName", "")] = fields.get("NodeAddr", "")
+    ips = [addresses.get(name) or name for name in names]
+    probe = [slurm["srun"], "--overlap", f"--nodes={len(names)}", f"--ntasks={len(names)}", "--ntasks-per-node=1"]
+    ports = {}
+    for line in output([*probe, sys.executable, "-I", "-S", "-c", _PORTS_PROBE % (per + 1)]).splitlines():
+        name, *found = line.split()
+        ports[name] = [int(port) for port in found]
+    missing = [name for name in names if len(ports.get(name, ())) != per + 1]
+    if missing:
+        raise RuntimeError(f"node {missing[0]} did not say which ports are free there")
+    endpoints = [f"{ips[rank // per]}:{ports[names[rank // per]][rank % per]}" for rank in range(nprocs)]
+    roles = roles_of(spec.get("tf_roles"), nprocs)
+    peers = peer_envs(roles, endpoints, (ips[0], ports[names[0]][per]), per, nodes=ips)
+    gpus = int(slurm.get("gpus") or 0)
+    step = ["--exact", f"--gres=gpu:{gpus // per}", "--mem=0"] if gpus >= per and gpus else ["--overlap"]
+    spec["rank_env"] = [{**peers[rank], "GPUPORT_NODE": names[rank // per]} for rank in range(nprocs)]
+    spec["rank_argv"] = [
+        [slurm["srun"], "--nodes=1", "--ntasks=1", f"--nodelist={names[rank // per]}", *step, "--"]
+        for rank in range(nprocs)
+    ]
 
 
 def _rank_envs(spec: dict, nprocs: int) -> list[dict[str, str]]:
@@ -513,9 +578,16 @@ def _start_ranks(spec: dict, nprocs: int, log, log_lock: threading.Lock):
     # look their command up on the job's PATH.
     os.chdir(spec["cwd"])
     os.environ["PATH"] = spec["env"].get("PATH", os.defpath)
-    for rank, env in enumerate(_rank_envs(spec, nprocs)):
+    if spec.get("srun") and not spec.get("rank_argv"):
         try:
-            process = _Rank(spec["argv"], env, log.fileno() if nprocs == 1 else None)
+            _srun_ranks(spec, nprocs)
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            return ranks, readers, f"the Slurm allocation's nodes could not be set up: {e}"
+    prefixes = spec.get("rank_argv")
+    for rank, env in enumerate(_rank_envs(spec, nprocs)):
+        argv = [*prefixes[rank], *spec["argv"]] if prefixes else spec["argv"]
+        try:
+            process = _Rank(argv, env, log.fileno() if nprocs == 1 else None)
         except OSError as e:
             return ranks, readers, f"cannot start {spec['argv'][0]!r}: {e.strerror}"
         ranks.append(process)
@@ -1015,7 +1087,18 @@ def _run(spec: dict, log, started, kill_reason, lifeline: int | None = None, cap
     stopping = False  # SIGTERM or SIGKILL has been sent: what follows is no rank's own failure
     kill_at = None  # monotonic time at which SIGKILL follows the SIGTERM of a stop
 
+    slurm = spec.get("srun")
+
     def signal_all(sig: int) -> None:
+        if slurm and sig == signal.SIGTERM and ranks:
+            # srun would end its step with SIGKILL at once: Slurm passes the SIGTERM to every step
+            # of the job (each rank, on its node) but the batch step, which this process runs in.
+            argv = [slurm["scancel"], "--signal=TERM", spec["env"]["SLURM_JOB_ID"]]
+            try:
+                os.posix_spawn(argv[0], argv, spec["env"])
+            except OSError as e:
+                note(f"scancel could not be started: {e}")
+            return
         for process in ranks:
             _signal_group(process.pid, sig)
 

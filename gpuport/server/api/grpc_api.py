@@ -32,7 +32,8 @@ from gpuport.server.app import GpuListing, ServerApp
 from gpuport.server.blobs import check_hash, read_parts
 from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity, TokenRecord
-from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
+from gpuport.server.services.job_requests import JobRequest, tf_roles
+from gpuport.server.services.jobs import ArrayRecord, JobRecord
 from gpuport.server.services.quotas import QuotaRecord
 from gpuport.server.services.serving import DeploymentRecord, DeploySpec, message_for
 from gpuport.server.services.sessions import CallIn, CallOut, SessionRecord, SessionSpec, Value

@@ -44,7 +44,8 @@ from gpuport.server.app import ServerApp
 from gpuport.server.environments import EnvRequest
 from gpuport.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.jobs import ArrayRecord, JobRecord, JobRequest, tf_roles
+from gpuport.server.services.job_requests import JobRequest, tf_roles
+from gpuport.server.services.jobs import ArrayRecord, JobRecord
 from gpuport.server.services.snapshots import check_snapshot_name
 from gpuport.server.unpacker import unpack
 

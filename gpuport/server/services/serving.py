@@ -46,7 +46,8 @@ from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration
 from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
+from gpuport.server.services.job_requests import JobRequest
+from gpuport.server.services.jobs import JobRecord, JobService, JobState
 from gpuport.server.services.snapshots import SnapshotService
 from gpuport.server.serving import formats
 from gpuport.server.serving.batcher import Batcher, BatcherStats, Timings

@@ -58,7 +58,8 @@ from gpuport.protocol.units import format_duration
 from gpuport.protocol.values import check_compatible
 from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity
-from gpuport.server.services.jobs import JobRecord, JobRequest, JobService, JobState
+from gpuport.server.services.job_requests import JobRequest
+from gpuport.server.services.jobs import JobRecord, JobService, JobState
 from gpuport.server.services.staging import STAGED_TTL, Direct, SessionMemory, Staged, Staging, check_size
 from gpuport.server.store import Store
 from gpuport.server.worker import wire

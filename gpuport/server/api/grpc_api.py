@@ -588,6 +588,7 @@ def session_message(record: SessionRecord) -> pb.SessionInfo:
         attached=record.attached,
         position=job.position,
         reattached=record.reattached,
+        node=job.node,
     )
 
 

@@ -109,6 +109,7 @@ class NodeListener:
 
     def _serve(self, conn: socket.socket) -> None:
         worker: Stream | None = None
+        tls: socket.socket = conn  # the TLS socket takes the connection over once made
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT)
             tls = self._context.wrap_socket(conn, server_side=True)
@@ -134,7 +135,7 @@ class NodeListener:
         finally:
             if worker is not None:
                 worker.close()
-            conn.close()
+            tls.close()
 
     def close(self) -> None:
         self._sock.close()
@@ -162,6 +163,7 @@ def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: s
     except OSError as e:
         raise LinkError(f"cannot reach {where}: {e}") from None
     _keep_alive(raw)
+    tls: socket.socket = raw  # the TLS socket takes the connection over once made
     try:
         tls = context.wrap_socket(raw)
         seen = fingerprint(tls.getpeercert(binary_form=True) or b"")
@@ -170,13 +172,13 @@ def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: s
         _send(tls, {"secret": secret, "job": job_id, "endpoint": name})
         answer = _recv(tls, where)
     except LinkError:
-        raw.close()
+        tls.close()
         raise
     except (OSError, EOFError, ValueError) as e:
-        raw.close()
+        tls.close()
         raise LinkError(f"the link to {where} failed: {e}") from None
     except BaseException:
-        raw.close()
+        tls.close()
         raise
     if not answer.get("ok"):
         tls.close()

@@ -605,3 +605,22 @@ def test_a_named_session_on_a_node_outlives_a_server_killed_with_sigkill(cluster
         for running in (first, second):
             if running is not None:
                 running.stop()
+
+
+def _exit_saying(code: int) -> None:
+    print("exiting on purpose", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def test_a_worker_that_exits_on_a_node_raises_worker_died_with_its_stderr_and_restart_gives_a_fresh_one(
+    server: RunningServer,
+) -> None:
+    with server.connect() as gpu, gpu.session() as session:
+        first = session.call(_node)
+        with pytest.raises(gpuport.WorkerDied) as died:
+            session.call(_exit_saying, 3)
+        assert died.value.exit_code == 3, died.value
+        assert "exiting on purpose" in died.value.stderr_tail  # read from its run folder on the node
+        assert session.info().state == "died"
+        session.restart()
+        assert session.call(_node) in ("node-a", "node-b") and first in ("node-a", "node-b")

@@ -257,8 +257,25 @@ class NodeAgent:
 
     def tidy(self, job_id: str, everything: bool = False) -> None:
         self.folders.tidy(job_id)
-        if everything:
-            shutil.rmtree(self.folders.folder(job_id), ignore_errors=True)
+        if not everything:
+            return
+        # Its log and exit status are the server's now. A worker's files (a session's output, read
+        # after its end as on one machine: the tail of a dead worker's stderr) stay, as they do there.
+        folder = self.folders.folder(job_id)
+        run = folder / "run"
+        try:
+            kept = run.is_dir() and not run.is_symlink() and any(run.iterdir())
+        except OSError:
+            kept = False
+        if not kept:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        for child in folder.iterdir():
+            if child.name != "run":
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, int]:
         return {"received": self.received}

@@ -612,7 +612,7 @@ def _exit_saying(code: int) -> None:
     os._exit(code)
 
 
-def test_a_worker_that_exits_on_a_node_raises_worker_died_with_its_stderr_and_restart_gives_a_fresh_one(
+def test_a_worker_that_exits_on_a_node_raises_worker_died_with_its_stderr_and_a_call_past_its_timeout_stops_it(
     server: RunningServer,
 ) -> None:
     with server.connect() as gpu, gpu.session() as session:
@@ -624,3 +624,8 @@ def test_a_worker_that_exits_on_a_node_raises_worker_died_with_its_stderr_and_re
         assert session.info().state == "died"
         session.restart()
         assert session.call(_node) in ("node-a", "node-b") and first in ("node-a", "node-b")
+        start = time.monotonic()
+        with pytest.raises(gpuport.CallTimeout):
+            session.call(time.sleep, 60, timeout=1)
+        assert time.monotonic() - start < 30
+        assert session.info().state == "died"

@@ -89,6 +89,7 @@ class NodeAgent:
         self._launching: dict[str, threading.Event] = {}
         self._launching_lock = threading.Lock()
         self._listener: NodeListener | None = None  # the server's link to workers here (``open_link``)
+        self._listener_lock = threading.Lock()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         # Jobs of an agent that ended (its raylet died) were killed when it did; any left are ended now.
         for job_id in self.folders.kill_all(f"node lost: {name} (its gpuport agent ended)"):
@@ -244,7 +245,7 @@ class NodeAgent:
         (hex; the last one given): the port and the fingerprint of this node's certificate."""
         from gpuport.server.executors.ray_link import NodeListener
 
-        with self._launching_lock:
+        with self._listener_lock:
             if self._listener is None:
                 self._listener = NodeListener(self.address, self.folders.connect)
             return self._listener.open(secret)

@@ -6,6 +6,8 @@ addresses, 2 fake GPUs each, token authentication. The server joins it with --ra
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -14,7 +16,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 
 import gpuport
@@ -434,12 +438,120 @@ def test_distributed_training_across_two_nodes_ends_with_equal_weights(
     assert sorted(sums) == ["[0]", "[1]"] and sums["[0]"] == sums["[1]"], log
 
 
-def test_sessions_and_serving_are_refused_on_a_cluster_saying_why(server: RunningServer) -> None:
+def test_serving_is_refused_on_a_cluster_saying_why(server: RunningServer) -> None:
+    with server.connect() as gpu, pytest.raises(gpuport.InvalidRequest, match="load their model from this machine"):
+        gpu.deploy("m", "some-snapshot")
+
+
+# ---- sessions: a worker on a node, reached through its agent's link --------------------------------
+
+
+def _node() -> str:
+    return os.environ["GPUPORT_NODE"]
+
+
+def _total(values: Any) -> float:
+    return float(values.sum())
+
+
+def _twice(values: Any) -> Any:
+    return values * 2
+
+
+def _digest(values: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(values.tobytes()).hexdigest()
+
+
+def _made_there(size: int) -> Any:
+    import numpy as np
+
+    return np.arange(size // 4, dtype=np.uint32)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _alive(processes: list[psutil.Process]) -> bool:
+    alive = []
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            alive.append(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    return any(alive)
+
+
+def test_a_session_runs_on_a_node_with_its_values_and_errors_there_and_closing_ends_its_worker(
+    server: RunningServer, cluster: RayCluster
+) -> None:
+    np = pytest.importorskip("numpy")
     with server.connect() as gpu:
-        with pytest.raises(gpuport.InvalidRequest, match="sessions run on a one-machine gpuport server for now"):
-            gpu.session()
-        with pytest.raises(gpuport.InvalidRequest, match="models are served by a one-machine gpuport server"):
-            gpu.deploy("m", "some-snapshot")
+        with gpu.session() as session:
+            node = session.call(_node)
+            assert node in ("node-a", "node-b")
+            info = session.info()
+            assert (info.state, info.node) == ("running", node)
+            ref = session.put(np.arange(10))
+            assert session.call(_total, ref) == 45.0  # the Ref is resolved on the node
+            doubled = session.call(_twice, ref, keep=True)
+            assert session.get(doubled).tolist() == list(range(0, 20, 2))
+            with pytest.raises(ValueError, match="no luck") as caught:
+                session.call(_fail, "no luck")
+            assert isinstance(caught.value, gpuport.RemoteError) and "_fail" in caught.value.remote_traceback
+            assert session.call(_total, ref) == 45.0  # the worker lives on
+            # 50 MB through the front door both ways, as bytes over the node's link.
+            big = np.frombuffer(os.urandom(50 << 20), dtype=np.uint8)
+            big_ref = session.put(big)
+            assert session.call(_digest, big_ref) == hashlib.sha256(big.tobytes()).hexdigest()
+            assert np.array_equal(session.get(big_ref), big)
+            made = session.get(session.call(_made_there, 50 << 20, keep=True))
+            assert np.array_equal(made, np.arange((50 << 20) // 4, dtype=np.uint32))
+            where = next(n for n in cluster.nodes if n.name == node)
+            workers = where.running(info.job_id)
+            assert workers, "the session's worker runs under its node's raylet"
+        wait_for(lambda: not _alive(workers), 30, "the closed session's worker to end on its node")
+
+
+def test_sessions_land_on_both_nodes_and_a_lost_nodes_session_dies_naming_it(
+    server: RunningServer, cluster: RayCluster
+) -> None:
+    lost = None
+    with server.connect() as gpu:
+        first = gpu.session(gpus=2)  # node-a is packed first: it fills it, and the next goes to node-b
+        opened = [first]
+        try:
+            assert first.call(_node) == "node-a"
+            second = gpu.session(gpus=1)
+            opened.append(second)
+            assert second.call(_node) == "node-b"
+            kept = second.put([1, 2, 3])
+            listed = _cli(server, "sessions")
+            assert "NODE" in listed and "node-a" in listed and "node-b" in listed, listed
+            assert {s.id: s.node for s in gpu.sessions()} == {first.id: "node-a", second.id: "node-b"}
+            node = next(n for n in cluster.nodes if n.name == "node-b")
+            lost = node
+            node.raylet().kill()
+            seen: list[gpuport.SessionInfo] = []
+            wait_for(
+                lambda: (seen.append(second.info()) or seen[-1]).state == "died",
+                60,
+                lambda: f"the session to die with its node ({seen[-1].state}: {seen[-1].message!r})",
+            )
+            assert "node lost: node-b" in seen[-1].message
+            with pytest.raises(gpuport.WorkerDied, match="node lost: node-b"):
+                second.get(kept)
+            assert first.call(_node) == "node-a"  # the other node's session lives on
+            first.close()
+            second.restart()  # a fresh worker where there is room: node-a
+            assert second.call(_node) == "node-a"
+            second.close()
+        finally:
+            for session in opened:
+                with contextlib.suppress(gpuport.GpuportError):
+                    session.close()
+            if lost is not None:  # the tests after this one need both nodes
+                _restart(server, cluster, lost)
 
 
 def test_listing_jobs_while_a_node_hangs_answers_with_the_last_known_log_size(
@@ -469,3 +581,51 @@ def test_listing_jobs_while_a_node_hangs_answers_with_the_last_known_log_size(
         assert _ended(server, job["job_id"])["state"] == "succeeded"
     finally:
         flags.close()
+
+
+def test_a_named_session_on_a_node_outlives_a_server_killed_with_sigkill(cluster: RayCluster, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    first = _start(cluster, state)
+    second = None
+    try:
+        with first.connect() as gpu:
+            session = gpu.session(name="kept", idle_timeout=120)
+            session.put([1, 2, 3], name="values")
+            node = session.call(_node)
+        first.stop(signal.SIGKILL)
+        second = _start(cluster, state)
+        second.admin_token = first.admin_token  # shown on the first start only
+        with second.connect() as gpu:
+            again = gpu.session(name="kept")
+            assert again.reattached and again.id == session.id
+            assert again.get(again.ref("values")) == [1, 2, 3]  # its worker on the node kept them
+            assert again.call(_node) == node
+            again.close()
+    finally:
+        for running in (first, second):
+            if running is not None:
+                running.stop()
+
+
+def _exit_saying(code: int) -> None:
+    print("exiting on purpose", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def test_a_worker_that_exits_on_a_node_raises_worker_died_with_its_stderr_and_a_call_past_its_timeout_stops_it(
+    server: RunningServer,
+) -> None:
+    with server.connect() as gpu, gpu.session() as session:
+        first = session.call(_node)
+        with pytest.raises(gpuport.WorkerDied) as died:
+            session.call(_exit_saying, 3)
+        assert died.value.exit_code == 3, died.value
+        assert "exiting on purpose" in died.value.stderr_tail  # read from its run folder on the node
+        assert session.info().state == "died"
+        session.restart()
+        assert session.call(_node) in ("node-a", "node-b") and first in ("node-a", "node-b")
+        start = time.monotonic()
+        with pytest.raises(gpuport.CallTimeout):
+            session.call(time.sleep, 60, timeout=1)
+        assert time.monotonic() - start < 30
+        assert session.info().state == "died"

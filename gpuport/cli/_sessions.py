@@ -31,8 +31,10 @@ def sessions_group(ctx: click.Context, as_json: bool) -> None:
         return
     now = time.time()
     table = new_table()
-    for column in ("ID", "NAME", "OWNER", "STATE", "GPUS", "VALUES", "IDLE", "ENDS IN", "CLIENTS"):
-        table.add_column(column)
+    nodes = len({s.node for s in sessions if s.node}) > 1  # a cluster's: each worker's node is said
+    for column in ("ID", "NAME", "OWNER", "STATE", "NODE", "GPUS", "VALUES", "IDLE", "ENDS IN", "CLIENTS"):
+        if column != "NODE" or nodes:
+            table.add_column(column)
     for s in sessions:
         if s.gpu_memory:
             gpus = f"{format_size(s.gpu_memory)} of GPU {','.join(map(str, s.gpu_indices)) or '?'}"
@@ -47,6 +49,7 @@ def sessions_group(ctx: click.Context, as_json: bool) -> None:
             escape(s.name) or "-",
             escape(s.owner),
             escape(state),
+            *([escape(s.node) or "-"] if nodes else []),
             gpus,
             str(s.refs),
             format_duration(idle),

@@ -81,6 +81,7 @@ class SessionInfo:
     refs: int
     attached: int
     position: int
+    node: str = ""  # where its worker runs (a cluster's node; this machine's name on one machine)
 
     @classmethod
     def from_message(cls, m: pb.SessionInfo) -> SessionInfo:
@@ -102,6 +103,7 @@ class SessionInfo:
             refs=m.refs,
             attached=m.attached,
             position=m.position,
+            node=m.node,
         )
 
 

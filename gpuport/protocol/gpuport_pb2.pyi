@@ -719,7 +719,7 @@ class SessionSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., priority: _Optional[int] = ..., idle_timeout: _Optional[float] = ..., env: _Optional[_Mapping[str, str]] = ..., python_version: _Optional[str] = ..., cloudpickle_version: _Optional[str] = ..., requirements: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "name", "owner", "state", "job_id", "gpus", "gpu_memory", "cpus", "memory", "gpu_indices", "created_at", "last_call_at", "idle_timeout", "message", "refs", "attached", "position", "reattached")
+    __slots__ = ("session_id", "name", "owner", "state", "job_id", "gpus", "gpu_memory", "cpus", "memory", "gpu_indices", "created_at", "last_call_at", "idle_timeout", "message", "refs", "attached", "position", "reattached", "node")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -738,6 +738,7 @@ class SessionInfo(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     name: str
     owner: str
@@ -756,7 +757,8 @@ class SessionInfo(_message.Message):
     attached: int
     position: int
     reattached: bool
-    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., last_call_at: _Optional[float] = ..., idle_timeout: _Optional[float] = ..., message: _Optional[str] = ..., refs: _Optional[int] = ..., attached: _Optional[int] = ..., position: _Optional[int] = ..., reattached: _Optional[bool] = ...) -> None: ...
+    node: str
+    def __init__(self, session_id: _Optional[str] = ..., name: _Optional[str] = ..., owner: _Optional[str] = ..., state: _Optional[str] = ..., job_id: _Optional[str] = ..., gpus: _Optional[int] = ..., gpu_memory: _Optional[int] = ..., cpus: _Optional[float] = ..., memory: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., created_at: _Optional[float] = ..., last_call_at: _Optional[float] = ..., idle_timeout: _Optional[float] = ..., message: _Optional[str] = ..., refs: _Optional[int] = ..., attached: _Optional[int] = ..., position: _Optional[int] = ..., reattached: _Optional[bool] = ..., node: _Optional[str] = ...) -> None: ...
 
 class SessionRef(_message.Message):
     __slots__ = ("session_id", "name")

@@ -236,10 +236,21 @@ def load_or_create_identity(state: StateDir, host: str) -> tuple[TLSIdentity, bo
     return identity, created
 
 
+def link_certificate(address: str) -> tuple[bytes, bytes]:
+    """A fresh self-signed certificate and its key (PEM) for a node's link at ``address``: its
+    agent makes it (in a child process, as ``_run_child`` says why), and the server pins its
+    fingerprint (``executors/ray_link.py``)."""
+    made = json.loads(_run_child("link", address))
+    return made["cert"].encode(), made["key"].encode()
+
+
 if __name__ == "__main__":  # the child process of _run_child
     if sys.argv[1] == "identity":  # KEY CERT CA_KEY CA_CERT HOST
         _write_missing(*map(Path, sys.argv[2:6]), sys.argv[6])
     elif sys.argv[1] == "client":  # CA_KEY CA_CERT USER: prints {"cert": PEM, "key": PEM}
         ca_key, ca_cert = Path(sys.argv[2]).read_bytes(), Path(sys.argv[3]).read_bytes()
         cert, key = _make_client_certificate(ca_cert, ca_key, sys.argv[4])
+        print(json.dumps({"cert": cert.decode(), "key": key.decode()}))
+    elif sys.argv[1] == "link":  # ADDRESS: prints {"cert": PEM, "key": PEM}
+        cert, key = _make_certificate({sys.argv[2]})
         print(json.dumps({"cert": cert.decode(), "key": key.decode()}))

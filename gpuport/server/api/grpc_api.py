@@ -593,6 +593,7 @@ def session_message(record: SessionRecord) -> pb.SessionInfo:
         attached=record.attached,
         position=job.position,
         reattached=record.reattached,
+        node=job.node,
     )
 
 

@@ -16,6 +16,10 @@ agents by name, and through them the jobs it left running.
 - **Faults**: a job's supervisor gets SIGUSR1 (kill at once) when its agent's process ends, so a
   job never outlives its node's agent (a raylet killed with SIGKILL takes its workers, and with
   them the agent); the server records the job as failed with "node lost: <node>".
+- **Workers** (a session's): the server reaches a worker's endpoint through one TLS link per node
+  to its agent (``ray_link.py``: the agent's own certificate, pinned; a secret given by a Ray call),
+  which connects to the endpoint as the local executor does and relays bytes; its files by actor
+  calls. Values cross as bytes: no memory is shared with a worker on another machine.
 - **Security**: the server refuses a cluster that answers without Ray's token (``RAY_AUTH_MODE=token``)
   unless told ``--ray-insecure`` for a cluster on loopback; jobs never see Ray's variables.
 """
@@ -28,6 +32,7 @@ import io
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -35,10 +40,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from gpuport._files import atomic_write
-from gpuport.protocol.errors import ConfigError
+from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.server.blobs import BlobStore, read_parts
-from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.executors.base import ENDPOINT_NAME, Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
 from gpuport.server.executors.ray_agent import NodeAgent, import_ray
+from gpuport.server.executors.ray_link import LinkError, dial
 from gpuport.server.inventory import GpuInfo
 from gpuport.server.worker.supervisor import peer_envs, roles_of
 
@@ -225,6 +231,7 @@ class RayExecutor(Executor):
         self._nodes: list[Node] = []
         self._ids: dict[str, str] = {}  # node name → node id
         self._lost: set[str] = set()  # node ids whose agent stopped answering (Ray may not know yet)
+        self._links: dict[str, dict[str, Any]] = {}  # node id → its link to workers (see ``_link``)
         self._lock = threading.Lock()
         self._refreshing = threading.Lock()
         self._stopped = threading.Event()
@@ -293,6 +300,7 @@ class RayExecutor(Executor):
             for node_id in set(self._described) - ids:
                 self._described.pop(node_id, None)
                 self._agents.pop(node_id, None)
+                self._links.pop(node_id, None)
         if changed and self.on_change is not None:
             self.on_change()
 
@@ -811,6 +819,56 @@ class RayExecutor(Executor):
         everything = (self.root / job_id / "log").exists()  # the whole folder once its log is here
         for handle in self._handles(job_id):
             handle.tidy.remote(job_id, everything=everything)
+
+    # ---- workers the server talks to ----------------------------------------------------------------
+
+    def workers_problem(self) -> str:
+        return ""
+
+    def connect(self, job_id: str, name: str) -> Stream:
+        """Through the link to the agent of the job's node (``ray_link.py``): opened at the first
+        connection to a worker there, and again when the agent no longer takes it (a new agent)."""
+        if not ENDPOINT_NAME.fullmatch(name):
+            raise InvalidRequest(f"{name[:40]!r} is not an endpoint's name")
+        placed = self._placement(job_id)
+        if placed is None:
+            raise FileNotFoundError(f"job {job_id} has no node yet")
+        node, handle = self._handle(job_id)
+        if handle is None:
+            raise ConnectionError(f"node {node} of job {job_id} has left the cluster")
+        link = self._link(placed["node_id"], handle, fresh=False)
+        try:
+            return dial(link["address"], link["port"], link["fingerprint"], link["secret"], job_id, name)
+        except LinkError:  # a new agent there, or one that took another server's secret since: open it again
+            link = self._link(placed["node_id"], handle, fresh=True)
+            return dial(link["address"], link["port"], link["fingerprint"], link["secret"], job_id, name)
+
+    def _link(self, node_id: str, handle: Any, fresh: bool) -> dict[str, Any]:
+        """Where the node's link listens, its pinned fingerprint and this server's secret for it."""
+        with self._lock:
+            link = self._links.get(node_id)
+            address = self._described.get(node_id, {}).get("address", "")
+        if link is not None and not fresh:
+            return link
+        secret = secrets.token_hex(32)
+        try:
+            opened = self._ray.get(handle.open_link.remote(secret), timeout=_CALL_TIMEOUT)
+        except Exception as e:
+            raise LinkError(f"the gpuport agent of node {node_id[:8]} did not open its link: {e}") from None
+        link = {**opened, "address": address, "secret": secret}
+        with self._lock:
+            self._links[node_id] = link
+        return link
+
+    def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        if not ENDPOINT_NAME.fullmatch(name):
+            raise InvalidRequest(f"{name[:40]!r} is not a worker's file")
+        return bytes(self._call(job_id, "read_file", job_id, name, offset, limit, default=b""))
+
+    def file_size(self, job_id: str, name: str) -> int:
+        if not ENDPOINT_NAME.fullmatch(name):
+            raise InvalidRequest(f"{name[:40]!r} is not a worker's file")
+        return int(self._call(job_id, "file_size", job_id, name, default=0))
 
     def stats(self, node: str) -> dict[str, int]:
         """What the agent of ``node`` counted (bytes of blobs received)."""

@@ -2,7 +2,8 @@
 (``gpuport-agent-<node id>``) that the Ray executor (``ray.py``, on the server) starts on every node
 and calls by job id. It does there what the local executor does here (``workspace.py``): keeps a blob
 store of its own, makes the job's folders, runs the job under the same supervisor and sandbox, and
-answers for its log, exit status, outputs and usage. A job's supervisor gets SIGUSR1 when the
+answers for its log, exit status, outputs and usage, and for the endpoints and files of the workers
+among its jobs (a session's), through the link of ``ray_link.py``. A job's supervisor gets SIGUSR1 when the
 agent's process ends, so a job never outlives its node's agent.
 """
 
@@ -19,7 +20,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuport._files import atomic_write
 from gpuport._packages import missing_package
@@ -27,6 +28,9 @@ from gpuport.protocol.errors import ConfigError
 from gpuport.server.blobs import BlobStore, BlobWriter
 from gpuport.server.executors.base import JobLaunch, Usage
 from gpuport.server.inventory import GpuInfo
+
+if TYPE_CHECKING:
+    from gpuport.server.executors.ray_link import NodeListener
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +88,8 @@ class NodeAgent:
         # running (not lost, not launched twice) when it comes back.
         self._launching: dict[str, threading.Event] = {}
         self._launching_lock = threading.Lock()
+        self._listener: NodeListener | None = None  # the server's link to workers here (``open_link``)
+        self._listener_lock = threading.Lock()
         threading.Thread(target=self._spawner, name="spawner", daemon=True).start()
         # Jobs of an agent that ended (its raylet died) were killed when it did; any left are ended now.
         for job_id in self.folders.kill_all(f"node lost: {name} (its gpuport agent ended)"):
@@ -233,10 +239,44 @@ class NodeAgent:
             f.seek(offset)
             return f.read(size)
 
+    # workers' endpoints and files
+    def open_link(self, secret: str) -> dict[str, Any]:
+        """Listen (once) for the server's connections to workers here, which must bring ``secret``
+        (hex; the last one given): the port and the fingerprint of this node's certificate."""
+        from gpuport.server.executors.ray_link import NodeListener
+
+        with self._listener_lock:
+            if self._listener is None:
+                self._listener = NodeListener(self.address, self.folders.connect)
+            return self._listener.open(secret)
+
+    def read_file(self, job_id: str, name: str, offset: int, limit: int) -> bytes:
+        return self.folders.read_file(job_id, name, offset, limit)
+
+    def file_size(self, job_id: str, name: str) -> int:
+        return self.folders.file_size(job_id, name)
+
     def tidy(self, job_id: str, everything: bool = False) -> None:
         self.folders.tidy(job_id)
-        if everything:
-            shutil.rmtree(self.folders.folder(job_id), ignore_errors=True)
+        if not everything:
+            return
+        # Its log and exit status are the server's now. A worker's files (a session's output, read
+        # after its end as on one machine: the tail of a dead worker's stderr) stay, as they do there.
+        folder = self.folders.folder(job_id)
+        run = folder / "run"
+        try:
+            kept = run.is_dir() and not run.is_symlink() and any(run.iterdir())
+        except OSError:
+            kept = False
+        if not kept:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        for child in folder.iterdir():
+            if child.name != "run":
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
 
     def stats(self) -> dict[str, int]:
         return {"received": self.received}

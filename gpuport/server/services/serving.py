@@ -214,7 +214,13 @@ class ServingService:
     # ---- deploying --------------------------------------------------------------------------------
 
     def deploy(self, caller: Identity, spec: DeploySpec) -> DeploymentRecord:
-        problem = self.jobs.executor.workers_problem()
+        executor = self.jobs.executor
+        problem = executor.workers_problem()
+        if not problem and not executor.runs_here:  # a replica's model is a folder of this machine's
+            problem = (
+                "replicas load their model from this machine's disk, and this server places work on a "
+                f"{executor.kind} cluster"
+            )
         if problem:
             raise InvalidRequest(
                 f"models are served by a one-machine gpuport server for now; {problem} — deploy on a one-machine server"

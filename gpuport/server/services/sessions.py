@@ -165,6 +165,9 @@ class _Live:
     attached: int = 0
     detached_since: float = field(default_factory=time.time)
     link: wire.Link | None = None
+    # Its worker shares this machine's memory (descriptors travel to it); False: a worker on another
+    # node, whose values travel as bytes (``_as_bytes``). Known once it was first connected to.
+    shares_memory: bool = True
     # Its workers in turn: (job id, where its stdout starts, where its stderr starts); the last is job_id.
     workers: list[tuple[str, int, int]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -446,7 +449,7 @@ class SessionService:
             if job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 try:
-                    stream = await asyncio.to_thread(self._connect, live.job_id)
+                    stream = await asyncio.to_thread(self._connect, live, live.job_id)
                     live.link = wire.Link(stream.sock)
                     return live.link
                 except (FileNotFoundError, ConnectionError):
@@ -459,12 +462,11 @@ class SessionService:
                 raise ResourceUnavailable(f"session {live.id} is still queued: {job.message}")
             await asyncio.sleep(0.01 if job.state is JobState.RUNNING else 0.1)
 
-    def _connect(self, job_id: str) -> Any:
-        """A stream to the worker's endpoint, which must carry descriptors: values move as shared memory."""
+    def _connect(self, live: _Live, job_id: str) -> Any:
+        """A stream to the worker's endpoint; whether descriptors travel along it says how large
+        values move (shared memory here, bytes to another node)."""
         stream = self.executor.connect(job_id, "worker")
-        if not stream.passes_fds:
-            stream.close()
-            raise InvalidRequest(f"the worker {job_id} shares no memory with this server: its values cannot reach it")
+        live.shares_memory = stream.passes_fds
         return stream
 
     async def call(self, caller: Identity, request: CallIn) -> CallOut:
@@ -473,7 +475,7 @@ class SessionService:
         try:
             async with live.lock:
                 with live.call():
-                    return await self._roundtrip(live, header, buffers, fds, request.timeout)
+                    return await self._roundtrip(live, header, buffers, fds, staged, request.timeout)
         finally:
             if staged is not None:
                 live.memory.sent(staged)
@@ -533,7 +535,11 @@ class SessionService:
         with live.call():
             try:
                 sock.settimeout(request.timeout or None)
-                wire.send(sock, header, buffers, fds)
+                if live.shares_memory:
+                    wire.send(sock, header, buffers, fds)
+                else:
+                    with _as_bytes(header, buffers, staged) as (header, buffers):
+                        wire.send(sock, header, buffers)
                 frame = wire.recv(sock)
             except TimeoutError:
                 direct.close()
@@ -554,7 +560,7 @@ class SessionService:
             return None
         job_id = live.job_id
         try:
-            direct.sock = self._connect(job_id).sock
+            direct.sock = self._connect(live, job_id).sock
         except OSError:
             return None
         direct.job_id = job_id
@@ -569,14 +575,24 @@ class SessionService:
         return await self._lost(live, timeout=timeout)
 
     async def _roundtrip(
-        self, live: _Live, header: dict[str, Any], buffers: list[Any], fds: list[int], timeout: float
+        self,
+        live: _Live,
+        header: dict[str, Any],
+        buffers: list[Any],
+        fds: list[int],
+        staged: Staged | None,
+        timeout: float,
     ) -> CallOut:
         try:
             link = await self._link(live, None)
         except _Died as died:
             return await self._died(live, died.job)
         try:
-            await link.send(header, buffers, fds)
+            if live.shares_memory:
+                await link.send(header, buffers, fds)
+            else:
+                with _as_bytes(header, buffers, staged) as (inline_header, inline_buffers):
+                    await link.send(inline_header, inline_buffers)
             receive = link.recv(_QUICK_REPLY)
             frame = await (asyncio.wait_for(receive, timeout) if timeout else receive)
         except asyncio.TimeoutError:
@@ -669,6 +685,11 @@ class SessionService:
             elif "ref" in h:
                 live.refs += 1
             if "value" in h:
+                if not frame.fds and sum(b.nbytes for b in frame.buffers) > SESSION_INLINE_BYTES:
+                    # A large result that came as bytes (a worker on another node): staged here, for
+                    # the client to download as it does one the worker left in shared memory.
+                    frame.fds, h["parts"] = _staging_copy(frame.buffers)
+                    frame.buffers = []
                 value = Value(header=h["value"].encode(), buffers=[bytes(b) for b in frame.buffers])
                 if frame.fds:
                     # [descriptor index, offset, size] of each buffer, in the descriptors sent along
@@ -861,3 +882,54 @@ class _Died(Exception):
     def __init__(self, job: JobRecord) -> None:
         super().__init__(job.message)
         self.job = job
+
+
+@contextlib.contextmanager
+def _as_bytes(
+    header: dict[str, Any], buffers: list[Any], staged: Staged | None
+) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+    """A request for a worker that shares no memory with this server (on another node): the staged
+    upload's bytes go inline after the other buffers, and the worker is asked to answer inline."""
+    header = {**header, "inline": True}
+    sizes = header.pop("staged_sizes", None)
+    header.pop("fd_sizes", None)
+    if staged is None:
+        yield header, buffers
+        return
+    views = staged.views()
+    parts: list[memoryview] = []
+    try:
+        whole = views[0][1] if views else memoryview(b"")
+        at = 0
+        for size in sizes or [staged.size]:
+            parts.append(whole[at : at + size])
+            at += size
+        yield header, [*buffers, *parts]
+    finally:
+        for part in parts:
+            part.release()
+        for mapped, view in views:
+            view.release()
+            if mapped is not None:
+                with contextlib.suppress(BufferError):  # a view still held: the map goes with it
+                    mapped.close()
+
+
+def _staging_copy(buffers: list[memoryview]) -> tuple[list[int], list[list[int]]]:
+    """``buffers`` copied into one memfd: its descriptor, and [0, offset, size] of each buffer in it."""
+    total = sum(b.nbytes for b in buffers)
+    fd, mapped = wire.staging_file(total, "gpuport-result")
+    parts, at = [], 0
+    try:
+        for b in buffers:
+            if mapped is not None:
+                mapped[at : at + b.nbytes] = b.cast("B") if b.format != "B" else b
+            parts.append([0, at, b.nbytes])
+            at += b.nbytes
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        if mapped is not None:
+            mapped.close()
+    return [fd], parts

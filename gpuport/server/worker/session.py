@@ -10,7 +10,8 @@ after its own restart; the values stay here.
 
 Values arrive as the codec's header and buffers (protocol/values.py): inline, or as a memfd the server
 filled from the client's upload, mapped here without a copy. Results larger than ``_INLINE_BYTES`` go
-back the same way.
+back the same way, unless the request says ``inline``: a server on another machine (the worker runs on
+a node of a cluster, reached through its agent) shares no memory with it, and gets every byte inline.
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ class Worker:
         self.mappings: dict[str, _Mapping] = {}  # ref id → the memfd its value was put in
         self.releasing: list[_Mapping] = []  # memfds whose values are gone, once nothing uses them
         self.count = 0
+        self.inline = False  # the request being answered wants its result inline (no memfd)
         refs.table = self.values
 
     # ---- requests ---------------------------------------------------------------------------------
 
     def handle(self, frame: wire.Frame) -> tuple[dict[str, Any], list[Any], list[int]]:
         header = frame.header
+        self.inline = bool(header.get("inline"))
         buffers: list[Any] = list(frame.buffers)
         kept: _Mapping | None = None
         for fd, size in zip(frame.fds, header.get("fd_sizes", [])):
@@ -224,7 +227,7 @@ class Worker:
             return self._failure(e, "the result cannot be sent back (keep it in the session with keep=True): ")
         header: dict[str, Any] = {"value": encoded.header.decode()}
         total = sum(b.nbytes for b in encoded.buffers)
-        if total <= _INLINE_BYTES:
+        if total <= _INLINE_BYTES or self.inline:
             return header, list(encoded.buffers), []
         shared = self._in_mappings(encoded.buffers)
         if shared is not None:  # a value that was put: no copy, the server reads the same memory
@@ -315,7 +318,7 @@ class Worker:
             return False
         header, buffers, fds = self.handle(frame)
         del frame
-        if self.releasing:
+        if self.releasing and not self.inline:  # inline: the server cannot take descriptors
             released = self.released()
             if released:  # after the descriptors of the reply's own parts
                 header["released"] = [[len(fds) + i, size] for i, (_, size) in enumerate(released)]

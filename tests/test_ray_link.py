@@ -1,0 +1,139 @@
+"""The link from the server to a node's agent (executors/ray_link.py), without Ray: a real TLS
+listener in front of a real Unix socket, as an agent has one in front of its jobs' workers."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuport.protocol.errors import InvalidRequest
+from gpuport.server.executors.base import Stream
+from gpuport.server.executors.ray_link import LinkError, NodeListener, dial
+
+SECRET = "ab" * 32
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[str]:
+    """A Unix socket that reads a length-prefixed message whole, then answers its sha256 and the
+    message back (a request, then its reply, as a session's worker answers)."""
+    path = str(tmp_path / "w.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen()
+
+    def answer(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # a caller that closed at once
+            size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+            data = bytearray()
+            while len(data) < size and (part := conn.recv(1 << 20)):
+                data += part
+            conn.sendall(hashlib.sha256(data).digest() + data)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield path
+    finally:
+        listener.close()
+
+
+@pytest.fixture
+def link(worker: str) -> Iterator[tuple[NodeListener, dict]]:
+    def connect(job_id: str, name: str) -> Stream:
+        if job_id == "starting":
+            raise FileNotFoundError(f"no endpoint {name} yet")
+        if job_id == "refused":
+            raise ConnectionRefusedError("nothing listens yet")
+        if job_id == "another":
+            raise PermissionError("not the worker's socket")
+        if name != "worker":
+            raise ValueError(f"{name!r} is not an endpoint's name")
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(worker)
+        return Stream(sock, passes_fds=True)
+
+    listener = NodeListener("127.0.0.1", connect)
+    try:
+        yield listener, listener.open(SECRET)
+    finally:
+        listener.close()
+
+
+def _recv(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size and (part := sock.recv(1 << 20)):
+        data += part
+    return bytes(data)
+
+
+def test_bytes_reach_the_worker_and_come_back_whole_as_a_local_stream(link: tuple[NodeListener, dict]) -> None:
+    _, opened = link
+    stream = dial("127.0.0.1", opened["port"], opened["fingerprint"], SECRET, "j-1", "worker")
+    try:
+        assert not stream.passes_fds  # another machine's worker: bytes, never descriptors
+        assert stream.sock.family == socket.AF_UNIX  # sendmsg works on it, as on a local worker's
+        message = os.urandom(8 << 20)
+        stream.sock.sendall(len(message).to_bytes(8, "little") + message)
+        reply = _recv(stream.sock, 32 + len(message))
+        assert reply[:32] == hashlib.sha256(message).digest() and reply[32:] == message
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize(
+    ("job_id", "name", "error"),
+    [
+        ("starting", "worker", FileNotFoundError),
+        ("refused", "worker", ConnectionError),
+        ("another", "worker", PermissionError),
+        ("j-1", "nope", InvalidRequest),
+    ],
+)
+def test_the_agents_answer_is_raised_as_the_seam_says(
+    link: tuple[NodeListener, dict], job_id: str, name: str, error: type[Exception]
+) -> None:
+    _, opened = link
+    with pytest.raises(error) as caught:
+        dial("127.0.0.1", opened["port"], opened["fingerprint"], SECRET, job_id, name)
+    assert not isinstance(caught.value, LinkError)  # an answer about the worker, not a broken link
+
+
+def test_a_wrong_secret_or_another_certificate_is_refused(link: tuple[NodeListener, dict]) -> None:
+    listener, opened = link
+    with pytest.raises(LinkError, match="closed the connection"):
+        dial("127.0.0.1", opened["port"], opened["fingerprint"], "cd" * 32, "j-1", "worker")
+    with pytest.raises(LinkError, match="is not the node's agent"):
+        dial("127.0.0.1", opened["port"], "sha256:" + "0" * 64, SECRET, "j-1", "worker")
+    # A new secret (a restarted server's) replaces the old one.
+    assert listener.open("ef" * 32) == opened
+    with pytest.raises(LinkError):
+        dial("127.0.0.1", opened["port"], opened["fingerprint"], SECRET, "j-1", "worker")
+    dial("127.0.0.1", opened["port"], opened["fingerprint"], "ef" * 32, "j-1", "worker").close()
+
+
+def test_a_stranger_that_speaks_no_tls_is_cut_off(link: tuple[NodeListener, dict]) -> None:
+    _, opened = link
+    with socket.create_connection(("127.0.0.1", opened["port"]), timeout=15) as sock:
+        sock.sendall(b'{"secret": "", "job": "j-1", "endpoint": "worker"}\n')
+        got = b""
+        try:
+            while part := sock.recv(1024):  # a TLS alert at most, then the end
+                got += part
+        except ConnectionResetError:
+            pass
+        assert len(got) < 64, got

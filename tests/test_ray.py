@@ -358,6 +358,35 @@ def test_a_node_lost_mid_job_fails_its_job_and_leaves_nothing_running(
             _restart(server, cluster, lost)
 
 
+def test_a_job_whose_node_stops_answering_as_it_starts_is_placed_again(cluster: RayCluster, tmp_path: Path) -> None:
+    # A server of its own: the node it finds silent is one it no longer uses (the shared one's must).
+    server = _start(cluster, tmp_path / "state")
+    flags = Flags(cluster)
+    node = next(n for n in cluster.nodes if n.name == "node-b")
+    agents: list = []
+    try:
+        filler = _submit(server, HOLD, gpus=2)  # node-a first: the next job goes to node-b
+        wait_for(lambda: _job(server, filler["job_id"])["state"] == "running")
+        assert _job(server, filler["job_id"])["node"] == "node-a"
+        agents = node.running("NodeAgent")
+        assert agents, [p.name() for p in node.processes()]
+        for agent in agents:
+            agent.suspend()  # node-b's agent hangs: the job's start there gets no answer
+        job = _submit(server, "import os; print('ran on', os.environ['GPUPORT_NODE'])", gpus=1)
+        said = f"job {job['job_id']}: queued again: node node-b left while the job was started there"
+        wait_for(lambda: any(said in line for line in server.output), 60, "the job queued again, its node silent")
+        assert _job(server, job["job_id"])["state"] == "queued"
+        flags.touch()  # node-a's GPUs free up: the job runs there
+        ended = _ended(server, job["job_id"], 90)
+        assert ended["state"] == "succeeded" and _log(server, job["job_id"]) == "ran on node-a\n", ended
+    finally:
+        for agent in agents:
+            with contextlib.suppress(psutil.Error):
+                agent.resume()
+        flags.close()
+        server.stop()
+
+
 def _restart(server: RunningServer, cluster: RayCluster, node: RayNode) -> None:
     """Start a lost node again, and wait until the server places work on it."""
     node.kill()

@@ -238,8 +238,8 @@ async def serve(
     if ray_address and slurm_dir:
         raise ConfigError("--ray and --slurm each name the cluster that runs the jobs: give one of them")
     if slurm_dir is not None:
-        from gpuport.server.executors.slurm import SlurmExecutor
         from gpuport.server.blobs import BlobStore
+        from gpuport.server.executors.slurm import SlurmExecutor
 
         # Said as it is: Slurm runs the jobs as the user who submits them, the server's.
         isolated = isolation.Sandbox("none", "--slurm: jobs run on the cluster's nodes as the server's user")

@@ -131,6 +131,12 @@ class Ask:
     nprocs: int = 1
 
 
+class NodeLost(Exception):
+    """A node could not take the job it was given: it left the cluster, or its agent stopped answering
+    while the job was started there. Not the job's doing: it goes back to the queue, to be placed
+    again on the nodes left (``Executor.start`` raises it)."""
+
+
 @dataclass
 class Stream:
     """A byte stream to a worker's endpoint (``Executor.connect``): a blocking stream socket. With

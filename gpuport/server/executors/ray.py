@@ -42,7 +42,17 @@ from typing import Any, BinaryIO
 from gpuport._files import atomic_write
 from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.server.blobs import BlobStore, read_parts
-from gpuport.server.executors.base import ENDPOINT_NAME, Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
+from gpuport.server.executors.base import (
+    ENDPOINT_NAME,
+    Executor,
+    Ingest,
+    JobLaunch,
+    Node,
+    NodeLost,
+    OnExit,
+    Stream,
+    Usage,
+)
 from gpuport.server.executors.ray_agent import NodeAgent, import_ray
 from gpuport.server.executors.ray_link import LinkError, dial
 from gpuport.server.inventory import GpuInfo
@@ -54,6 +64,7 @@ NAMESPACE = "gpuport"
 _PART_BYTES = 8 << 20  # blob bytes per call to an agent
 _READ_BYTES = 8 << 20  # output bytes per call
 _CALL_TIMEOUT = 30.0  # seconds for an agent's answer
+_START_TIMEOUT = 300.0  # seconds for a node to set a job up (checked out, its environment built) and start it
 # Seconds for an answer the server's event loop waits for (a running job's log, the GPUs): a node
 # that hangs must not hold every other request for long.
 _QUICK_TIMEOUT = 3.0
@@ -367,11 +378,49 @@ class RayExecutor(Executor):
     # ---- jobs -------------------------------------------------------------------------------------
 
     def start(self, job: JobLaunch, on_exit: OnExit) -> None:
-        if job.parts:
-            self._start_gang(job)
-            self.reattach(job.job_id, on_exit)
-            return
-        ray = self._ray
+        try:
+            if job.parts:
+                self._start_gang(job)
+            else:
+                self._start_one(job)
+        except Exception as e:
+            silent = self._silent_nodes([p.node for p in job.parts] or [job.placement.node])
+            if silent:  # not the job's doing: it is queued again, for the nodes left
+                raise NodeLost(f"node {', '.join(silent)} left while the job was started there ({e})") from e
+            raise
+        self.reattach(job.job_id, on_exit)
+
+    def _silent_nodes(self, names: list[str]) -> list[str]:
+        """Of the nodes ``names``, those gone or whose agent does not answer (then no longer used)."""
+        silent = []
+        for name in names:
+            with self._lock:
+                node_id = self._ids.get(name)
+                handle = self._agents.get(node_id or "")
+            if handle is None:
+                silent.append(name)
+            elif not self._answers(handle):
+                with contextlib.suppress(Exception):
+                    self._lose(node_id or "")
+                silent.append(name)
+        return silent
+
+    def _watched(self, handle: Any, ref: Any, timeout: float) -> Any:
+        """The answer of a call to ``handle``'s agent (``ref``), waited for up to ``timeout`` seconds
+        (a start may build an environment), while asking the agent every ``_LOST_AFTER`` seconds
+        whether it still answers: a node that stops answering is seen in seconds, not at the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = self._ray.wait([ref], timeout=max(0.0, min(_LOST_AFTER, left)))
+            if ready:
+                return self._ray.get(ref)
+            if left <= _LOST_AFTER:
+                raise TimeoutError(f"its node's gpuport agent did not answer in {timeout:g}s")
+            if not self._answers(handle):
+                raise ConnectionError("its node's gpuport agent stopped answering")
+
+    def _start_one(self, job: JobLaunch) -> None:
         with self._lock:
             node_id = self._ids.get(job.placement.node)
             handle = self._agents.get(node_id or "")
@@ -384,8 +433,7 @@ class RayExecutor(Executor):
             (folder / name).unlink(missing_ok=True)
         placed = {"node_id": node_id, "node": job.placement.node}
         atomic_write(folder / "placement.json", json.dumps(placed).encode(), 0o600)
-        ray.get(handle.start.remote(job), timeout=300)
-        self.reattach(job.job_id, on_exit)
+        self._watched(handle, handle.start.remote(job), _START_TIMEOUT)
 
     def _start_gang(self, job: JobLaunch) -> None:
         """A job over several nodes: a part of ``nprocs // len(parts)`` processes on each, all told
@@ -440,7 +488,7 @@ class RayExecutor(Executor):
                     host_network=True,
                     outputs=job.outputs if r == 0 else [],
                 )
-                ray.get(handle.start.remote(piece), timeout=300)
+                self._watched(handle, handle.start.remote(piece), _START_TIMEOUT)
                 started.append(handle)
         except BaseException:
             for handle in started:

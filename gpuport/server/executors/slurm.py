@@ -47,12 +47,12 @@ from typing import Any
 
 from gpuport._files import atomic_write
 from gpuport.protocol.errors import ConfigError, InvalidRequest
+from gpuport.server.blobs import BlobStore
 from gpuport.server.executors.base import Ask, Executor, Ingest, JobLaunch, Node, OnExit, Usage
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.scheduler import Machine
-from gpuport.server.blobs import BlobStore
 from gpuport.server.worker import supervisor
 
 log = logging.getLogger(__name__)

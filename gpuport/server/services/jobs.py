@@ -63,7 +63,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.environments import BUILD_OWNER, BuildFailed, Built, Environments
-from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, Placement
+from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, NodeLost, Placement
 from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
 from gpuport.server.scheduler import (
@@ -1304,6 +1304,12 @@ class JobService:
                 await self._set_up(job_id)
         except BuildFailed as e:
             self._end(job_id, JobState.FAILED, None, f"its environment could not be built: {e}")
+            return
+        except NodeLost as e:  # not the job's doing: placed again on the nodes left
+            log.warning("job %s: %s", job_id, e)
+            row = self.store.query_one("SELECT * FROM jobs WHERE id = ?", (job_id,))
+            if row is not None and row["state"] == JobState.RUNNING.value:
+                self._requeue(row, json.loads(row["spec"]), str(e), retry=False)
             return
         except Exception as e:
             log.exception("job %s: preparing or starting it on %s failed", job_id, row["node"] or "this machine")

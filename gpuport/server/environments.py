@@ -75,6 +75,8 @@ _MAX_REQUIREMENTS = 1024 * 1024  # bytes of a requirements file, a pyproject.tom
 _HASH_CHARS = 16  # an environment's name: the first 64 bits of its hash
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 _LAYER_PTH = "_gpuport_box.pth"
+_NAME = re.compile(r"(?m)^Name:[ \t]*(\S+)")  # a distribution's metadata header's fields
+_VERSION = re.compile(r"(?m)^Version:[ \t]*(\S+)")
 
 
 def _canonical(name: str) -> str:
@@ -227,12 +229,17 @@ def index_settings() -> IndexSettings:
 
 
 def box_packages() -> dict[str, str]:
-    """What the server's own environment holds: canonical name → version."""
+    """What the server's own environment holds: canonical name → version.
+
+    Read from each distribution's metadata header with a pattern, not ``dist.metadata`` (an email
+    parser): a box of 140 distributions took 185 ms that way, 10 ms this way, on each cold build."""
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
-        if name:
-            found.setdefault(_canonical(name), dist.version)
+        text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+        head = text.split("\n\n", 1)[0]
+        name, version = _NAME.search(head), _VERSION.search(head)
+        if name and version:
+            found.setdefault(_canonical(name[1]), version[1])
     return found
 
 
@@ -342,8 +349,9 @@ class Environments:
             own_tree(work, build_uid)
         with self._scratch(build_uid) as scratch:
             say(log_file, f"resolving {source.file or 'the requirements'} with uv")
-            resolved = self._resolve(source, request, work, scratch, python, layered, log_file, build_uid)
-            install = self._to_install(resolved, layered)
+            box = box_packages() if layered else {}  # read once: the resolution prefers it, the install skips it
+            resolved = self._resolve(source, request, work, scratch, python, version, box, log_file, build_uid)
+            install = self._to_install(resolved, box)
             packages = [line for line in install if _PIN.match(line)]
             if not packages and layered:
                 say(log_file, "the box's environment has every package the project names")
@@ -398,7 +406,8 @@ class Environments:
         work: Path,
         scratch: Path,
         python: str,
-        layered: bool,
+        version: str,
+        box: dict[str, str],
         log_file: BinaryIO,
         build_uid: int | None,
     ) -> list[str]:
@@ -414,9 +423,9 @@ class Environments:
             if not source.file:
                 given = str(scratch / "requirements.in")
                 atomic_write(Path(given), source.text.encode(), 0o644)
-            if layered:  # the box's versions, as an earlier resolution: uv keeps them where they fit
-                box = "".join(f"{n}=={v}\n" for n, v in sorted(box_packages().items()))
-                atomic_write(out, box.encode(), 0o644)
+            if box:  # layered: the box's versions, as an earlier resolution: uv keeps them where they fit
+                pins = "".join(f"{n}=={v}\n" for n, v in sorted(box.items()))
+                atomic_write(out, pins.encode(), 0o644)
             argv = [_UV, "pip", "compile", given, "-o", str(out), "--python", python, "--emit-find-links"]
             argv += ["--no-header", "--no-annotate", *self.index.args]
             if source.kind == "pyproject":
@@ -424,20 +433,19 @@ class Environments:
                     argv += ["--group", group]
             elif request.groups:
                 raise InvalidRequest("dependency groups (--group) are pyproject.toml's: this project has none")
+        # The environment's venv, in the scratch (relocatable: it moves to its hash's name once that
+        # is known), made here: `uv venv` would start the interpreter to ask what it is, once more.
+        _make_venv(scratch / "env", python, version)
         if build_uid is not None:
             own_tree(scratch, build_uid)
-        # The environment's venv is made meanwhile, in the scratch (relocatable: it moves to its
-        # hash's name once that is known): on a cold build it costs nothing on the way.
-        argv = ["/bin/sh", "-c", _RESOLVE_SCRIPT, "gpuport-resolve", _UV, str(scratch / "env"), python, *argv]
         self._run(argv, work, scratch, None, log_file, build_uid, "resolving the requirements")
         data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
         if data is None:
             raise BuildFailed("uv wrote no resolution")
         return [line.strip() for line in data.decode(errors="replace").splitlines()]
 
-    def _to_install(self, resolved: list[str], layered: bool) -> list[str]:
+    def _to_install(self, resolved: list[str], box: dict[str, str]) -> list[str]:
         """The lines to install: options (find-links) and pins, less (layered) the box's own versions."""
-        box = box_packages() if layered else {}
         install = []
         for line in resolved:
             if not line or line.startswith("#"):
@@ -477,7 +485,7 @@ class Environments:
             listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
             say(log_file, f"building environment {name} ({len(packages)} packages: {listed})…")
             started = time.monotonic()
-            env = scratch / "env"  # made while resolving, by the build uid
+            env = scratch / "env"  # made before resolving, then the build uid's
             lines = "".join(f"{_absolute(line, work)}\n" for line in install)
             atomic_write(scratch / "install.txt", lines.encode(), 0o644)
             # The pinned list, without resolving again.
@@ -669,20 +677,6 @@ class Environments:
         return removed
 
 
-# The resolution, in the sandbox, with the environment's venv made beside it (in the scratch; it is
-# relocatable, so it can take its hash's name after). $1 uv, $2 the venv, $3 the interpreter, then
-# the resolving command.
-_RESOLVE_SCRIPT = r"""uv=$1 env=$2 python=$3
-shift 3
-"$uv" venv --quiet --relocatable --python "$python" --no-project "$env" &
-made=$!
-"$@"
-code=$?
-wait $made || exit 1
-exit $code
-"""
-
-
 def say(log_file: BinaryIO, text: str) -> None:
     """A line of gpuport's own in the job's log."""
     log_file.write(f"gpuport: {text}\n".encode())
@@ -723,6 +717,26 @@ def _layer(folder: Path, version: str) -> None:
             file.write(lines.encode())
     finally:
         os.close(fd)
+
+
+def _make_venv(folder: Path, python: str, version: str) -> None:
+    """A venv at ``folder`` over the interpreter ``python`` (of ``version``), as ``uv venv
+    --relocatable`` makes one: ``pyvenv.cfg`` naming the base interpreter's folder (its real path,
+    that of the box's own where ``python`` is the server's, itself a venv's), ``bin/python``
+    linking to it, an empty ``site-packages``. ``relocatable = true`` makes uv write the scripts it
+    installs so that they run from wherever the folder is renamed to."""
+    base = sys._base_executable if python == sys.executable else python  # type: ignore[attr-defined]
+    base = os.path.realpath(base)
+    major_minor = ".".join(version.split(".")[:2])
+    (folder / "bin").mkdir(parents=True)
+    (folder / "lib" / f"python{major_minor}" / "site-packages").mkdir(parents=True)
+    os.symlink("lib", folder / "lib64")
+    os.symlink(base, folder / "bin" / "python")
+    for name in ("python3", f"python{major_minor}"):
+        os.symlink("python", folder / "bin" / name)
+    config = f"home = {os.path.dirname(base)}\nimplementation = CPython\nversion_info = {version}\n"
+    config += "include-system-site-packages = false\nrelocatable = true\n"
+    (folder / "pyvenv.cfg").write_text(config)
 
 
 def _platform() -> str:

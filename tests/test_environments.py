@@ -221,13 +221,14 @@ def test_python_version_the_box_lacks_is_a_clear_error(envs_server: RunningServe
 
 def test_scripts_run_from_the_built_environment_and_another_python(envs_server: RunningServer, tmp_path: Path) -> None:
     """A package's console script runs from the environment once it has its hash's name (the venv the
-    server makes is relocatable); a build over another interpreter of the box runs on that one."""
+    server makes is relocatable); a build over another interpreter of the box runs on that one.
+    (Isolated: the layered environment of these pins is test_cli_envs_lists_and_prune_removes's.)"""
     mark = uuid.uuid4().hex[:8]
     (tmp_path / "requirements.txt").write_text(f"tabulate==0.10.0\n# {mark}\n")
     script = ["sh", "-c", 'command -v tabulate; printf "a b\\n1 2\\n" | tabulate -1']
     code = "import sys, tabulate; print('on', sys.version.split()[0], sys.prefix)"
     with envs_server.connect() as gpu:
-        job = gpu.submit(script, tmp_path, requirements="auto").wait(timeout=300)
+        job = gpu.submit(script, tmp_path, requirements="auto", isolated_env=True).wait(timeout=300)
         log = _log(gpu.job(job.id))
         assert job.info.state == "succeeded", log
         assert f"/{job.info.environment}/bin/tabulate" in log and "-  -" in log

@@ -15,9 +15,11 @@ job's workdir has just been written, before its sandbox starts) finds them there
    ``<root>/<hash>/``, so that requests that resolve alike, from any user, share one;
 4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
    others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
-   shared (``cache/``) and the network only where the index is not on this machine's disk; then makes
-   it the server's and read-only (``seal_tree``), and writes ``meta.json`` last: an environment
-   without it is a build that did not finish, made again.
+   shared (``cache/``) and the network only where the index is not on this machine's disk: ``uv pip
+   install --no-deps`` of the pins into a venv the server made in the scratch, in the same sandbox
+   as the resolution (its shell waits for the server between the two); then renames the venv to its
+   hash, makes it the server's and read-only (``seal_tree``), and writes ``meta.json`` last: an
+   environment without it is a build that did not finish, made again.
 
 Layered (the default), the environment's ``site-packages`` comes first and the box's after it (a
 ``.pth`` file): the box's CUDA builds are used, and a version the project pins wins. Isolated, it
@@ -30,7 +32,7 @@ Layout of ``<state dir>/envs/``::
     <hash>.lock        flock'ed while it is built
     keys/<key>         the hash a request resolved to ("-": the box has all of it)
     cache/             uv's cache, the build uid's
-    builds/<random>/   a build's scratch: the resolution, the list to install
+    builds/<random>/   a build's scratch: the resolution, the list to install, the venv until renamed
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import os
 import platform
 import re
 import secrets
+import shlex
 import shutil
 import stat
 import subprocess
@@ -75,6 +78,7 @@ _MAX_REQUIREMENTS = 1024 * 1024  # bytes of a requirements file, a pyproject.tom
 _HASH_CHARS = 16  # an environment's name: the first 64 bits of its hash
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 _LAYER_PTH = "_gpuport_box.pth"
+_RESOLVED = b"gpuport-build: resolved\n"  # the build's shell says so between its two uv runs
 _NAME = re.compile(r"(?m)^Name:[ \t]*(\S+)")  # a distribution's metadata header's fields
 _VERSION = re.compile(r"(?m)^Version:[ \t]*(\S+)")
 
@@ -128,6 +132,17 @@ class Built:
     path: Path
     python: str  # its interpreter, as jobs run it
     packages: list[str]  # name==version, as installed in it (layered: over the box's)
+
+
+@dataclass
+class _Claim:
+    """A build's hold on the environment it resolved to: its name, its lock's descriptor (held
+    until the build is done), the environment where another build had made it already."""
+
+    name: str = ""
+    lock: int | None = None
+    built: Built | None = None
+    started: float = 0.0
 
 
 @dataclass
@@ -350,19 +365,42 @@ class Environments:
         with self._scratch(build_uid) as scratch:
             say(log_file, f"resolving {source.file or 'the requirements'} with uv")
             box = box_packages() if layered else {}  # read once: the resolution prefers it, the install skips it
-            resolved = self._resolve(source, request, work, scratch, python, version, box, log_file, build_uid)
-            install = self._to_install(resolved, box)
-            packages = [line for line in install if _PIN.match(line)]
-            if not packages and layered:
-                say(log_file, "the box's environment has every package the project names")
-                atomic_write(self.root / "keys" / key, b"-\n", 0o600)
-                return None
-            identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
-            if layered:
-                identity += "\n" + "\n".join(_box_site_dirs())
-            name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
-            built = self._build(name, install, packages, work, scratch, python, version, layered, log_file, build_uid)
-            atomic_write(self.root / "keys" / key, name.encode() + b"\n", 0o600)
+            resolving = self._resolving(source, request, work, scratch, python, box)
+            # The environment's venv, in the scratch (relocatable: it moves to its hash's name once that
+            # is known), made here: `uv venv` would start the interpreter to ask what it is, once more.
+            _make_venv(scratch / "env", python, version)
+            if build_uid is not None:
+                own_tree(scratch, build_uid)
+            claim = _Claim()
+
+            def resolved() -> list[str] | None:
+                """Once uv has resolved (the sandbox waits): the install's command, or None for none."""
+                data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
+                if data is None:
+                    raise BuildFailed("uv wrote no resolution")
+                install = self._to_install([line.strip() for line in data.decode(errors="replace").splitlines()], box)
+                packages = [line for line in install if _PIN.match(line)]
+                if not packages and layered:
+                    return None
+                identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
+                if layered:
+                    identity += "\n" + "\n".join(_box_site_dirs())
+                claim.name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
+                return self._claim(claim, install, packages, work, scratch, log_file)
+
+            try:
+                # One sandbox for both: uv resolves, then (told how, once the environment's name is
+                # known and no other build of it is in flight) installs the pins into the venv.
+                self._run(resolving, work, scratch, log_file, build_uid, "resolving the requirements", resolved)
+                if not claim.name:
+                    say(log_file, "the box's environment has every package the project names")
+                    atomic_write(self.root / "keys" / key, b"-\n", 0o600)
+                    return None
+                built = claim.built or self._finish(claim, scratch, version, layered, log_file)
+            finally:
+                if claim.lock is not None:
+                    os.close(claim.lock)
+            atomic_write(self.root / "keys" / key, claim.name.encode() + b"\n", 0o600)
             return built
 
     def _source(self, request: EnvRequest, work: Path, wheels: list[str]) -> _Source | None:
@@ -399,18 +437,16 @@ class Environments:
         parts += ["layered" if layered else "isolated", self.index.describe(), repr(self.index.env)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
-    def _resolve(
+    def _resolving(
         self,
         source: _Source,
         request: EnvRequest,
         work: Path,
         scratch: Path,
         python: str,
-        version: str,
         box: dict[str, str],
-        log_file: BinaryIO,
-        build_uid: int | None,
     ) -> list[str]:
+        """uv's command that writes the resolution to ``resolved.txt`` in the scratch (its files written)."""
         out = scratch / "resolved.txt"
         if source.kind == "lock":
             folder = str(work / source.file).removesuffix("uv.lock") or str(work)
@@ -422,10 +458,10 @@ class Environments:
             given = str(work / source.file)
             if not source.file:
                 given = str(scratch / "requirements.in")
-                atomic_write(Path(given), source.text.encode(), 0o644)
+                atomic_write(Path(given), source.text.encode(), 0o644, durable=False)
             if box:  # layered: the box's versions, as an earlier resolution: uv keeps them where they fit
                 pins = "".join(f"{n}=={v}\n" for n, v in sorted(box.items()))
-                atomic_write(out, pins.encode(), 0o644)
+                atomic_write(out, pins.encode(), 0o644, durable=False)
             argv = [_UV, "pip", "compile", given, "-o", str(out), "--python", python, "--emit-find-links"]
             argv += ["--no-header", "--no-annotate", *self.index.args]
             if source.kind == "pyproject":
@@ -433,16 +469,7 @@ class Environments:
                     argv += ["--group", group]
             elif request.groups:
                 raise InvalidRequest("dependency groups (--group) are pyproject.toml's: this project has none")
-        # The environment's venv, in the scratch (relocatable: it moves to its hash's name once that
-        # is known), made here: `uv venv` would start the interpreter to ask what it is, once more.
-        _make_venv(scratch / "env", python, version)
-        if build_uid is not None:
-            own_tree(scratch, build_uid)
-        self._run(argv, work, scratch, None, log_file, build_uid, "resolving the requirements")
-        data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
-        if data is None:
-            raise BuildFailed("uv wrote no resolution")
-        return [line.strip() for line in data.decode(errors="replace").splitlines()]
+        return argv
 
     def _to_install(self, resolved: list[str], box: dict[str, str]) -> list[str]:
         """The lines to install: options (find-links) and pins, less (layered) the box's own versions."""
@@ -456,91 +483,85 @@ class Environments:
             install.append(line)
         return install
 
-    def _build(
-        self,
-        name: str,
-        install: list[str],
-        packages: list[str],
-        work: Path,
-        scratch: Path,
-        python: str,
-        version: str,
-        layered: bool,
-        log_file: BinaryIO,
-        build_uid: int | None,
-    ) -> Built:
-        folder = self.root / name
-        fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _claim(
+        self, claim: _Claim, install: list[str], packages: list[str], work: Path, scratch: Path, log_file: BinaryIO
+    ) -> list[str] | None:
+        """Take the lock of environment ``claim.name`` (builds of it in flight coalesce: this one waits
+        for another); then, where it is built now, note it in ``claim`` and return None; else write the
+        pins to install and return uv's command that installs them into the scratch's venv."""
+        claim.lock = os.open(self.root / f"{claim.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                say(log_file, f"waiting for environment {name}, being built for another job")
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            built = self._load(name)
-            if built is not None:
-                say(log_file, f"environment {name} is built")
-                return built
-            shutil.rmtree(folder, ignore_errors=True)  # a build that did not finish
-            listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
-            say(log_file, f"building environment {name} ({len(packages)} packages: {listed})…")
-            started = time.monotonic()
-            env = scratch / "env"  # made before resolving, then the build uid's
-            lines = "".join(f"{_absolute(line, work)}\n" for line in install)
-            atomic_write(scratch / "install.txt", lines.encode(), 0o644)
-            # The pinned list, without resolving again.
-            argv = [_UV, "pip", "install", "--python", str(env / "bin" / "python"), "--no-deps"]
-            argv += ["--requirements", str(scratch / "install.txt"), *self.index.args]
-            self._run(argv, work, scratch, None, log_file, build_uid, "building the environment")
-            # Under its name first (a folder only the server can change), checked to be a folder,
-            # not a link the build left; then the server's, so that no build or job may change it.
-            try:
-                os.rename(env, folder)
-            except FileNotFoundError:
-                raise BuildFailed("the build left no environment folder") from None
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):
-                os.unlink(folder)
-                raise BuildFailed("the build left no environment folder")
-            own_tree(folder, os.getuid())
-            if layered:
-                _layer(folder, version)
-            seal_tree(folder)
-            installed = _installed(folder)
-            meta = {
-                "hash": name,
-                "python_version": version,
-                "python": str(folder / "bin" / "python"),
-                "platform": _platform(),
-                "layered": layered,
-                "packages": installed,
-                "created_at": time.time(),
-                "build_seconds": round(time.monotonic() - started, 3),
-                "size": _size(folder),
-            }
-            path = folder / "meta.json"
-            os.chmod(folder, 0o755 | 0o200)  # a moment, to add its last file as the server
-            try:
-                atomic_write(path, json.dumps(meta, indent=2).encode(), 0o444)
-            finally:
-                os.chmod(folder, 0o555)
-            say(log_file, f"environment {name} built in {meta['build_seconds']:.1f}s ({format_size(meta['size'])})")
-            self.evict(keep=name)
-            return self._load(name) or _unreadable(name)
+            fcntl.flock(claim.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(log_file, f"waiting for environment {claim.name}, being built for another job")
+            fcntl.flock(claim.lock, fcntl.LOCK_EX)
+        claim.built = self._load(claim.name)
+        if claim.built is not None:
+            say(log_file, f"environment {claim.name} is built")
+            return None
+        shutil.rmtree(self.root / claim.name, ignore_errors=True)  # a build that did not finish
+        listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
+        say(log_file, f"building environment {claim.name} ({len(packages)} packages: {listed})…")
+        claim.started = time.monotonic()
+        lines = "".join(f"{_absolute(line, work)}\n" for line in install)
+        atomic_write(scratch / "install.txt", lines.encode(), 0o644, durable=False)
+        # The pinned list, without resolving again, into the venv made before resolving.
+        argv = [_UV, "pip", "install", "--python", str(scratch / "env" / "bin" / "python"), "--no-deps"]
+        return [*argv, "--requirements", str(scratch / "install.txt"), *self.index.args]
+
+    def _finish(self, claim: _Claim, scratch: Path, version: str, layered: bool, log_file: BinaryIO) -> Built:
+        """The scratch's venv, installed, made environment ``claim.name``: renamed, the server's, layered
+        over the box's, sealed, and ``meta.json`` written last."""
+        name, folder = claim.name, self.root / claim.name
+        # Under its name first (a folder only the server can change), checked to be a folder, not a
+        # link the build left; then the server's, so that no build or job may change it.
+        try:
+            os.rename(scratch / "env", folder)
+        except FileNotFoundError:
+            raise BuildFailed("the build left no environment folder") from None
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            os.unlink(folder)
+            raise BuildFailed("the build left no environment folder")
+        own_tree(folder, os.getuid())
+        if layered:
+            _layer(folder, version)
+        seal_tree(folder)
+        installed = _installed(folder)
+        meta = {
+            "hash": name,
+            "python_version": version,
+            "python": str(folder / "bin" / "python"),
+            "platform": _platform(),
+            "layered": layered,
+            "packages": installed,
+            "created_at": time.time(),
+            "build_seconds": round(time.monotonic() - claim.started, 3),
+            "size": _size(folder),
+        }
+        path = folder / "meta.json"
+        os.chmod(folder, 0o755 | 0o200)  # a moment, to add its last file as the server
+        try:
+            atomic_write(path, json.dumps(meta, indent=2).encode(), 0o444)
         finally:
-            os.close(fd)
+            os.chmod(folder, 0o555)
+        say(log_file, f"environment {name} built in {meta['build_seconds']:.1f}s ({format_size(meta['size'])})")
+        self.evict(keep=name)
+        return self._load(name) or _unreadable(name)
 
     def _run(
         self,
         argv: list[str],
         work: Path,
         scratch: Path,
-        target: Path | None,
         log_file: BinaryIO,
         build_uid: int | None,
         what: str,
+        then: Callable[[], list[str] | None] | None = None,
     ) -> None:
         """Run uv (``argv``) in a build sandbox: the workdir and the index's folders read-only, the
-        scratch, uv's cache and the environment being built (``target``) writable, as ``build_uid``."""
+        scratch and uv's cache writable, as ``build_uid``. ``then``: called once ``argv`` succeeded,
+        while the sandbox waits; the command it returns (None: none) runs next, in the same sandbox
+        (one sandbox a build: a second would start bwrap, setpriv and a shell once more)."""
         cache = self.root / "cache"
         if build_uid is not None:
             own_folder(cache, build_uid)
@@ -550,26 +571,30 @@ class Environments:
             "UV_CACHE_DIR": str(cache),
             "UV_PYTHON_DOWNLOADS": "never",
             "UV_NO_PROGRESS": "1",
-            "UV_LINK_MODE": "copy",  # never a hard link into the cache: an environment must not change
+            "UV_COMPILE_BYTECODE": "0",  # the build's time; a job's imports compile what they use
+            # Never a hard link into the cache (nor "clone", which falls back to one where the disk
+            # cannot clone): sealing the environment would make the cache's files the server's.
+            "UV_LINK_MODE": "copy",
             **dict(self.index.env),
         }
         for name in ("LANG", "LC_ALL"):
             if os.environ.get(name):
                 env[name] = os.environ[name]
-        writable = [scratch, cache, *([target] if target else [])]
-        readable = [work, *(Path(f) for f in self.index.folders)]
+        # A shell reads the commands from the server as they come, each with its stdin closed.
+        script = f"{shlex.join(argv)} </dev/null || exit $?\necho {_RESOLVED.decode().strip()}\n"
+        command = ["/bin/sh", "-s"] if then is not None else argv
         if self.sandbox.isolated:
             prefix = self.sandbox.argv(
                 uid=build_uid,
-                writable=writable,
-                readable=readable,
+                writable=[scratch, cache],
+                readable=[work, *(Path(f) for f in self.index.folders)],
                 cwd=work,
                 host_network=self.index.network,
             )
-            argv = [*prefix, *argv]
+            command = [*prefix, *command]
         process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
+            command,
+            stdin=subprocess.PIPE if then is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=work,
@@ -580,14 +605,26 @@ class Environments:
         timer = threading.Timer(DEFAULT_ENV_BUILD_TIMEOUT, lambda: (timed_out.set(), process.kill()))
         timer.start()
         tail: collections.deque[str] = collections.deque(maxlen=40)
+        resolved = False
         try:
             assert process.stdout is not None
+            if process.stdin is not None:
+                _tell(process.stdin, script)
             for line in process.stdout:  # into the job's log as it comes: `gpuport run` shows it live
+                if line == _RESOLVED and then is not None and process.stdin is not None:
+                    resolved, after = True, then()
+                    what = "building the environment"
+                    _tell(process.stdin, f"exec {shlex.join(after)} </dev/null\n" if after else "exit 0\n")
+                    process.stdin.close()
+                    continue
                 log_file.write(line)
                 tail.append(line.decode(errors="replace").strip())
             code = process.wait()
         finally:
             timer.cancel()
+            if process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.stdin.close()
             if process.poll() is None:
                 process.kill()
                 process.wait()
@@ -595,6 +632,8 @@ class Environments:
             if timed_out.is_set():
                 raise BuildFailed(f"{what} took longer than {DEFAULT_ENV_BUILD_TIMEOUT:.0f}s")
             raise BuildFailed(f"{what} failed: {_uv_error(list(tail))}")
+        if then is not None and not resolved:
+            raise BuildFailed(f"{what} ended before uv had resolved: {_uv_error(list(tail))}")
 
     @contextlib.contextmanager
     def _scratch(self, build_uid: int | None) -> Iterator[Path]:
@@ -675,6 +714,13 @@ class Environments:
                 removed.append(meta["hash"])
                 log.info("environment %s evicted (--env-cache %s)", meta["hash"], format_size(self.cache_limit))
         return removed
+
+
+def _tell(stdin: BinaryIO, text: str) -> None:
+    """Commands for a build's shell; it may have ended already (its output says why)."""
+    with contextlib.suppress(BrokenPipeError):
+        stdin.write(text.encode())
+        stdin.flush()
 
 
 def say(log_file: BinaryIO, text: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import shutil
 import statistics
@@ -68,7 +69,30 @@ def ours(work: Path, sandbox: isolation.Sandbox) -> dict[str, float]:
             setattr(owner, attr, timed(phases, name, getattr(owner, attr)))
 
     # named by its `what`: the last text among its arguments (before and after the two runs became one)
-    patch(Environments, "_run", lambda self, *rest: "sandboxed uv: " + [a for a in rest if isinstance(a, str)][-1])
+    def run_name(self: Environments, *rest: Any) -> str:
+        if callable(rest[-1]):
+            return "one build sandbox: uv resolves, then installs"
+        return "sandboxed uv: " + [a for a in rest if isinstance(a, str)][-1]
+
+    patch(Environments, "_run", run_name)
+    if "then" in inspect.signature(Environments._run).parameters:  # one sandbox: when the server was told
+        run = Environments._run
+
+        def told(self: Environments, *args: Any) -> None:
+            start = time.perf_counter()
+
+            def then() -> list[str] | None:
+                phases["  of which uv's resolution (until the server names it)"] = time.perf_counter() - start
+                mark = time.perf_counter()
+                try:
+                    return args[-1]()
+                finally:
+                    phases["  of which the server names it, takes its lock"] = time.perf_counter() - mark
+
+            run(self, *args[:-1], then)
+
+        Environments._run = told  # type: ignore[method-assign]
+        patched.append((Environments, "_run", run))
     for attr in ("own_tree", "_layer", "seal_tree", "_installed", "_size", "atomic_write", "box_packages"):
         patch(environments, attr, attr)
     patch(environments.os, "rename", "rename")

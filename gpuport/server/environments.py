@@ -571,7 +571,9 @@ class Environments:
             "UV_CACHE_DIR": str(cache),
             "UV_PYTHON_DOWNLOADS": "never",
             "UV_NO_PROGRESS": "1",
-            "UV_COMPILE_BYTECODE": "0",  # the build's time; a job's imports compile what they use
+            # Off (uv's default) even where the admin's uv.toml turns it on: it is most of a cold
+            # build's time for a large package; a job compiles what it imports, in memory.
+            "UV_COMPILE_BYTECODE": "0",
             # Never a hard link into the cache (nor "clone", which falls back to one where the disk
             # cannot clone): sealing the environment would make the cache's files the server's.
             "UV_LINK_MODE": "copy",

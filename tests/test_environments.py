@@ -220,8 +220,9 @@ def test_python_version_the_box_lacks_is_a_clear_error(envs_server: RunningServe
 
 
 def test_scripts_run_from_the_built_environment_and_another_python(envs_server: RunningServer, tmp_path: Path) -> None:
-    """A package's console script runs from the environment once it has its hash's name (the venv the
-    server makes is relocatable); a build over another interpreter of the box runs on that one.
+    """A package's console script runs from the environment once it has its hash's name, on the
+    environment's interpreter (uv wrote it for the one that installed it, the server rewrote its first
+    lines); a build over another interpreter of the box runs on that one.
     (Isolated: the layered environment of these pins is test_cli_envs_lists_and_prune_removes's.)"""
     mark = uuid.uuid4().hex[:8]
     (tmp_path / "requirements.txt").write_text(f"tabulate==0.10.0\n# {mark}\n")

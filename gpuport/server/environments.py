@@ -143,6 +143,7 @@ class _Claim:
     lock: int | None = None
     built: Built | None = None
     started: float = 0.0
+    count: int = 0  # the packages it installs
 
 
 @dataclass
@@ -386,7 +387,7 @@ class Environments:
                 if layered:
                     identity += "\n" + "\n".join(_box_site_dirs())
                 claim.name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
-                return self._claim(claim, install, packages, work, scratch, log_file)
+                return self._claim(claim, install, packages, work, scratch, python, log_file)
 
             try:
                 # One sandbox for both: uv resolves, then (told how, once the environment's name is
@@ -396,7 +397,7 @@ class Environments:
                     say(log_file, "the box's environment has every package the project names")
                     atomic_write(self.root / "keys" / key, b"-\n", 0o600)
                     return None
-                built = claim.built or self._finish(claim, scratch, version, layered, log_file)
+                built = claim.built or self._finish(claim, scratch, python, version, layered, log_file)
             finally:
                 if claim.lock is not None:
                     os.close(claim.lock)
@@ -484,7 +485,14 @@ class Environments:
         return install
 
     def _claim(
-        self, claim: _Claim, install: list[str], packages: list[str], work: Path, scratch: Path, log_file: BinaryIO
+        self,
+        claim: _Claim,
+        install: list[str],
+        packages: list[str],
+        work: Path,
+        scratch: Path,
+        python: str,
+        log_file: BinaryIO,
     ) -> list[str] | None:
         """Take the lock of environment ``claim.name`` (builds of it in flight coalesce: this one waits
         for another); then, where it is built now, note it in ``claim`` and return None; else write the
@@ -502,16 +510,21 @@ class Environments:
         shutil.rmtree(self.root / claim.name, ignore_errors=True)  # a build that did not finish
         listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
         say(log_file, f"building environment {claim.name} ({len(packages)} packages: {listed})…")
-        claim.started = time.monotonic()
+        claim.started, claim.count = time.monotonic(), len(packages)
         lines = "".join(f"{_absolute(line, work)}\n" for line in install)
         atomic_write(scratch / "install.txt", lines.encode(), 0o644, durable=False)
-        # The pinned list, without resolving again, into the venv made before resolving.
-        argv = [_UV, "pip", "install", "--python", str(scratch / "env" / "bin" / "python"), "--no-deps"]
+        # The pinned list, without resolving again, into the venv made before resolving: as its prefix,
+        # by the interpreter uv has just asked (`--python` of the venv's own would be asked again, and
+        # uv does not keep what a venv's says); _finish points the scripts it writes at the venv's.
+        argv = [_UV, "pip", "install", "--python", python, "--prefix", str(scratch / "env"), "--no-deps"]
         return [*argv, "--requirements", str(scratch / "install.txt"), *self.index.args]
 
-    def _finish(self, claim: _Claim, scratch: Path, version: str, layered: bool, log_file: BinaryIO) -> Built:
-        """The scratch's venv, installed, made environment ``claim.name``: renamed, the server's, layered
-        over the box's, sealed, and ``meta.json`` written last."""
+    def _finish(
+        self, claim: _Claim, scratch: Path, python: str, version: str, layered: bool, log_file: BinaryIO
+    ) -> Built:
+        """The scratch's venv, installed, made environment ``claim.name``: renamed, the server's, its
+        scripts started by its own interpreter, layered over the box's, sealed, and ``meta.json``
+        written last."""
         name, folder = claim.name, self.root / claim.name
         # Under its name first (a folder only the server can change), checked to be a folder, not a
         # link the build left; then the server's, so that no build or job may change it.
@@ -523,10 +536,13 @@ class Environments:
             os.unlink(folder)
             raise BuildFailed("the build left no environment folder")
         own_tree(folder, os.getuid())
+        _relocate_scripts(folder, python)
         if layered:
             _layer(folder, version)
         seal_tree(folder)
         installed = _installed(folder)
+        if len(installed) < claim.count:  # uv wrote them where the venv does not look
+            raise BuildFailed(f"uv installed {len(installed)} of {claim.count} packages into the environment")
         meta = {
             "hash": name,
             "python_version": version,
@@ -785,6 +801,41 @@ def _make_venv(folder: Path, python: str, version: str) -> None:
     config = f"home = {os.path.dirname(base)}\nimplementation = CPython\nversion_info = {version}\n"
     config += "include-system-site-packages = false\nrelocatable = true\n"
     (folder / "pyvenv.cfg").write_text(config)
+
+
+# How uv starts a script in a relocatable venv: the interpreter beside it, wherever the venv is.
+_RELOCATABLE = b"#!/bin/sh\n'''exec' \"$(dirname -- \"$(realpath -- \"$0\")\")\"/'python' \"$0\" \"$@\"\n' '''\n"
+
+
+def _relocate_scripts(folder: Path, python: str) -> None:
+    """The scripts uv wrote in ``bin`` for the interpreter that installed them (``python``: its
+    path in the first line, or after ``exec`` where that line would be too long) made to start the
+    environment's own, as in a relocatable venv. Through descriptors, without following a link: the
+    tree was the build uid's until a moment ago."""
+    fd = open_beneath(folder, "bin")
+    if fd is None:
+        return
+    paths = {python, os.path.realpath(python)}
+    heads = [f"#!{p}\n".encode() for p in paths]
+    heads += [f"#!/bin/sh\n'''exec' '{p}' \"$0\" \"$@\"\n' '''\n".encode() for p in paths]
+    try:
+        for name in os.listdir(fd):
+            try:
+                script = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+            except OSError:
+                continue  # a link (bin/python), or what is no file to rewrite
+            with open(script, "r+b") as file:
+                if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                    continue
+                text = file.read(_MAX_REQUIREMENTS)
+                head = next((h for h in heads if text.startswith(h)), None)
+                if head is None or len(text) == _MAX_REQUIREMENTS:
+                    continue
+                file.seek(0)
+                file.write(_RELOCATABLE + text[len(head) :])
+                file.truncate()
+    finally:
+        os.close(fd)
 
 
 def _platform() -> str:

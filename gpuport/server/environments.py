@@ -16,10 +16,11 @@ job's workdir has just been written, before its sandbox starts) finds them there
 4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
    others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
    shared (``cache/``) and the network only where the index is not on this machine's disk: ``uv pip
-   install --no-deps`` of the pins into a venv the server made in the scratch, in the same sandbox
-   as the resolution (its shell waits for the server between the two); then renames the venv to its
-   hash, makes it the server's and read-only (``seal_tree``), and writes ``meta.json`` last: an
-   environment without it is a build that did not finish, made again.
+   install --no-deps --prefix`` of the pins into a venv the server made in the scratch, in the same
+   sandbox as the resolution (its shell waits for the server between the two); then renames the
+   venv to its hash, points its scripts at its own interpreter, makes it the server's and read-only
+   (``seal_tree``), and writes ``meta.json`` last: an environment without it is a build that did
+   not finish, made again.
 
 Layered (the default), the environment's ``site-packages`` comes first and the box's after it (a
 ``.pth`` file): the box's CUDA builds are used, and a version the project pins wins. Isolated, it

@@ -826,7 +826,8 @@ def _relocate_scripts(folder: Path, python: str) -> None:
             except OSError:
                 continue  # a link (bin/python), or what is no file to rewrite
             with open(script, "r+b") as file:
-                if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+                info = os.fstat(file.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # uv copies: one link each
                     continue
                 text = file.read(_MAX_REQUIREMENTS)
                 head = next((h for h in heads if text.startswith(h)), None)

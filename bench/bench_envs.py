@@ -3,6 +3,7 @@ one run on fresh servers, against building the same by hand with uv and through 
 
     .venv/bin/python bench/bench_envs.py            # 15 warm rounds: about two minutes on 2 cores
     .venv/bin/python bench/bench_envs.py --quick    # 5 warm rounds
+    .venv/bin/python bench/bench_envs.py --quick --cold-rounds 5 --no-ray   # (b) as medians of 5
 
 Every package comes from this machine's index (UV_INDEX_URL / PIP_INDEX_URL set to INDEX, with
 pip.conf's other settings as the server passes them to uv): five small pure-Python packages the
@@ -16,7 +17,8 @@ server's environment lacks, PACKAGES.
     an empty cache of its own, then the job's command run in it (the job's figure runs it too; goal
     <= 1.3x), and against `ray job submit --runtime-env-json
     '{"pip": PACKAGES}'` to a fresh Ray head with its job server and an empty pip cache (goal <= 0.3x).
-    Each once: a second run would not be cold.
+    Once each by default; ``--cold-rounds N`` repeats the job and the by-hand build N times, alternated,
+    each on a fresh server or folder with an empty cache, and reports their medians (Ray: once).
 (c) 10 jobs with the same new requirements submitted at once: how many builds (jobs whose log says
     "building environment", and environments made). Goal: 1.
 
@@ -74,19 +76,19 @@ def warm_launch(gpu: gpuport.Client, rounds: int) -> None:
     )
 
 
-def cold_gpuport(work: Path) -> float:
-    with gpuport_server(work, "cold") as server, connect(server) as gpu:
+def cold_gpuport(work: Path, name: str = "cold") -> float:
+    with gpuport_server(work, name) as server, connect(server) as gpu:
         took = timed_job(gpu, ["python", "-c", IMPORTS], requirements="\n".join(PACKAGES) + "\n")
     say(f"  gpuport job, cold: {took:.2f}s")
     return took
 
 
-def cold_by_hand(work: Path) -> float:
+def cold_by_hand(work: Path, name: str = "by-hand") -> float:
     from gpuport.server.environments import index_settings
 
     settings = index_settings()
-    env = {**os.environ, **dict(settings.env), "UV_CACHE_DIR": str(work / "uv-cache")}
-    folder = work / "by-hand"
+    env = {**os.environ, **dict(settings.env), "UV_CACHE_DIR": str(work / f"{name}-uv-cache")}
+    folder = work / name
     start = time.perf_counter()
     subprocess.run([UV, "venv", "--quiet", str(folder)], check=True, env=env)
     install = [UV, "pip", "install", "--quiet", "--python", str(folder / "bin" / "python"), *settings.args, *PACKAGES]
@@ -149,6 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="5 warm rounds")
+    parser.add_argument("--cold-rounds", type=int, default=1, help="cold builds of each, alternated (medians)")
+    parser.add_argument("--no-ray", action="store_true", help="leave Ray's cold figure out (a minute or more)")
     args = parser.parse_args()
     rounds = 5 if args.quick else args.rounds
     if not Path(INDEX.removeprefix("file://"), PACKAGES[0]).is_dir():
@@ -161,9 +165,15 @@ def main() -> None:
     banner(f"{versions}, packages {' '.join(PACKAGES)}, {rounds} warm rounds", args.quick)
     with isolated_workdir() as work:
         say("== (b) a cold build of 5 small packages")
-        ours = cold_gpuport(work)
-        hand = cold_by_hand(work)
-        ray = cold_ray(work)
+        times = rotate(
+            args.cold_rounds,
+            {"ours": lambda: cold_gpuport(work, f"cold-{uuid.uuid4().hex[:8]}"),
+             "hand": lambda: cold_by_hand(work, f"by-hand-{uuid.uuid4().hex[:8]}")},
+        )  # fmt: skip
+        ours, hand = median(times["ours"]), median(times["hand"])
+        if args.cold_rounds > 1:
+            say(f"  medians of {args.cold_rounds}: job {ours:.2f}s, by hand {hand:.2f}s ({ours / hand:.2f}x)")
+        ray = None if args.no_ray else cold_ray(work)
         ROWS.append(Row("cold build: job vs uv by hand", ours, hand, "uv venv + uv pip install + run", "<= 1.3x",
                         ours <= 1.3 * hand))  # fmt: skip
         ROWS.append(Row("cold build: job vs Ray runtime_env pip", ours, ray, "ray job submit, runtime_env pip",
@@ -174,7 +184,7 @@ def main() -> None:
     print_table(
         ["warm", "cold build: job vs uv", "cold build: job vs Ray", f"{AT_ONCE} jobs"],
         52,
-        "warm: medians over the rounds; cold: one run each, every cache empty",
+        f"warm: medians over the rounds; cold: {args.cold_rounds} run(s) each (medians), every cache empty",
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import gpuport
+from gpuport.server.environments import interpreters
 from tests.conftest import RunningServer, needs_users, server_env, start_server
 
 UV = str(Path(sys.executable).parent / "uv")
@@ -216,6 +217,29 @@ def test_python_version_the_box_lacks_is_a_clear_error(envs_server: RunningServe
         pytest.raises(gpuport.InvalidRequest, match=r"Python 3\.2 is not on this server"),
     ):
         gpu.submit(["true"], tmp_path, requirements="auto", python="3.2")
+
+
+def test_scripts_run_from_the_built_environment_and_another_python(envs_server: RunningServer, tmp_path: Path) -> None:
+    """A package's console script runs from the environment once it has its hash's name, on the
+    environment's interpreter (uv wrote it for the one that installed it, the server rewrote its first
+    lines); a build over another interpreter of the box runs on that one.
+    (Isolated: the layered environment of these pins is test_cli_envs_lists_and_prune_removes's.)"""
+    mark = uuid.uuid4().hex[:8]
+    (tmp_path / "requirements.txt").write_text(f"tabulate==0.10.0\n# {mark}\n")
+    script = ["sh", "-c", 'command -v tabulate; printf "a b\\n1 2\\n" | tabulate -1']
+    code = "import sys, tabulate; print('on', sys.version.split()[0], sys.prefix)"
+    with envs_server.connect() as gpu:
+        job = gpu.submit(script, tmp_path, requirements="auto", isolated_env=True).wait(timeout=300)
+        log = _log(gpu.job(job.id))
+        assert job.info.state == "succeeded", log
+        assert f"/{job.info.environment}/bin/tabulate" in log and "-  -" in log
+        others = [v for v, path in interpreters().items() if path != sys.executable]
+        if not others:
+            pytest.skip("this machine has no other Python than the server's")
+        other = gpu.submit(["python", "-c", code], tmp_path, requirements="auto", python=others[0]).wait(timeout=300)
+        log = _log(gpu.job(other.id))
+        assert other.info.state == "succeeded", log
+        assert f"on {others[0]} " in log and f"/{other.info.environment}" in log
 
 
 def test_cli_envs_lists_and_prune_removes(envs_server: RunningServer, tmp_path: Path, cli: Any) -> None:

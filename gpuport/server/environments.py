@@ -15,9 +15,12 @@ job's workdir has just been written, before its sandbox starts) finds them there
    ``<root>/<hash>/``, so that requests that resolve alike, from any user, share one;
 4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
    others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
-   shared (``cache/``) and the network only where the index is not on this machine's disk; then makes
-   it the server's and read-only (``seal_tree``), and writes ``meta.json`` last: an environment
-   without it is a build that did not finish, made again.
+   shared (``cache/``) and the network only where the index is not on this machine's disk: ``uv pip
+   install --no-deps --prefix`` of the pins into a venv the server made in the scratch, in the same
+   sandbox as the resolution (its shell waits for the server between the two); then renames the
+   venv to its hash, points its scripts at its own interpreter, makes it the server's and read-only
+   (``seal_tree``), and writes ``meta.json`` last: an environment without it is a build that did
+   not finish, made again.
 
 Layered (the default), the environment's ``site-packages`` comes first and the box's after it (a
 ``.pth`` file): the box's CUDA builds are used, and a version the project pins wins. Isolated, it
@@ -30,7 +33,7 @@ Layout of ``<state dir>/envs/``::
     <hash>.lock        flock'ed while it is built
     keys/<key>         the hash a request resolved to ("-": the box has all of it)
     cache/             uv's cache, the build uid's
-    builds/<random>/   a build's scratch: the resolution, the list to install
+    builds/<random>/   a build's scratch: the resolution, the list to install, the venv until renamed
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import os
 import platform
 import re
 import secrets
+import shlex
 import shutil
 import stat
 import subprocess
@@ -75,6 +79,9 @@ _MAX_REQUIREMENTS = 1024 * 1024  # bytes of a requirements file, a pyproject.tom
 _HASH_CHARS = 16  # an environment's name: the first 64 bits of its hash
 _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 _LAYER_PTH = "_gpuport_box.pth"
+_RESOLVED = b"gpuport-build: resolved\n"  # the build's shell says so between its two uv runs
+_NAME = re.compile(r"(?m)^Name:[ \t]*(\S+)")  # a distribution's metadata header's fields
+_VERSION = re.compile(r"(?m)^Version:[ \t]*(\S+)")
 
 
 def _canonical(name: str) -> str:
@@ -126,6 +133,18 @@ class Built:
     path: Path
     python: str  # its interpreter, as jobs run it
     packages: list[str]  # name==version, as installed in it (layered: over the box's)
+
+
+@dataclass
+class _Claim:
+    """A build's hold on the environment it resolved to: its name, its lock's descriptor (held
+    until the build is done), the environment where another build had made it already."""
+
+    name: str = ""
+    lock: int | None = None
+    built: Built | None = None
+    started: float = 0.0
+    count: int = 0  # the packages it installs
 
 
 @dataclass
@@ -227,12 +246,17 @@ def index_settings() -> IndexSettings:
 
 
 def box_packages() -> dict[str, str]:
-    """What the server's own environment holds: canonical name → version."""
+    """What the server's own environment holds: canonical name → version.
+
+    Read from each distribution's metadata header with a pattern, not ``dist.metadata`` (an email
+    parser): a box of 140 distributions took 185 ms that way, 10 ms this way, on each cold build."""
     found: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
-        if name:
-            found.setdefault(_canonical(name), dist.version)
+        text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+        head = text.split("\n\n", 1)[0]
+        name, version = _NAME.search(head), _VERSION.search(head)
+        if name and version:
+            found.setdefault(_canonical(name[1]), version[1])
     return found
 
 
@@ -342,19 +366,43 @@ class Environments:
             own_tree(work, build_uid)
         with self._scratch(build_uid) as scratch:
             say(log_file, f"resolving {source.file or 'the requirements'} with uv")
-            resolved = self._resolve(source, request, work, scratch, python, layered, log_file, build_uid)
-            install = self._to_install(resolved, layered)
-            packages = [line for line in install if _PIN.match(line)]
-            if not packages and layered:
-                say(log_file, "the box's environment has every package the project names")
-                atomic_write(self.root / "keys" / key, b"-\n", 0o600)
-                return None
-            identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
-            if layered:
-                identity += "\n" + "\n".join(_box_site_dirs())
-            name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
-            built = self._build(name, install, packages, work, scratch, python, version, layered, log_file, build_uid)
-            atomic_write(self.root / "keys" / key, name.encode() + b"\n", 0o600)
+            box = box_packages() if layered else {}  # read once: the resolution prefers it, the install skips it
+            resolving = self._resolving(source, request, work, scratch, python, box)
+            # The environment's venv, in the scratch (relocatable: it moves to its hash's name once that
+            # is known), made here: `uv venv` would start the interpreter to ask what it is, once more.
+            _make_venv(scratch / "env", python, version)
+            if build_uid is not None:
+                own_tree(scratch, build_uid)
+            claim = _Claim()
+
+            def resolved() -> list[str] | None:
+                """Once uv has resolved (the sandbox waits): the install's command, or None for none."""
+                data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
+                if data is None:
+                    raise BuildFailed("uv wrote no resolution")
+                install = self._to_install([line.strip() for line in data.decode(errors="replace").splitlines()], box)
+                packages = [line for line in install if _PIN.match(line)]
+                if not packages and layered:
+                    return None
+                identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
+                if layered:
+                    identity += "\n" + "\n".join(_box_site_dirs())
+                claim.name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
+                return self._claim(claim, install, packages, work, scratch, python, log_file)
+
+            try:
+                # One sandbox for both: uv resolves, then (told how, once the environment's name is
+                # known and no other build of it is in flight) installs the pins into the venv.
+                self._run(resolving, work, scratch, log_file, build_uid, "resolving the requirements", resolved)
+                if not claim.name:
+                    say(log_file, "the box's environment has every package the project names")
+                    atomic_write(self.root / "keys" / key, b"-\n", 0o600)
+                    return None
+                built = claim.built or self._finish(claim, scratch, python, version, layered, log_file)
+            finally:
+                if claim.lock is not None:
+                    os.close(claim.lock)
+            atomic_write(self.root / "keys" / key, claim.name.encode() + b"\n", 0o600)
             return built
 
     def _source(self, request: EnvRequest, work: Path, wheels: list[str]) -> _Source | None:
@@ -391,17 +439,16 @@ class Environments:
         parts += ["layered" if layered else "isolated", self.index.describe(), repr(self.index.env)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
-    def _resolve(
+    def _resolving(
         self,
         source: _Source,
         request: EnvRequest,
         work: Path,
         scratch: Path,
         python: str,
-        layered: bool,
-        log_file: BinaryIO,
-        build_uid: int | None,
+        box: dict[str, str],
     ) -> list[str]:
+        """uv's command that writes the resolution to ``resolved.txt`` in the scratch (its files written)."""
         out = scratch / "resolved.txt"
         if source.kind == "lock":
             folder = str(work / source.file).removesuffix("uv.lock") or str(work)
@@ -413,10 +460,10 @@ class Environments:
             given = str(work / source.file)
             if not source.file:
                 given = str(scratch / "requirements.in")
-                atomic_write(Path(given), source.text.encode(), 0o644)
-            if layered:  # the box's versions, as an earlier resolution: uv keeps them where they fit
-                box = "".join(f"{n}=={v}\n" for n, v in sorted(box_packages().items()))
-                atomic_write(out, box.encode(), 0o644)
+                atomic_write(Path(given), source.text.encode(), 0o644, durable=False)
+            if box:  # layered: the box's versions, as an earlier resolution: uv keeps them where they fit
+                pins = "".join(f"{n}=={v}\n" for n, v in sorted(box.items()))
+                atomic_write(out, pins.encode(), 0o644, durable=False)
             argv = [_UV, "pip", "compile", given, "-o", str(out), "--python", python, "--emit-find-links"]
             argv += ["--no-header", "--no-annotate", *self.index.args]
             if source.kind == "pyproject":
@@ -424,20 +471,10 @@ class Environments:
                     argv += ["--group", group]
             elif request.groups:
                 raise InvalidRequest("dependency groups (--group) are pyproject.toml's: this project has none")
-        if build_uid is not None:
-            own_tree(scratch, build_uid)
-        # The environment's venv is made meanwhile, in the scratch (relocatable: it moves to its
-        # hash's name once that is known): on a cold build it costs nothing on the way.
-        argv = ["/bin/sh", "-c", _RESOLVE_SCRIPT, "gpuport-resolve", _UV, str(scratch / "env"), python, *argv]
-        self._run(argv, work, scratch, None, log_file, build_uid, "resolving the requirements")
-        data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
-        if data is None:
-            raise BuildFailed("uv wrote no resolution")
-        return [line.strip() for line in data.decode(errors="replace").splitlines()]
+        return argv
 
-    def _to_install(self, resolved: list[str], layered: bool) -> list[str]:
+    def _to_install(self, resolved: list[str], box: dict[str, str]) -> list[str]:
         """The lines to install: options (find-links) and pins, less (layered) the box's own versions."""
-        box = box_packages() if layered else {}
         install = []
         for line in resolved:
             if not line or line.startswith("#"):
@@ -448,91 +485,100 @@ class Environments:
             install.append(line)
         return install
 
-    def _build(
+    def _claim(
         self,
-        name: str,
+        claim: _Claim,
         install: list[str],
         packages: list[str],
         work: Path,
         scratch: Path,
         python: str,
-        version: str,
-        layered: bool,
         log_file: BinaryIO,
-        build_uid: int | None,
-    ) -> Built:
-        folder = self.root / name
-        fd = os.open(self.root / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    ) -> list[str] | None:
+        """Take the lock of environment ``claim.name`` (builds of it in flight coalesce: this one waits
+        for another); then, where it is built now, note it in ``claim`` and return None; else write the
+        pins to install and return uv's command that installs them into the scratch's venv."""
+        claim.lock = os.open(self.root / f"{claim.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                say(log_file, f"waiting for environment {name}, being built for another job")
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            built = self._load(name)
-            if built is not None:
-                say(log_file, f"environment {name} is built")
-                return built
-            shutil.rmtree(folder, ignore_errors=True)  # a build that did not finish
-            listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
-            say(log_file, f"building environment {name} ({len(packages)} packages: {listed})…")
-            started = time.monotonic()
-            env = scratch / "env"  # made while resolving, by the build uid
-            lines = "".join(f"{_absolute(line, work)}\n" for line in install)
-            atomic_write(scratch / "install.txt", lines.encode(), 0o644)
-            # The pinned list, without resolving again.
-            argv = [_UV, "pip", "install", "--python", str(env / "bin" / "python"), "--no-deps"]
-            argv += ["--requirements", str(scratch / "install.txt"), *self.index.args]
-            self._run(argv, work, scratch, None, log_file, build_uid, "building the environment")
-            # Under its name first (a folder only the server can change), checked to be a folder,
-            # not a link the build left; then the server's, so that no build or job may change it.
-            try:
-                os.rename(env, folder)
-            except FileNotFoundError:
-                raise BuildFailed("the build left no environment folder") from None
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):
-                os.unlink(folder)
-                raise BuildFailed("the build left no environment folder")
-            own_tree(folder, os.getuid())
-            if layered:
-                _layer(folder, version)
-            seal_tree(folder)
-            installed = _installed(folder)
-            meta = {
-                "hash": name,
-                "python_version": version,
-                "python": str(folder / "bin" / "python"),
-                "platform": _platform(),
-                "layered": layered,
-                "packages": installed,
-                "created_at": time.time(),
-                "build_seconds": round(time.monotonic() - started, 3),
-                "size": _size(folder),
-            }
-            path = folder / "meta.json"
-            os.chmod(folder, 0o755 | 0o200)  # a moment, to add its last file as the server
-            try:
-                atomic_write(path, json.dumps(meta, indent=2).encode(), 0o444)
-            finally:
-                os.chmod(folder, 0o555)
-            say(log_file, f"environment {name} built in {meta['build_seconds']:.1f}s ({format_size(meta['size'])})")
-            self.evict(keep=name)
-            return self._load(name) or _unreadable(name)
+            fcntl.flock(claim.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(log_file, f"waiting for environment {claim.name}, being built for another job")
+            fcntl.flock(claim.lock, fcntl.LOCK_EX)
+        claim.built = self._load(claim.name)
+        if claim.built is not None:
+            say(log_file, f"environment {claim.name} is built")
+            return None
+        shutil.rmtree(self.root / claim.name, ignore_errors=True)  # a build that did not finish
+        listed = ", ".join(p.split(";")[0].strip() for p in packages[:8]) + (", ..." if len(packages) > 8 else "")
+        say(log_file, f"building environment {claim.name} ({len(packages)} packages: {listed})…")
+        claim.started, claim.count = time.monotonic(), len(packages)
+        lines = "".join(f"{_absolute(line, work)}\n" for line in install)
+        atomic_write(scratch / "install.txt", lines.encode(), 0o644, durable=False)
+        # The pinned list, without resolving again, into the venv made before resolving: as its prefix,
+        # by the interpreter uv has just asked (`--python` of the venv's own would be asked again, and
+        # uv does not keep what a venv's says); _finish points the scripts it writes at the venv's.
+        argv = [_UV, "pip", "install", "--python", python, "--prefix", str(scratch / "env"), "--no-deps"]
+        return [*argv, "--requirements", str(scratch / "install.txt"), *self.index.args]
+
+    def _finish(
+        self, claim: _Claim, scratch: Path, python: str, version: str, layered: bool, log_file: BinaryIO
+    ) -> Built:
+        """The scratch's venv, installed, made environment ``claim.name``: renamed, the server's, its
+        scripts started by its own interpreter, layered over the box's, sealed, and ``meta.json``
+        written last."""
+        name, folder = claim.name, self.root / claim.name
+        # Under its name first (a folder only the server can change), checked to be a folder, not a
+        # link the build left; then the server's, so that no build or job may change it.
+        try:
+            os.rename(scratch / "env", folder)
+        except FileNotFoundError:
+            raise BuildFailed("the build left no environment folder") from None
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):
+            os.unlink(folder)
+            raise BuildFailed("the build left no environment folder")
+        own_tree(folder, os.getuid())
+        _relocate_scripts(folder, python)
+        if layered:
+            _layer(folder, version)
+        seal_tree(folder)
+        installed = _installed(folder)
+        if len(installed) < claim.count:  # uv wrote them where the venv does not look
+            raise BuildFailed(f"uv installed {len(installed)} of {claim.count} packages into the environment")
+        meta = {
+            "hash": name,
+            "python_version": version,
+            "python": str(folder / "bin" / "python"),
+            "platform": _platform(),
+            "layered": layered,
+            "packages": installed,
+            "created_at": time.time(),
+            "build_seconds": round(time.monotonic() - claim.started, 3),
+            "size": _size(folder),
+        }
+        path = folder / "meta.json"
+        os.chmod(folder, 0o755 | 0o200)  # a moment, to add its last file as the server
+        try:
+            atomic_write(path, json.dumps(meta, indent=2).encode(), 0o444)
         finally:
-            os.close(fd)
+            os.chmod(folder, 0o555)
+        say(log_file, f"environment {name} built in {meta['build_seconds']:.1f}s ({format_size(meta['size'])})")
+        self.evict(keep=name)
+        return self._load(name) or _unreadable(name)
 
     def _run(
         self,
         argv: list[str],
         work: Path,
         scratch: Path,
-        target: Path | None,
         log_file: BinaryIO,
         build_uid: int | None,
         what: str,
+        then: Callable[[], list[str] | None] | None = None,
     ) -> None:
         """Run uv (``argv``) in a build sandbox: the workdir and the index's folders read-only, the
-        scratch, uv's cache and the environment being built (``target``) writable, as ``build_uid``."""
+        scratch and uv's cache writable, as ``build_uid``. ``then``: called once ``argv`` succeeded,
+        while the sandbox waits; the command it returns (None: none) runs next, in the same sandbox
+        (one sandbox a build: a second would start bwrap, setpriv and a shell once more)."""
         cache = self.root / "cache"
         if build_uid is not None:
             own_folder(cache, build_uid)
@@ -542,26 +588,32 @@ class Environments:
             "UV_CACHE_DIR": str(cache),
             "UV_PYTHON_DOWNLOADS": "never",
             "UV_NO_PROGRESS": "1",
-            "UV_LINK_MODE": "copy",  # never a hard link into the cache: an environment must not change
+            # Off (uv's default) even where the admin's uv.toml turns it on: it is most of a cold
+            # build's time for a large package; a job compiles what it imports, in memory.
+            "UV_COMPILE_BYTECODE": "0",
+            # Never a hard link into the cache (nor "clone", which falls back to one where the disk
+            # cannot clone): sealing the environment would make the cache's files the server's.
+            "UV_LINK_MODE": "copy",
             **dict(self.index.env),
         }
         for name in ("LANG", "LC_ALL"):
             if os.environ.get(name):
                 env[name] = os.environ[name]
-        writable = [scratch, cache, *([target] if target else [])]
-        readable = [work, *(Path(f) for f in self.index.folders)]
+        # A shell reads the commands from the server as they come, each with its stdin closed.
+        script = f"{shlex.join(argv)} </dev/null || exit $?\necho {_RESOLVED.decode().strip()}\n"
+        command = ["/bin/sh", "-s"] if then is not None else argv
         if self.sandbox.isolated:
             prefix = self.sandbox.argv(
                 uid=build_uid,
-                writable=writable,
-                readable=readable,
+                writable=[scratch, cache],
+                readable=[work, *(Path(f) for f in self.index.folders)],
                 cwd=work,
                 host_network=self.index.network,
             )
-            argv = [*prefix, *argv]
+            command = [*prefix, *command]
         process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
+            command,
+            stdin=subprocess.PIPE if then is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=work,
@@ -572,14 +624,26 @@ class Environments:
         timer = threading.Timer(DEFAULT_ENV_BUILD_TIMEOUT, lambda: (timed_out.set(), process.kill()))
         timer.start()
         tail: collections.deque[str] = collections.deque(maxlen=40)
+        resolved = False
         try:
             assert process.stdout is not None
+            if process.stdin is not None:
+                _tell(process.stdin, script)
             for line in process.stdout:  # into the job's log as it comes: `gpuport run` shows it live
+                if line == _RESOLVED and then is not None and process.stdin is not None:
+                    resolved, after = True, then()
+                    what = "building the environment"
+                    _tell(process.stdin, f"exec {shlex.join(after)} </dev/null\n" if after else "exit 0\n")
+                    process.stdin.close()
+                    continue
                 log_file.write(line)
                 tail.append(line.decode(errors="replace").strip())
             code = process.wait()
         finally:
             timer.cancel()
+            if process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.stdin.close()
             if process.poll() is None:
                 process.kill()
                 process.wait()
@@ -587,6 +651,8 @@ class Environments:
             if timed_out.is_set():
                 raise BuildFailed(f"{what} took longer than {DEFAULT_ENV_BUILD_TIMEOUT:.0f}s")
             raise BuildFailed(f"{what} failed: {_uv_error(list(tail))}")
+        if then is not None and not resolved:
+            raise BuildFailed(f"{what} ended before uv had resolved: {_uv_error(list(tail))}")
 
     @contextlib.contextmanager
     def _scratch(self, build_uid: int | None) -> Iterator[Path]:
@@ -669,18 +735,11 @@ class Environments:
         return removed
 
 
-# The resolution, in the sandbox, with the environment's venv made beside it (in the scratch; it is
-# relocatable, so it can take its hash's name after). $1 uv, $2 the venv, $3 the interpreter, then
-# the resolving command.
-_RESOLVE_SCRIPT = r"""uv=$1 env=$2 python=$3
-shift 3
-"$uv" venv --quiet --relocatable --python "$python" --no-project "$env" &
-made=$!
-"$@"
-code=$?
-wait $made || exit 1
-exit $code
-"""
+def _tell(stdin: BinaryIO, text: str) -> None:
+    """Commands for a build's shell; it may have ended already (its output says why)."""
+    with contextlib.suppress(BrokenPipeError):
+        stdin.write(text.encode())
+        stdin.flush()
 
 
 def say(log_file: BinaryIO, text: str) -> None:
@@ -721,6 +780,62 @@ def _layer(folder: Path, version: str) -> None:
         out = os.open("_gpuport_box.pth", flags, 0o644, dir_fd=fd)
         with open(out, "wb") as file:
             file.write(lines.encode())
+    finally:
+        os.close(fd)
+
+
+def _make_venv(folder: Path, python: str, version: str) -> None:
+    """A venv at ``folder`` over the interpreter ``python`` (of ``version``), as ``uv venv
+    --relocatable`` makes one: ``pyvenv.cfg`` naming the base interpreter's folder (its real path,
+    that of the box's own where ``python`` is the server's, itself a venv's), ``bin/python``
+    linking to it, an empty ``site-packages``. ``relocatable = true`` makes uv write the scripts it
+    installs so that they run from wherever the folder is renamed to."""
+    base = sys._base_executable if python == sys.executable else python  # type: ignore[attr-defined]
+    base = os.path.realpath(base)
+    major_minor = ".".join(version.split(".")[:2])
+    (folder / "bin").mkdir(parents=True)
+    (folder / "lib" / f"python{major_minor}" / "site-packages").mkdir(parents=True)
+    os.symlink("lib", folder / "lib64")
+    os.symlink(base, folder / "bin" / "python")
+    for name in ("python3", f"python{major_minor}"):
+        os.symlink("python", folder / "bin" / name)
+    config = f"home = {os.path.dirname(base)}\nimplementation = CPython\nversion_info = {version}\n"
+    config += "include-system-site-packages = false\nrelocatable = true\n"
+    (folder / "pyvenv.cfg").write_text(config)
+
+
+# How uv starts a script in a relocatable venv: the interpreter beside it, wherever the venv is.
+_RELOCATABLE = b"#!/bin/sh\n'''exec' \"$(dirname -- \"$(realpath -- \"$0\")\")\"/'python' \"$0\" \"$@\"\n' '''\n"
+
+
+def _relocate_scripts(folder: Path, python: str) -> None:
+    """The scripts uv wrote in ``bin`` for the interpreter that installed them (``python``: its
+    path in the first line, or after ``exec`` where that line would be too long) made to start the
+    environment's own, as in a relocatable venv. Through descriptors, without following a link: the
+    tree was the build uid's until a moment ago."""
+    fd = open_beneath(folder, "bin")
+    if fd is None:
+        return
+    paths = {python, os.path.realpath(python)}
+    heads = [f"#!{p}\n".encode() for p in paths]
+    heads += [f"#!/bin/sh\n'''exec' '{p}' \"$0\" \"$@\"\n' '''\n".encode() for p in paths]
+    try:
+        for name in os.listdir(fd):
+            try:
+                script = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+            except OSError:
+                continue  # a link (bin/python), or what is no file to rewrite
+            with open(script, "r+b") as file:
+                info = os.fstat(file.fileno())
+                if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:  # uv copies: one link each
+                    continue
+                text = file.read(_MAX_REQUIREMENTS)
+                head = next((h for h in heads if text.startswith(h)), None)
+                if head is None or len(text) == _MAX_REQUIREMENTS:
+                    continue
+                file.seek(0)
+                file.write(_RELOCATABLE + text[len(head) :])
+                file.truncate()
     finally:
         os.close(fd)
 

@@ -151,6 +151,17 @@ def fmt(value: float | None, unit: str) -> str:
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    """``fn`` as a call that returns how long it took (seconds), for ``rotate``."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return run
+
+
 def rotate(n: int, calls: Mapping[str, Callable[[], float | None]]) -> dict[str, list[float]]:
     """Run each call ``n`` times; the order rotates every round so drift hits all alike.
 

@@ -72,6 +72,7 @@ from _report import (  # noqa: E402
     rotate,
     say,
     stop_cli_helpers,
+    timed,
 )
 
 import gpuport  # noqa: E402
@@ -82,15 +83,6 @@ PASS = ["python", "-c", "pass"]
 # gpuport caches the hash of a file only once the file is 2 s old; a real project's files are older than
 # that, so the synthetic one is given 2 s to settle before its first sync.
 SETTLED_S = 2.1
-
-
-def timed(fn: Callable[[], object]) -> Callable[[], float]:
-    def run() -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return run
 
 
 def run_quiet(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:

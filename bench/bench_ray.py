@@ -27,7 +27,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,18 +46,10 @@ from _report import (
     ray_cluster,
     rotate,
     say,
+    timed,
 )
 
 PASS = ["python", "-c", "pass"]
-
-
-def timed(fn: Callable[[], object]) -> Callable[[], float]:
-    def run() -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return run
 
 
 def main() -> None:

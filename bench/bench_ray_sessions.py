@@ -16,7 +16,6 @@ Both servers and the cluster run on this machine (tests/_ray.py), in a temp dir 
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from _report import (
     ray_cluster,
     rotate,
     say,
+    timed,
 )
 
 
@@ -65,20 +65,11 @@ def main() -> None:
     print_table(["session: no-op", "session: put+get"], 44, "")
 
 
-def _timed(fn: Callable[[], object]) -> Callable[[], float]:
-    def run() -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-
-    return run
-
-
 def bench_noop(sessions: dict, n: int) -> None:
     say(f"== (a) a no-op call, worker on a Ray node vs on the server's machine ({n} each, alternated)")
 
     def call(session: object) -> Callable[[], float]:
-        return _timed(lambda: session.call(_noop))  # type: ignore[attr-defined]
+        return timed(lambda: session.call(_noop))  # type: ignore[attr-defined]
 
     rotate(50, {name: call(s) for name, s in sessions.items()})  # warm-up
     t = rotate(n, {name: call(s) for name, s in sessions.items()})
@@ -100,7 +91,7 @@ def bench_values(sessions: dict, size: int, n: int) -> None:
             if back.nbytes != size or back[-1] != value[-1]:
                 raise RuntimeError("the value came back different")
 
-        return _timed(once)
+        return timed(once)
 
     t = rotate(n, {name: round_trip(s) for name, s in sessions.items()})
     rates = {name: 2 * size / median(times) / 1e6 for name, times in t.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -350,3 +351,45 @@ def test_run_env_of_reruns_in_the_same_environment(envs_server: RunningServer, t
             gpu.submit(["true"], tmp_path / "none", env_of="0123456789abcdef")
     refused = cli("run", "--env-of", first.id, "--requirements", "r.txt", "--", "true", **env)
     assert refused.code != 0 and "--env-of" in refused.output
+
+
+def test_run_shows_a_build_as_a_status_line_on_a_terminal(
+    envs_server: RunningServer, cli: Any, stdio: str, tmp_path: Path
+) -> None:
+    """`gpuport run` on a terminal: "building environment (2 packages)…" with its time while the
+    environment builds, in place of uv's lines, then the job's output. Piped: the log as it is."""
+    own = f"gp_cli_{uuid.uuid4().hex[:8]}"  # a package of its own: an environment never built before
+    project = tmp_path / "p"
+    _wheel(project / "wheels", own, "0.1")
+    (project / "requirements.txt").write_text(
+        f"--find-links ./wheels\ntabulate==0.10.0\n{own.replace('_', '-')}==0.1\n"
+    )
+    login = cli("login", envs_server.url, "--token", envs_server.admin_token, "--fingerprint", envs_server.fingerprint)
+    assert login.code == 0, login.output
+    done = cli("run", "python", "-c", f"import {own}; print('job says hi')", cwd=project, stdio=stdio)
+    assert done.code == 0, done.output
+    assert "job says hi" in done.stdout
+    if stdio == "terminal":
+        assert "building environment (2 packages)…" in done.raw
+        assert re.search(r"building environment \(2 packages\)… \S*0:00:\d\d", done.stdout), done.raw
+        # the build's lines, uv's among them: under the status line
+        assert "gpuport: building environment" not in done.stdout and "Installed 2 packages" not in done.stdout
+        assert "built in" in done.stdout and done.stdout.index("built in") < done.stdout.index("job says hi")
+    else:
+        assert "gpuport: building environment" in done.stdout and "(2 packages: " in done.stdout
+        assert "Installed 2 packages" in done.stdout
+        assert "building environment (2 packages)…" not in done.output
+
+
+def test_run_on_a_terminal_shows_a_failed_builds_words(envs_server: RunningServer, cli: Any, tmp_path: Path) -> None:
+    """A build that fails under the status line: its lines (uv's error) are shown after all."""
+    (tmp_path / "requirements.txt").write_text("no-such-package-gpuport-test==1.0\n")
+    login = cli("login", envs_server.url, "--token", envs_server.admin_token, "--fingerprint", envs_server.fingerprint)
+    assert login.code == 0, login.output
+    done = cli("run", "python", "-c", "print('ran')", cwd=tmp_path, stdio="terminal")
+    assert done.code != 0, done.output
+    assert "resolving requirements.txt…" in done.raw
+    assert (
+        "gpuport: resolving requirements.txt with uv" in done.stdout and "no-such-package-gpuport-test" in done.stdout
+    )
+    assert "ran\n" not in done.stdout

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import click
 
+from gpuport.cli._building import BuildStatus
 from gpuport.cli._common import client, json_option
 from gpuport.cli._output import ago, err, escape, new_table, out, print_json
 from gpuport.cli._usage import fair_share_table
@@ -144,19 +145,34 @@ class _Follower(threading.Thread, ABC):
 
 
 class _LogFollower(_Follower):
-    """Copies a job's log to stdout as it grows, until the job ends."""
+    """Copies a job's log to stdout as it grows, until the job ends. ``building``: on a terminal, a
+    status line while the job's environment is built, in place of the build's lines (``BuildStatus``)."""
 
-    def __init__(self, job: Job, follow: bool = True, tail: int | None = None) -> None:
+    def __init__(self, job: Job, follow: bool = True, tail: int | None = None, building: bool = False) -> None:
         super().__init__(f"log of {job.id}")
         self.job = job
         self.follow = follow
         self.tail = tail
+        self.status = BuildStatus(err.console) if building and sys.stdout.isatty() and err.is_terminal else None
 
     def _stream(self) -> None:
         sink = sys.stdout.buffer
-        for _, data in self.job.log_chunks(0, follow=self.follow, tail=self.tail):
-            if not self._write(data, sink):
-                return
+        try:
+            for _, data in self.job.log_chunks(0, follow=self.follow, tail=self.tail):
+                if self.status is not None:
+                    data = self.status.feed(data)
+                if data and not self._write(data, sink):
+                    return
+            if self.status is not None:
+                self._write(self.status.end(), sink)
+        finally:
+            if self.status is not None:
+                self.status.stop()
+
+    def mute(self) -> None:
+        super().mute()
+        if self.status is not None:
+            self.status.stop()
 
 
 def _summary(info: JobInfo) -> str:
@@ -570,7 +586,7 @@ def run_command(
             err.print(f"job {job.id} is queued{_why_queued(job.info)}")
         err.print(f"follow it with `gpuport logs -f {job.id}`; outputs with `gpuport download {job.id}`")
         return
-    follower = _LogFollower(job)
+    follower = _LogFollower(job, building=True)
     follower.start()
     try:  # the line about the queue too: a Ctrl-C as it is written detaches as any other
         if job.info.state == "queued" and job.info.message:

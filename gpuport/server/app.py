@@ -277,8 +277,9 @@ class ServerApp:
         )
 
     def list_environments(self, caller: Identity, prune: bool = False) -> tuple[list[dict], list[str]]:
-        """The environments built here, each with how many jobs ran in it; ``prune`` (admins only)
-        removes first those no running job uses. Raises ``PermissionDenied``."""
+        """The environments built here, each with how many jobs ran in it (``jobs``) and run in it now
+        (``running``); ``prune`` (admins only) removes first those no running job uses. Raises
+        ``PermissionDenied``."""
         if prune and not caller.admin:
             raise PermissionDenied("only an admin prunes environments (they are shared by every user)")
         if self.environments is None:
@@ -288,8 +289,11 @@ class ServerApp:
             in_use = self.jobs.environments_in_use()
             removed = [m["hash"] for m in self.environments.listing() if m["hash"] not in in_use]
             removed = [name for name in removed if self.environments.remove(name)]
-        counts = self.jobs.environment_jobs()
-        listing = [{**m, "jobs": counts.get(m["hash"], 0)} for m in self.environments.listing()]
+        counts, running = self.jobs.environment_jobs(), self.jobs.environment_jobs(running=True)
+        listing = [
+            {**m, "jobs": counts.get(m["hash"], 0), "running": running.get(m["hash"], 0)}
+            for m in self.environments.listing()
+        ]
         return listing, removed
 
     def close(self) -> None:

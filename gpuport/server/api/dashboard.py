@@ -11,8 +11,8 @@ person sees and touches exactly what the API lets that token see and touch.
 The page is three static files (no build step, nothing fetched from elsewhere), served with a strict
 Content-Security-Policy; it writes every value as text, never as markup (a log's colours become
 classes). It follows the server with two Server-Sent Event streams: ``/ui/events`` (GPUs with their
-last hour, the queue, jobs, sessions, models, every two seconds; the jobs as one page of the table's
-filters) and ``/ui/jobs/{id}/log`` (a job's log as it is written). A job's outputs download from
+last hour, the queue, jobs, sessions, models, usage, environments, every two seconds; the jobs as one
+page of the table's filters) and ``/ui/jobs/{id}/log`` (a job's log as it is written). A job's outputs download from
 ``/ui/jobs/{id}/outputs...`` with the checks of the REST API's routes, which take a token, not the
 login.
 """
@@ -248,9 +248,25 @@ def _usage(app: ServerApp, who: Identity) -> list[dict[str, Any]]:
     return rows
 
 
-def _board(app: ServerApp, who: Identity) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """What the dashboard reads in a thread: the GPUs and the usage panel."""
-    return _gpus(app, who), _usage(app, who)
+def _environments(app: ServerApp, who: Identity) -> list[dict[str, Any]]:
+    """The environments panel: what `gpuport envs` lists, to every user (environments are shared
+    read-only; their package lists are no secret), with the jobs running in each now."""
+    listing, _ = app.list_environments(who)
+    keys = ("hash", "python_version", "packages", "size", "created_at", "last_used", "jobs", "running", "layered")
+    return [{key: m[key] for key in keys} for m in listing]
+
+
+@dataclass(frozen=True)
+class Board:
+    """What the dashboard reads in a thread (NVML, the store, the disk): GPUs, usage, environments."""
+
+    gpus: list[dict[str, Any]]
+    usage: list[dict[str, Any]]
+    environments: list[dict[str, Any]]
+
+
+def _board(app: ServerApp, who: Identity) -> Board:
+    return Board(_gpus(app, who), _usage(app, who), _environments(app, who))
 
 
 def _job(job: Any) -> dict[str, Any]:
@@ -317,13 +333,12 @@ def _jobs_view(state: str = "", name: str = "", user: str = "", page: int = 1) -
 Jobs = Annotated[JobsView, Depends(_jobs_view)]
 
 
-def state_for(
-    app: ServerApp, who: Identity, gpus: list[dict[str, Any]], view: JobsView, usage: list[dict[str, Any]] | None = None
-) -> dict[str, Any]:
+def state_for(app: ServerApp, who: Identity, board: Board, view: JobsView) -> dict[str, Any]:
     """What the dashboard shows ``who``: what the API would answer them. On the event loop, as the
-    API's routes: the queue's pass and the services' in-memory state are the loop's; ``gpus``, read
-    in a thread (``_gpus``: NVML and the store, as the watchdog reads them), come with it; the jobs
-    are the page of them that ``view`` asks for; ``usage``, read in the same thread, the usage panel's rows."""
+    API's routes: the queue's pass and the services' in-memory state are the loop's; ``board``, read
+    in a thread (``_board``: NVML, the store and the disk, as the watchdog reads them), comes with it:
+    the GPUs, the usage panel's rows, the environments; the jobs are the page of them that ``view``
+    asks for."""
     models = []
     stats = {(r.name, r.version): t for r, t in app.serving.statistics()}
     for record in app.serving.list():
@@ -350,7 +365,7 @@ def state_for(
         "at": time.time(),
         "user": who.name,
         "admin": who.admin,
-        "gpus": gpus,
+        "gpus": board.gpus,
         "queue": [_job(j) for j in app.jobs.queue(who)],
         "jobs": jobs_page(app, who, view),
         "sessions": [
@@ -368,7 +383,8 @@ def state_for(
             for s in app.sessions.list_for(who)
         ],
         "models": models,
-        "usage": usage or [],
+        "usage": board.usage,
+        "environments": board.environments,
     }
 
 
@@ -424,8 +440,8 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
 
     @api.get("/ui/state", **hidden)
     async def state(viewer: Seen, view: Jobs) -> dict[str, Any]:
-        gpus, usage = await asyncio.to_thread(_board, app, viewer.identity)
-        return state_for(app, viewer.identity, gpus, view, usage)
+        board = await asyncio.to_thread(_board, app, viewer.identity)
+        return state_for(app, viewer.identity, board, view)
 
     @api.get("/ui/events", **hidden)
     async def events(viewer: Seen, view: Jobs, request: Request) -> StreamingResponse:
@@ -436,8 +452,8 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
                 except GpuportError as e:
                     yield _sse({"error": str(e)}, "ended")
                     return
-                gpus, usage = await asyncio.to_thread(_board, app, identity)
-                yield _sse(state_for(app, identity, gpus, view, usage))
+                board = await asyncio.to_thread(_board, app, identity)
+                yield _sse(state_for(app, identity, board, view))
                 await asyncio.sleep(EVENT_SECONDS)
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)

@@ -227,6 +227,35 @@ function renderUsage(usage, admin) {
     ])));
 }
 
+// The environments built for jobs' requirements: a row each; its packages show on hover, and listed
+// under it once the row is clicked.
+const openEnvs = new Set(); // the hashes whose packages are listed
+function renderEnvironments(envs) {
+  const rows = [];
+  for (const e of envs) {
+    const names = e.packages.map((p) => p.split("==")[0]);
+    const summary = names.slice(0, 4).join(", ") + (names.length > 4 ? ", …" : "");
+    const tr = row([
+      e.hash.slice(0, 12), `Python ${e.python_version}`, `${e.packages.length} packages`, { wide: summary },
+      size(e.size), `${duration(Date.now() / 1000 - e.last_used)} ago`, e.running, e.jobs,
+    ], () => {
+      if (openEnvs.has(e.hash)) openEnvs.delete(e.hash); else openEnvs.add(e.hash);
+      renderEnvironments(envs);
+    });
+    tr.title = `${e.hash}\n${e.packages.join("\n")}`;
+    tr.dataset.env = e.hash;
+    rows.push(tr);
+    if (openEnvs.has(e.hash)) {
+      const more = el("tr", undefined, "packages");
+      const td = el("td", e.packages.join("  "), "wide");
+      td.colSpan = 8;
+      more.append(td);
+      rows.push(more);
+    }
+  }
+  table($("environments"), ["environment", "python", "packages", "", "size", "last used", "jobs now", "jobs in all"], rows);
+}
+
 function render(state) {
   $("who").textContent = `${state.user}${state.admin ? " (admin)" : ""}`;
   $("status").textContent = `updated ${new Date(state.at * 1000).toLocaleTimeString()}`;
@@ -236,6 +265,7 @@ function render(state) {
   renderSessions(state.sessions);
   renderModels(state.models, state.at);
   renderUsage(state.usage, state.admin);
+  renderEnvironments(state.environments);
 }
 
 function updateLogState(job) {

@@ -1409,11 +1409,12 @@ class JobService:
         )
         return {r["env"] for r in rows if r["env"]}
 
-    def environment_jobs(self) -> Counter[str]:
-        """How many jobs (of every state) ran in each environment."""
+    def environment_jobs(self, running: bool = False) -> Counter[str]:
+        """How many jobs (of every state; ``running``: running now) ran in each environment."""
+        now = " AND state = 'running'" if running else ""
         rows = self.store.query(
             "SELECT json_extract(spec, '$.environment') AS env, COUNT(*) AS n FROM jobs "
-            "WHERE json_extract(spec, '$.environment') IS NOT NULL GROUP BY 1"
+            f"WHERE json_extract(spec, '$.environment') IS NOT NULL{now} GROUP BY 1"
         )
         return Counter({r["env"]: r["n"] for r in rows})
 

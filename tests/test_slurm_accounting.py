@@ -7,6 +7,7 @@ entry per user) gives each job's figures.
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +139,37 @@ def test_usage_of_slurm_jobs_is_sacct_elapsed_times_allocated_gpus_without_the_w
         assert "cancelled" not in entries  # it never ran: it held nothing
     finally:
         server.stop()
+
+
+def test_a_job_that_ended_while_the_server_was_down_is_accounted_as_sacct_says(
+    cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    shared, state = tmp_path / "shared", tmp_path / "state"
+    env = server_env(SLURM_CONF=str(cluster.conf))
+    first = start_server(state, "--slurm", "--shared-dir", str(shared), env=env)
+    body = {"command": _sleeper(2), "gpus": 2}
+    reply = first.rest("POST", "/v1/jobs", first.admin_token, json=body)
+    assert reply.status_code == 201, reply.text
+    job_id = reply.json()["job_id"]
+    folder = shared / "jobs" / job_id
+    wait_for(lambda: (folder / "supervisor.json").exists(), 60, "the job to run")
+    first.stop(signal.SIGKILL)
+    wait_for(lambda: (folder / "slurm.done").exists(), 60, "the job's end, with no server watching")
+    slurm_id = (folder / "slurm.id").read_text().strip()
+    sacct = wait_for(lambda: _sacct(cluster, [slurm_id]).get(slurm_id), 30, "sacct's record")
+    second = start_server(state, "--slurm", "--shared-dir", str(shared), env=env)
+    try:
+
+        def used() -> tuple[float, float]:
+            reply = second.rest("GET", "/v1/usage", first.admin_token)
+            assert reply.status_code == 200, reply.text
+            entry = reply.json()["entries"][0]
+            return entry["gpu_seconds"], entry["cpu_seconds_reserved"]
+
+        expected = (sacct[0] * 2.0, float(sacct[0] * sacct[1]))
+        wait_for(lambda: used() == pytest.approx(expected, abs=TOLERANCE), 30, f"the usage to be sacct's {expected}")
+    finally:
+        second.stop()
 
 
 @pytest.mark.parametrize(

@@ -163,8 +163,8 @@ def test_a_job_that_ended_while_the_server_was_down_is_accounted_as_sacct_says(
         def used() -> tuple[float, float]:
             reply = second.rest("GET", "/v1/usage", first.admin_token)
             assert reply.status_code == 200, reply.text
-            entry = reply.json()["entries"][0]
-            return entry["gpu_seconds"], entry["cpu_seconds_reserved"]
+            entries = reply.json()["entries"]  # none until the first look at sacct, if squeue never saw it run
+            return (entries[0]["gpu_seconds"], entries[0]["cpu_seconds_reserved"]) if entries else (-1.0, -1.0)
 
         expected = (sacct[0] * 2.0, float(sacct[0] * sacct[1]))
         wait_for(lambda: used() == pytest.approx(expected, abs=TOLERANCE), 30, f"the usage to be sacct's {expected}")

@@ -396,7 +396,7 @@ class SlurmExecutor(Executor):
                     except Exception:
                         log.exception("job %s: its end could not be reported", job_id)
 
-    # ---- accounting (usage/services.py: the rows of runs the cluster timed) ---------------------------
+    # ---- accounting (services/usage.py: the rows of the runs the cluster timed) --------------------------
 
     def _report(self, job_id: str, run: Run) -> None:
         if self.on_run is None:

@@ -3,7 +3,8 @@
 Debian's ``slurm-wlm`` and ``munge``, run as root with everything in a temporary folder: a
 ``slurm.conf`` named by ``SLURM_CONF``, ``munged --force`` with its own key and socket, and
 ``slurmctld -D`` + ``slurmd -D`` on free ports. The node has 2 fake GPUs: gres of ``File=`` plain
-files, with ``AutoDetect=off``. Ended by killing each daemon by its pid.
+files, with ``AutoDetect=off``. Slurm's completion records go to ``jobcomp.txt`` (``jobcomp/filetxt``:
+``sacct --completion`` reads them, without a database). Ended by killing each daemon by its pid.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ GresTypes=gpu
 ReturnToService=2
 KillWait=5
 MinJobAge=30
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={base / "jobcomp.txt"}
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MaxJobCount=20000

@@ -257,6 +257,12 @@ MIGRATIONS: list[str] = [
         FROM jobs WHERE started_at IS NOT NULL ORDER BY seq;
     ALTER TABLE quotas ADD COLUMN shares REAL;
     """,
+    # 22: the cluster's own id of a run whose times its accounting gave (a Slurm job id; '' : the
+    # front door timed it), so that what the cluster reports again updates the same row.
+    """
+    ALTER TABLE usage ADD COLUMN run TEXT NOT NULL DEFAULT '';
+    CREATE INDEX usage_job ON usage(job_id);
+    """,
 ]
 
 

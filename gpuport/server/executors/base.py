@@ -159,6 +159,19 @@ class Usage:
     memory_enforced: bool = False  # the kernel holds it to its memory limit (a cgroup): nothing to poll
 
 
+@dataclass(frozen=True)
+class Run:
+    """One run of a job as its cluster's own accounting times it (``Executor.on_run``): the cluster's
+    id for the run (a Slurm job id), when it started and ended (epoch seconds; None: it still runs),
+    and the GPUs and CPUs it was allocated, all its nodes together (None: what the job asked for)."""
+
+    run: str
+    started_at: float
+    ended_at: float | None
+    gpus: float | None
+    cpus: float | None
+
+
 class Executor(ABC):
     """Runs jobs on the nodes of a cluster. Methods may block (the job service calls them off its loop)."""
 
@@ -176,6 +189,11 @@ class Executor(ABC):
     # hands each job over as soon as nothing of gpuport's holds it (dependencies), plans nothing,
     # and asks ``waiting`` why the cluster holds them.
     keeps_queue: bool = False
+    # The cluster times each run itself (its accounting; a queue of its own holds jobs before they run):
+    # the job service opens no usage row when it hands a job over, and the executor reports each run's
+    # start and end as the cluster recorded them, through ``on_run`` (called from any thread).
+    times_runs: bool = False
+    on_run: Callable[[str, Run], None] | None = None
 
     def admit(self, ask: Ask) -> None:
         """Refuse a job this executor cannot run, with the cluster's own words where it has a queue

@@ -23,6 +23,15 @@ each (gres per node). The supervisor runs on its first node and starts each rank
 on its node, with the rank variables the Ray executor gives (the spec's ``srun``; see the
 supervisor). Its cancel goes to the batch shell alone, which passes it to the supervisor, which
 stops the ranks through Slurm: a SIGTERM to srun itself would kill its rank at once.
+
+Usage is Slurm's (``times_runs``): a job's usage row opens when squeue first shows it running, from
+Slurm's start time, not when gpuport hands it over, and once the job has ended one ``sacct`` for all
+the ended jobs (every DEFAULT_SACCT_INTERVAL) gives each row Slurm's start, elapsed seconds and
+allocated CPUs and GPUs (AllocTRES' gres/gpu where the cluster accounts it, else the gres squeue
+showed). ``sacct`` reads the cluster's database (slurmdbd) or, with ``JobCompType=jobcomp/filetxt``,
+its completion records (``sacct --completion``). Slurm times to the second, and these figures are
+the truth: ``gpuport usage`` matches sacct's elapsed × GPUs. A run sacct has not recorded within
+DEFAULT_SACCT_WAIT, or a cluster without accounting, counts from squeue's start to the supervisor's end.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from typing import Any
 from gpuport._files import atomic_write
 from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.server.blobs import BlobStore
-from gpuport.server.executors.base import Ask, Executor, Ingest, JobLaunch, Node, OnExit, Usage
+from gpuport.server.executors.base import Ask, Executor, Ingest, JobLaunch, Node, OnExit, Run, Usage
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -63,12 +72,16 @@ DEFAULT_SQUEUE_INTERVAL = 1.0  # seconds between the watcher's looks at Slurm's 
 # `gpuport queue` takes the watcher's last look, whatever its age: the event loop never waits on squeue.
 DEFAULT_SQUEUE_FRESH = 2.0
 DEFAULT_SLURM_KILL_MARGIN = 5.0  # seconds after a cancel's grace before Slurm is asked to SIGKILL
+DEFAULT_SACCT_INTERVAL = 2.0  # seconds between looks at Slurm's accounting for the runs that ended
+DEFAULT_SACCT_WAIT = 60.0  # seconds an ended run waits for Slurm's accounting before the supervisor's clock counts
 _COMMAND_TIMEOUT = 60.0  # seconds a Slurm command may take (slurmctld busy)
 _NODES_FRESH = 10.0  # seconds between the watcher's looks at the node list (sinfo)
 _INHERIT = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_")
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SBATCH = re.compile(r"#SBATCH\s+(.*)")
 _GRES_GPUS = re.compile(r"gpu(?::[^:(,]+)?:(\d+)")
+_TRES_GPUS = re.compile(r"gres/gpu=(\d+)")
+_SACCT_FIELDS = "JobIDRaw,Start,ElapsedRaw,AllocCPUS,NNodes,AllocTRES,State"
 
 
 def sbatch_lines(text: str) -> list[str]:
@@ -115,12 +128,39 @@ def _gpus_of(gres: str) -> int:
     return sum(int(n) for n in _GRES_GPUS.findall(gres))
 
 
+def _epoch(when: str) -> float | None:
+    """Slurm's time (``SLURM_TIME_FORMAT=standard``: local time, to the second) in epoch seconds."""
+    try:
+        return time.mktime(time.strptime(when, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:  # Unknown, None, N/A: not started
+        return None
+
+
+def asked_gpus(options: list[str]) -> tuple[int, int]:
+    """The GPUs per node and the nodes a job's #SBATCH options ask for (the last of each wins)."""
+    gpus, nodes = 0, 1
+    for line in options:
+        words = shlex.split(line, comments=False)
+        for i, word in enumerate(words):
+            value = words[i + 1] if i + 1 < len(words) else ""
+            if word.startswith("--gres="):
+                gpus = _gpus_of(word.split("=", 1)[1])
+            elif word == "--gres":
+                gpus = _gpus_of(value)
+            elif word.startswith("--nodes=") or word in ("--nodes", "-N") or (word.startswith("-N") and len(word) > 2):
+                found = word.split("=", 1)[1] if "=" in word else value if word in ("--nodes", "-N") else word[2:]
+                with contextlib.suppress(ValueError):
+                    nodes = int(found.split("-")[0])
+    return gpus, nodes
+
+
 class SlurmExecutor(Executor):
     """Jobs as Slurm batch jobs, in workspaces under ``shared_dir`` (see the module's docstring).
     Raises ``ConfigError`` when Slurm's commands do not answer."""
 
     kind = "slurm"
     keeps_queue = True
+    times_runs = True
     runs_here = False
     spans_nodes = True
 
@@ -136,12 +176,16 @@ class SlurmExecutor(Executor):
         self._watched: dict[str, tuple[str, OnExit, float]] = {}  # job id → (Slurm id, on_exit, since)
         self._slurm_ids: dict[str, str] = {}  # job id → Slurm id, of the jobs handed over
         self._queue: tuple[float, dict[str, tuple[str, str]]] = (-1e9, {})  # (when, Slurm id → (state, reason))
+        self._started: dict[str, Run] = {}  # Slurm id → its run as squeue last showed it running
+        self._unaccounted: dict[str, tuple[str, float]] = {}  # job id → (Slurm id, ended since), for sacct
+        self._reported: set[str] = set()  # Slurm ids whose start was reported (on_run)
         self._nodes: tuple[float, list[Node]] = (-1e9, [])
         try:
             found = self._run(["sinfo", "-h", "-o", "%P"])
         except (OSError, RuntimeError) as e:
             raise ConfigError(f"--slurm: Slurm's commands do not answer here ({e}); is SLURM_CONF right?") from None
         self.address = f"partitions {', '.join(found.split())}"
+        self._sacct = self._accounting()
         self._read_nodes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="slurm watcher", daemon=True)
@@ -149,13 +193,37 @@ class SlurmExecutor(Executor):
 
     # ---- Slurm's commands -------------------------------------------------------------------------
 
-    def _run(self, argv: list[str], stdin: str | None = None) -> str:
-        """A Slurm command's output. Raises ``RuntimeError`` with its message when it fails."""
-        done = subprocess.run(argv, check=False, input=stdin, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT)
+    def _run(self, argv: list[str], stdin: str | None = None, standard_time: bool = False) -> str:
+        """A Slurm command's output (``standard_time``: its times as 2026-11-27T10:00:00, whatever the
+        server's own SLURM_TIME_FORMAT). Raises ``RuntimeError`` with its message when it fails."""
+        env = {**os.environ, "SLURM_TIME_FORMAT": "standard"} if standard_time else None
+        done = subprocess.run(
+            argv, check=False, input=stdin, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT, env=env
+        )
         if done.returncode:
             said = (done.stderr or done.stdout).strip().replace("sbatch: error: ", "")
             raise RuntimeError(said or f"{argv[0]} exited with {done.returncode}")
         return done.stdout
+
+    def _accounting(self) -> list[str]:
+        """How this cluster's accounting is read: ``sacct`` (a database, slurmdbd), ``sacct -c`` (the
+        completion records of jobcomp/filetxt), or [] where Slurm keeps none (see ``_account``)."""
+        try:
+            config = self._run(["scontrol", "show", "config"])
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            log.warning("scontrol show config failed: %s", e)
+            return []
+        pairs = (line.partition("=") for line in config.splitlines())
+        found = {key.strip(): value.strip() for key, _, value in pairs}
+        if found.get("AccountingStorageType", "accounting_storage/none") != "accounting_storage/none":
+            return ["sacct"]
+        if found.get("JobCompType") == "jobcomp/filetxt":
+            return ["sacct", "--completion"]
+        log.warning(
+            "Slurm keeps no accounting here (AccountingStorageType and JobCompType none): usage counts from "
+            "squeue's start to the supervisor's end"
+        )
+        return []
 
     def _squeue(self, fresh: float) -> dict[str, tuple[str, str]] | None:
         """Slurm id → (state, reason) of this server's user's jobs Slurm still lists, read at most
@@ -165,14 +233,21 @@ class SlurmExecutor(Executor):
             return queue
         taken = time.monotonic()
         try:
-            out = self._run(["squeue", "-h", "-u", self.user, "-o", "%i|%T|%r"])
+            out = self._run(["squeue", "-h", "-u", self.user, "-o", "%i|%T|%b|%D|%C|%S|%r"], standard_time=True)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             log.warning("squeue failed: %s", e)
             return None
         queue = {}
+        with self._lock:
+            ours = set(self._slurm_ids.values())
         for line in out.splitlines():
-            slurm_id, state, reason = (line.split("|", 2) + ["", ""])[:3]
+            slurm_id, state, gres, nodes, cpus, start, reason = (line.split("|", 6) + [""] * 6)[:7]
             queue[slurm_id] = (state, reason)
+            started = _epoch(start) if state in ("RUNNING", "COMPLETING") else None
+            if started is not None and slurm_id in ours and slurm_id not in self._started:
+                with contextlib.suppress(ValueError):
+                    gpus = _gpus_of(gres) * int(nodes)
+                    self._started[slurm_id] = Run(slurm_id, started, None, float(gpus), float(cpus))
         self._queue = (taken, queue)
         return queue
 
@@ -287,8 +362,11 @@ class SlurmExecutor(Executor):
             self._watched[job.job_id] = (slurm_id, on_exit, submitted)
 
     def _watch(self) -> None:
-        next_look = 0.0
+        next_look = next_sacct = 0.0
         while not self._stop.wait(DEFAULT_SLURM_POLL):
+            if self._unaccounted and time.monotonic() >= next_sacct:
+                next_sacct = time.monotonic() + DEFAULT_SACCT_INTERVAL
+                self._account()
             if time.monotonic() - self._nodes[0] >= _NODES_FRESH:
                 self._read_nodes()
             with self._lock:
@@ -305,6 +383,7 @@ class SlurmExecutor(Executor):
                 queue = self._squeue(0.0)
                 taken = self._queue[0]
                 if queue is not None:
+                    self._report_started(watched)
                     for job_id, (slurm_id, _, since) in watched.items():
                         if slurm_id not in queue and taken > since and job_id not in ended:
                             ended.append(job_id)
@@ -316,6 +395,94 @@ class SlurmExecutor(Executor):
                         entry[1]()
                     except Exception:
                         log.exception("job %s: its end could not be reported", job_id)
+
+    # ---- accounting (services/usage.py: the rows of the runs the cluster timed) --------------------------
+
+    def _report(self, job_id: str, run: Run) -> None:
+        if self.on_run is None:
+            return
+        try:
+            self.on_run(job_id, run)
+        except Exception:
+            log.exception("job %s: its run's times could not be recorded", job_id)
+
+    def _report_started(self, watched: dict[str, tuple[str, OnExit, float]]) -> None:
+        """Open the usage row of each watched job squeue shows running for the first time, from Slurm's
+        start: the time it waited in Slurm's queue is not usage."""
+        for job_id, (slurm_id, _, _) in watched.items():
+            run = self._started.get(slurm_id)
+            if run is not None and slurm_id not in self._reported:
+                self._reported.add(slurm_id)
+                self._report(job_id, run)
+
+    def _account(self) -> None:
+        """Close the usage rows of the runs that ended with Slurm's own figures: one ``sacct`` for all
+        of them, its start, elapsed seconds and allocated CPUs, and GPUs from its AllocTRES where the
+        cluster accounts gres/gpu, else from squeue's gres while it ran (or the batch script's). A run
+        sacct has not recorded within DEFAULT_SACCT_WAIT, or on a cluster without accounting, counts
+        from squeue's start (else the supervisor's) to the supervisor's end."""
+        with self._lock:
+            waiting = dict(self._unaccounted)
+        found: dict[str, Run] = {}
+        if self._sacct:
+            ids = ",".join(sorted({slurm_id for slurm_id, _ in waiting.values()}))
+            argv = [*self._sacct, "-n", "-P", "-X", "-S", "now-30days", "-E", "now", "-j", ids, "-o", _SACCT_FIELDS]
+            try:
+                out = self._run(argv, standard_time=True)
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+                log.warning("sacct failed: %s", e)
+                out = ""
+            for line in out.splitlines():
+                slurm_id, start, elapsed, cpus, nodes, tres, state = (line.split("|") + [""] * 7)[:7]
+                started = _epoch(start)
+                if started is None or state.split(" ")[0] in ("PENDING", "RUNNING", "SUSPENDED", "REQUEUED"):
+                    continue  # not ended yet, as the accounting has it
+                with contextlib.suppress(ValueError):
+                    gpus = _TRES_GPUS.search(tres)
+                    seen = self._started.get(slurm_id)
+                    if gpus is not None:
+                        count: float | None = float(gpus.group(1))
+                    elif seen is not None:
+                        count = seen.gpus
+                    else:
+                        job_id = next((j for j, (s, _) in waiting.items() if s == slurm_id), "")
+                        count = self._asked_gpus(job_id, int(nodes or 1))
+                    found[slurm_id] = Run(slurm_id, started, started + int(elapsed), count, float(cpus))
+        now = time.monotonic()
+        for job_id, (slurm_id, since) in waiting.items():
+            run = found.get(slurm_id)
+            if run is None and self._sacct and now - since < DEFAULT_SACCT_WAIT:
+                continue  # Slurm records a job's end a moment after it ends
+            if run is None:
+                run = self._clocked(job_id, slurm_id)
+            with self._lock:
+                self._unaccounted.pop(job_id, None)
+            if run is not None and ((run.ended_at or 0.0) > run.started_at or slurm_id in self._reported):
+                self._report(job_id, run)  # (a job cancelled while it waited held nothing)
+            self._started.pop(slurm_id, None)
+            self._reported.discard(slurm_id)
+
+    def _clocked(self, job_id: str, slurm_id: str) -> Run | None:
+        """A run's times without Slurm's accounting: squeue's start, else the supervisor's, to its end."""
+        status = self.folders.exit_status(job_id) or {}
+        seen = self._started.get(slurm_id)
+        start = seen.started_at if seen is not None else status.get("started_at")
+        end = status.get("ended_at")
+        if not isinstance(start, (int, float)) or not isinstance(end, (int, float)):
+            return None
+        if seen is not None:
+            return dataclasses.replace(seen, ended_at=max(start, end))
+        return Run(slurm_id, start, max(start, end), self._asked_gpus(job_id, 0), None)
+
+    def _asked_gpus(self, job_id: str, nodes: int) -> float | None:
+        """The GPUs the job's batch script asks for, all ``nodes`` together (0: as many as it asks);
+        None where it cannot be read."""
+        try:
+            text = (self.folders.folder(job_id) / "slurm.sh").read_text(errors="replace")
+        except OSError:
+            return None
+        gpus, asked_nodes = asked_gpus(sbatch_lines(text))
+        return float(gpus * (nodes or asked_nodes))
 
     def is_running(self, job_id: str) -> bool:
         slurm_id = self._slurm_id(job_id)
@@ -433,6 +600,12 @@ class SlurmExecutor(Executor):
         return {job_id: Usage() for job_id in job_ids}  # Slurm holds them to what they asked for
 
     def tidy(self, job_id: str) -> None:
+        # Called once a run has ended and its end is recorded: the watcher closes its usage row with
+        # Slurm's figures (``_account``).
+        slurm_id = self._slurm_id(job_id)
+        if slurm_id:
+            with self._lock:
+                self._unaccounted[job_id] = (slurm_id, time.monotonic())
         self.folders.tidy(job_id)
 
     # ---- the cluster ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.units import format_duration, format_size
 from gpuport.server.environments import BUILD_OWNER, BuildFailed, Built, Environments
-from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, NodeLost, Placement
+from gpuport.server.executors.base import Executor, Files, JobLaunch, Node, NodeLost, Placement, Run
 from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
 from gpuport.server.scheduler import (
@@ -257,6 +257,7 @@ class JobService:
         self._schedule_pending = False
         self.quotas.on_change = self.reschedule  # a raised quota may let jobs start
         self.executor.on_change = self._nodes_changed  # a node that joins may let jobs start
+        self.executor.on_run = self._run_timed  # a cluster that times its runs (Slurm's accounting)
         self.memory_floor = memory_floor  # bytes free below which work that reserves no memory waits
         self._floor_check: asyncio.TimerHandle | None = None
         self._launching: dict[str, asyncio.Semaphore] = {}  # owner → their jobs being set up now
@@ -1212,7 +1213,8 @@ class JobService:
             in_group[pending.group] += 1
             now = time.time()
             self._move(pending.job_id, JobState.QUEUED, JobState.RUNNING, started_at=now, message="")
-            self._account(pending, Decision(pending.job_id, 0, ()), cluster, now)
+            if not self.executor.times_runs:  # else its row opens when the cluster starts it (_run_timed)
+                self._account(pending, Decision(pending.job_id, 0, ()), cluster, now)
             self.scheduler.drop(pending.job_id)
             self._spawn(self._launch(pending.job_id))
         self.scheduler.handed_over(held)
@@ -1256,6 +1258,20 @@ class JobService:
         kind = self.store.query_one("SELECT kind FROM jobs WHERE id = ?", (job.job_id,))
         with self.store.transaction() as db:
             self.usage.begin(db, job.job_id, job.owner, kind["kind"] if kind else "job", job.request, slice_of, at)
+
+    def _run_timed(self, job_id: str, run: Run) -> None:
+        """The cluster reports a run's times (``Executor.times_runs``; from the executor's thread):
+        its usage row takes them (services/usage.py)."""
+        row = self.store.query_one("SELECT owner, kind, gpus, cpus, memory, nodes FROM jobs WHERE id = ?", (job_id,))
+        if row is None:
+            return
+        n = row["nodes"]
+        run = dataclasses.replace(
+            run,
+            gpus=row["gpus"] * n if run.gpus is None else run.gpus,
+            cpus=row["cpus"] * n if run.cpus is None else run.cpus,
+        )
+        self.usage.record_run(job_id, row["owner"], row["kind"], run, row["memory"] * n)
 
     def _low_memory(self) -> str:
         """Why work that reserves no memory waits now ('' : it need not)."""

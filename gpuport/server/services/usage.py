@@ -2,10 +2,14 @@
 
 One row per run (``usage`` in the store): a job queued again (its node lost, preempted) runs anew and
 gets a row of its own. A row opens when the scheduler grants the allocation and closes when the run
-ends; an open row counts until now. Everything that reports use reads these rows — ``gpuport
-usage``, ``GET /v1/usage``, the Prometheus counter ``gpuport_gpu_seconds_total`` and the decayed
-fair share the scheduler orders users by — so they cannot disagree. GPU-seconds count whole GPUs,
-and a slice as its part of the GPU it is on.
+ends; an open row counts until now. A cluster that times its runs itself (Slurm:
+``Executor.times_runs``) gives the row its own figures instead: it opens when the cluster starts the
+run, not when gpuport hands it over (a wait in the cluster's queue is not usage), and closes with the
+start, elapsed seconds and allocated GPUs and CPUs of the cluster's accounting (``sacct``), which are
+the truth for it. Everything that reports use reads these rows — ``gpuport usage``, ``GET
+/v1/usage``, the Prometheus counter ``gpuport_gpu_seconds_total`` and the decayed fair share the
+scheduler orders users by — so they cannot disagree. GPU-seconds count whole GPUs, and a slice as
+its part of the GPU it is on.
 
 The fair share's decayed use of a run holding a part ``d`` of the machine (its dominant share, as
 the scheduler counts a running job) from ``s`` to ``e`` is ``d * (2**-((now - e) / h) - 2**-((now -
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 from gpuport.defaults import DEFAULT_AGE_WEIGHT, DEFAULT_FAIRSHARE_HALF_LIFE
 from gpuport.protocol.errors import InvalidRequest, PermissionDenied
+from gpuport.server.executors.base import Run
 from gpuport.server.scheduler import Cluster, FairShare, Request
 from gpuport.server.services.auth import Identity
 from gpuport.server.store import Store
@@ -92,6 +97,31 @@ class UsageService:
                 "UPDATE usage SET ended_at = MAX(started_at, ?), cpu_used = ? WHERE job_id = ? AND ended_at IS NULL",
                 (at, cpu_used, job_id),
             )
+        self._fair = None
+
+    def record_run(self, job_id: str, owner: str, kind: str, run: Run, memory: int) -> None:
+        """Record a run as its cluster's accounting timed it (``Executor.times_runs``): the row of
+        ``run.run`` takes the cluster's start, end, GPUs and CPUs (a row for it opens if it has none;
+        an end not known yet leaves the row's end as it is). Reported again, it changes nothing."""
+        with self.store.transaction() as db:
+            found = db.execute(
+                # its own row, else one the front door opened for it (a server before accounting was the
+                # cluster's handed it over)
+                "SELECT id FROM usage WHERE job_id = ? AND run IN (?, '') ORDER BY run = '', id DESC LIMIT 1",
+                (job_id, run.run),
+            ).fetchone()
+            if found is None:
+                db.execute(
+                    "INSERT INTO usage (job_id, owner, kind, started_at, ended_at, gpus, slice_bytes, slice_of, cpus, "
+                    "memory, run) VALUES (?, ?, ?, ?, ?, ?, 0, 0, ?, ?, ?)",
+                    (job_id, owner, kind, run.started_at, run.ended_at, run.gpus, run.cpus, memory, run.run),
+                )
+            else:
+                db.execute(
+                    "UPDATE usage SET started_at = ?, ended_at = COALESCE(?, ended_at), gpus = ?, cpus = ?, run = ? "
+                    "WHERE id = ?",
+                    (run.started_at, run.ended_at, run.gpus, run.cpus, run.run, found["id"]),
+                )
         self._fair = None
 
     # ---- reading ----------------------------------------------------------------------------------

@@ -96,6 +96,26 @@ class RunningServer:
         with httpx.Client(verify=trust, timeout=10) as http:
             return http.request(method, self.http_url + path, headers=headers, **kw)  # type: ignore[arg-type]
 
+    def job(self, job_id: str, token: str | None = None) -> dict:
+        """The job as ``GET /v1/jobs/ID`` gives it (the admin's token unless ``token``)."""
+        reply = self.rest("GET", f"/v1/jobs/{job_id}", token or self.admin_token)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def ended(self, job_id: str, timeout: float = 60, token: str | None = None) -> dict:
+        """The job once it has left the queue and ended, waited for at most ``timeout`` seconds."""
+        return wait_for(  # type: ignore[return-value]
+            lambda: (j := self.job(job_id, token))["state"] not in ("queued", "running") and j,
+            timeout,
+            lambda: f"job {job_id} to end (its log: {self.job_log(job_id)[-2000:]!r})",
+        )
+
+    def job_log(self, job_id: str) -> str:
+        """The job's whole log, as ``GET /v1/jobs/ID/logs`` gives it."""
+        reply = self.rest("GET", f"/v1/jobs/{job_id}/logs", self.admin_token)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["data"]
+
     def drain(self) -> None:
         """Keep reading what the server prints (into ``output``), so its pipe never fills up."""
         assert self.process.stdout is not None

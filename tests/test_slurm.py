@@ -78,26 +78,6 @@ def _submit(server: RunningServer, code: str, **spec: object) -> dict:
     return reply.json()
 
 
-def _job(server: RunningServer, job_id: str) -> dict:
-    reply = server.rest("GET", f"/v1/jobs/{job_id}", server.admin_token)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def _ended(server: RunningServer, job_id: str, timeout: float = 60) -> dict:
-    return wait_for(
-        lambda: (j := _job(server, job_id))["state"] not in ("queued", "running") and j,
-        timeout,
-        f"job {job_id} to end",
-    )
-
-
-def _log(server: RunningServer, job_id: str) -> str:
-    reply = server.rest("GET", f"/v1/jobs/{job_id}/logs", server.admin_token)
-    assert reply.status_code == 200, reply.text
-    return reply.json()["data"]
-
-
 def _cli(server: RunningServer, *args: str, cwd: Path | None = None, code: int = 0) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **client_env(server), "COLUMNS": "200"}
     done = subprocess.run(
@@ -125,15 +105,15 @@ def test_a_job_gets_the_gpus_slurm_allocated_and_its_exit_code(
         "sys.exit(3)\n"
     )
     job = _submit(slurm_server, code, gpus=2, cpus=2, outputs=["result.txt"])
-    ended = _ended(slurm_server, job["job_id"])
+    ended = slurm_server.ended(job["job_id"])
     assert (ended["state"], ended["exit_code"]) == ("failed", 3), ended
     slurm_id = _slurm_id(shared, job["job_id"])
-    assert _log(slurm_server, job["job_id"]) == f"0,1 {slurm_id} 2\n"
+    assert slurm_server.job_log(job["job_id"]) == f"0,1 {slurm_id} 2\n"
     files = slurm_server.rest("GET", f"/v1/jobs/{job['job_id']}/outputs", slurm_server.admin_token)
     assert files.status_code == 200 and "result.txt" in files.text, files.text
     one = _submit(slurm_server, "import os; print(repr(os.environ['CUDA_VISIBLE_DEVICES']))", gpus=1)
-    assert _ended(slurm_server, one["job_id"])["state"] == "succeeded"
-    assert _log(slurm_server, one["job_id"]) == "'0'\n"
+    assert slurm_server.ended(one["job_id"])["state"] == "succeeded"
+    assert slurm_server.job_log(one["job_id"]) == "'0'\n"
 
 
 def test_a_job_slurm_holds_shows_slurms_reason_in_the_queue(slurm_server: RunningServer, shared: Path) -> None:
@@ -150,13 +130,13 @@ def test_a_job_slurm_holds_shows_slurms_reason_in_the_queue(slurm_server: Runnin
     listed = slurm_server.rest("GET", "/v1/queue", slurm_server.admin_token)
     assert listed.status_code == 200, listed.text
     _go(shared, first["job_id"])
-    assert _ended(slurm_server, first["job_id"])["state"] == "succeeded"
+    assert slurm_server.ended(first["job_id"])["state"] == "succeeded"
     wait_for(
         lambda: second["job_id"] not in _cli(slurm_server, "queue").stdout, 30, "the second job to leave the queue"
     )
     _go(shared, second["job_id"])
-    assert _ended(slurm_server, second["job_id"])["state"] == "succeeded"
-    assert _log(slurm_server, second["job_id"]) == "second ran\n"
+    assert slurm_server.ended(second["job_id"])["state"] == "succeeded"
+    assert slurm_server.job_log(second["job_id"]) == "second ran\n"
 
 
 def test_cancel_stops_a_running_job_with_sigterm_and_a_pending_one_at_once(
@@ -169,15 +149,15 @@ def test_cancel_stops_a_running_job_with_sigterm_and_a_pending_one_at_once(
         "while True: time.sleep(0.05)\n"
     )
     running = _submit(slurm_server, code, gpus=2)
-    wait_for(lambda: "started" in _log(slurm_server, running["job_id"]), 60, "the log's first line, live")
+    wait_for(lambda: "started" in slurm_server.job_log(running["job_id"]), 60, "the log's first line, live")
     pending = _submit(slurm_server, HOLD, gpus=2)
     wait_for(lambda: pending["job_id"] in _cli(slurm_server, "queue").stdout, 30, "the second job pending")
     slurm_server.rest("POST", f"/v1/jobs/{pending['job_id']}/cancel", slurm_server.admin_token)
-    assert _ended(slurm_server, pending["job_id"])["state"] == "cancelled"
+    assert slurm_server.ended(pending["job_id"])["state"] == "cancelled"
     slurm_server.rest("POST", f"/v1/jobs/{running['job_id']}/cancel", slurm_server.admin_token)
-    ended = _ended(slurm_server, running["job_id"])
+    ended = slurm_server.ended(running["job_id"])
     assert ended["state"] == "cancelled" and ended["exit_code"] == 7, ended
-    assert "got SIGTERM" in _log(slurm_server, running["job_id"])
+    assert "got SIGTERM" in slurm_server.job_log(running["job_id"])
 
 
 SCRIPT = """#!/bin/sh
@@ -200,9 +180,9 @@ def test_a_batch_script_runs_with_its_own_sbatch_lines(
     (tmp_path / "data.txt").write_text("synced\n")
     done = _cli(slurm_server, "sbatch", "--wait", "train.sh", "a", "b c", cwd=tmp_path, code=4)
     job_id = done.stdout.strip()
-    assert _log(slurm_server, job_id) == "mine 0,1 a b c\nsynced\n"
+    assert slurm_server.job_log(job_id) == "mine 0,1 a b c\nsynced\n"
     slurm_id = _slurm_id(shared, job_id)
-    job = _job(slurm_server, job_id)
+    job = slurm_server.job(job_id)
     assert job["state"] == "failed", job
     files = slurm_server.rest("GET", f"/v1/jobs/{job_id}/outputs", slurm_server.admin_token)
     assert files.status_code == 200 and f"out-{slurm_id}.txt" in files.text, files.text
@@ -224,8 +204,8 @@ def test_a_batch_script_runs_with_its_own_sbatch_lines(
         json={"batch_script": "train.sh", "command": ["r"], "project": "script"},
     )
     assert rest.status_code == 201, rest.text
-    assert _ended(slurm_server, rest.json()["job_id"])["exit_code"] == 4
-    assert _log(slurm_server, rest.json()["job_id"]).startswith("mine 0,1 r\n")
+    assert slurm_server.ended(rest.json()["job_id"])["exit_code"] == 4
+    assert slurm_server.job_log(rest.json()["job_id"]).startswith("mine 0,1 r\n")
 
 
 def _tar(folder: Path) -> bytes:
@@ -286,13 +266,13 @@ def test_a_server_killed_and_restarted_finds_its_slurm_jobs(
     second = _start(cluster, state, shared)
     second.admin_token = first.admin_token  # shown on the first start only
     try:
-        assert _job(second, job["job_id"])["state"] == "running"
-        quick = _ended(second, ended_meanwhile["job_id"])
-        assert quick["state"] == "succeeded" and _log(second, quick["job_id"]) == "quick\n"
+        assert second.job(job["job_id"])["state"] == "running"
+        quick = second.ended(ended_meanwhile["job_id"])
+        assert quick["state"] == "succeeded" and second.job_log(quick["job_id"]) == "quick\n"
         _go(shared, job["job_id"])
-        ended = _ended(second, job["job_id"])
+        ended = second.ended(job["job_id"])
         assert (ended["state"], ended["exit_code"]) == ("failed", 5), ended
-        assert _log(second, job["job_id"]) == "released\n"
+        assert second.job_log(job["job_id"]) == "released\n"
     finally:
         second.stop()
 
@@ -312,7 +292,7 @@ def test_an_arrays_throttle_holds_its_tasks_back_on_slurm_too(slurm_server: Runn
 
     def all_ended() -> bool:
         _go(shared)
-        return all(_job(slurm_server, task)["state"] == "succeeded" for task in tasks)
+        return all(slurm_server.job(task)["state"] == "succeeded" for task in tasks)
 
     wait_for(all_ended, 120, "every task to end")
     spans = [json.loads((f / "exit.json").read_text()) for f in folders]
@@ -346,7 +326,7 @@ def test_a_submit_waiting_on_slurm_does_not_hold_the_server_up(
         assert thread.is_alive()  # still held in sbatch
         held.unlink()
         thread.join(60)
-        assert submitted and _ended(server, submitted[0]["job_id"])["state"] == "succeeded"  # type: ignore[index]
+        assert submitted and server.ended(submitted[0]["job_id"])["state"] == "succeeded"  # type: ignore[index]
     finally:
         held.unlink(missing_ok=True)
         server.stop()

@@ -99,26 +99,6 @@ def _submit(server: RunningServer, code: str, **spec: object) -> dict:
     return reply.json()
 
 
-def _job(server: RunningServer, job_id: str) -> dict:
-    reply = server.rest("GET", f"/v1/jobs/{job_id}", server.admin_token)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
-
-
-def _ended(server: RunningServer, job_id: str, timeout: float = 90) -> dict:
-    return wait_for(
-        lambda: (j := _job(server, job_id))["state"] not in ("queued", "running") and j,
-        timeout,
-        lambda: f"job {job_id} to end (log: {_log(server, job_id)!r})",
-    )
-
-
-def _log(server: RunningServer, job_id: str) -> str:
-    reply = server.rest("GET", f"/v1/jobs/{job_id}/logs", server.admin_token)
-    assert reply.status_code == 200, reply.text
-    return reply.json()["data"]
-
-
 def _lines(log: str) -> dict[int, list[str]]:
     """The log's lines of each rank, without the "[r] " prefix and Slurm's own lines (srun's, slurmstepd's)."""
     by_rank: dict[int, list[str]] = {}
@@ -134,8 +114,8 @@ def test_a_job_over_two_nodes_gets_one_slurm_job_and_the_rank_variables(
     slurm_server: RunningServer, cluster: SlurmCluster, shared: Path
 ) -> None:
     job = _submit(slurm_server, MEET, gpus_per_node=2)
-    ended = _ended(slurm_server, job["job_id"])
-    log = _log(slurm_server, job["job_id"])
+    ended = slurm_server.ended(job["job_id"])
+    log = slurm_server.job_log(job["job_id"])
     assert (ended["state"], ended["exit_code"]) == ("succeeded", 0), log
     script = (shared / "jobs" / job["job_id"] / "slurm.sh").read_text()
     assert "#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --gres=gpu:2\n" in script
@@ -157,8 +137,8 @@ def test_a_job_over_two_nodes_gets_one_slurm_job_and_the_rank_variables(
 
 def test_a_failing_rank_stops_the_others_on_every_node_with_its_exit_code(slurm_server: RunningServer) -> None:
     job = _submit(slurm_server, STOPPABLE, env={"FAILING": "3"})
-    ended = _ended(slurm_server, job["job_id"])
-    log = _log(slurm_server, job["job_id"])
+    ended = slurm_server.ended(job["job_id"])
+    log = slurm_server.job_log(job["job_id"])
     assert (ended["state"], ended["exit_code"]) == ("failed", 5), log
     assert "gpuport: rank 3 exited with code 5; stopping the other processes" in log
     by_rank = _lines(log)
@@ -173,8 +153,8 @@ def test_cancel_ends_every_rank_on_every_node(slurm_server: RunningServer, share
     wait_for(lambda: all((work / f"started-{r}").exists() for r in range(4)), 90, "every rank to start")
     reply = slurm_server.rest("POST", f"/v1/jobs/{job['job_id']}/cancel", slurm_server.admin_token)
     assert reply.status_code == 200, reply.text
-    ended = _ended(slurm_server, job["job_id"])
-    log = _log(slurm_server, job["job_id"])
+    ended = slurm_server.ended(job["job_id"])
+    log = slurm_server.job_log(job["job_id"])
     assert (ended["state"], ended["exit_code"]) == ("cancelled", 7), log
     by_rank = _lines(log)
     assert all(by_rank[rank] == ["started", "got SIGTERM"] for rank in range(4)), log

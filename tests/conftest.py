@@ -8,6 +8,7 @@ import functools
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import ssl
@@ -195,6 +196,31 @@ def start_server(
     server.fingerprint, server.admin_token = banner.fingerprint or "", banner.admin_token or ""
     server.drain()
     return server
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The machine refuses outbound connections; as root Chromium needs --no-sandbox.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    """Debian's Chromium, headless, driven by Playwright (no browser download)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
 
 
 _STARTED: list[RunningServer] = []  # every server the tests started, in order

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tarfile
 import time
 from collections.abc import Iterator
@@ -20,24 +19,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer, start_server, wait_for
+from tests.conftest import CHROMIUM, RunningServer, start_server, wait_for
 from tests.test_serving_errors import _doubler_file
 
 sync_api = pytest.importorskip("playwright.sync_api")
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason="chromium is not installed: apt-get install chromium (make test does, as root)"
 )
-# The machine refuses outbound connections; as root Chromium needs --no-sandbox.
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 ARTIFACTS = (
     Path(os.environ.get("GPUPORT_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts")) / "dashboard"
 )
@@ -50,16 +38,6 @@ def dash_server(tmp_path: Path) -> Iterator[RunningServer]:
     running = start_server(tmp_path / "state")
     yield running
     running.stop()
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 def _shot(page: Any, name: str) -> None:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningServer, server_env, start_server
-from tests.test_dashboard import ARGS, CHROMIUM, _log_in, _shot
+from tests.conftest import CHROMIUM, RunningServer, server_env, start_server
+from tests.test_dashboard import _log_in, _shot
 from tests.test_environments import INDEX, UV, _absent, _wheel
 
 sync_api = pytest.importorskip("playwright.sync_api")
@@ -31,16 +31,6 @@ def envs_dash_server(tmp_path: Path) -> Iterator[RunningServer]:
     running = start_server(tmp_path / "state", env=server_env(GPUPORT_FAKE_GPUS="2x16GiB", UV_INDEX_URL=INDEX))
     yield running
     running.stop()
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        try:
-            yield launched
-        finally:
-            launched.close()
 
 
 def test_environments_panel(envs_dash_server: RunningServer, browser: Any, tmp_path: Path) -> None:

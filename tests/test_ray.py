@@ -658,3 +658,109 @@ def test_a_worker_that_exits_on_a_node_raises_worker_died_with_its_stderr_and_a_
             session.call(time.sleep, 60, timeout=1)
         assert time.monotonic() - start < 30
         assert session.info().state == "died"
+
+
+# ---- functions, notebooks, TensorFlow's remote device and large values on the nodes ----------------
+
+
+def _node_after(seconds: float) -> str:
+    import os
+    import time
+
+    time.sleep(seconds)  # both workers are busy at once: the pool needs two
+    return os.environ["GPUPORT_NODE"]
+
+
+def test_a_function_pool_spreads_over_both_nodes_and_answers_calls(server: RunningServer) -> None:
+    with server.connect() as gpu:
+        # Two GPUs a worker: a node holds one, so the pool's second worker lands on the other node.
+        remote = gpu.function(_node_after, gpus=2, max_workers=2, timeout=120)
+        try:
+            nodes = remote.map([2.0, 2.0, 0.0, 0.0])
+            assert set(nodes) == {"node-a", "node-b"}, nodes
+            assert remote(0.0) in ("node-a", "node-b")
+            with pytest.raises(ValueError, match="no luck"):
+                gpu.function(_fail)("no luck")
+        finally:
+            remote.close()
+
+
+def test_a_notebook_cell_runs_in_a_session_on_a_node(
+    server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("GPUPORT_URL", server.url)
+    monkeypatch.setenv("GPUPORT_TOKEN", server.admin_token)
+    monkeypatch.setenv("GPUPORT_FINGERPRINT", server.fingerprint)
+    cells = [
+        "%load_ext gpuport",
+        "%%gpuport --session nb-ray --cpus 0.5\nimport os\nx = 21\nprint('on', os.environ['GPUPORT_NODE'])\nx * 2",
+        "%gpuport_pull x\nprint(x + 1)",
+        "%gpuport_close",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
+    client = nbclient.NotebookClient(
+        notebook, timeout=180, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    nbformat.write(notebook, tmp_path / "ray.ipynb")  # with its outputs: an artifact to open when it fails
+    ran = notebook.cells
+
+    def text(cell: Any) -> str:
+        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
+
+    results = [str(o.data["text/plain"]) for o in ran[1].outputs if o.output_type == "execute_result"]
+    assert results == ["42"], ran[1].outputs
+    assert text(ran[1]) in ("on node-a\n", "on node-b\n"), ran[1].outputs
+    assert text(ran[2]) == "22\n", ran[2].outputs
+    with server.connect() as gpu:
+        assert not [s for s in gpu.sessions() if s.name == "nb-ray" and s.state != "ended"]
+
+
+TF_CLIENT = """
+import json, sys
+import gpuport
+import tensorflow as tf
+
+url, token, fingerprint, report = sys.argv[1:5]
+with gpuport.connect(url, token, fingerprint=fingerprint) as gpu:
+    with gpu.tensorflow(cpus=1) as remote:
+        with tf.device(remote.device("CPU:0")):
+            y = tf.constant([1.0, 2.0]) * 3
+            node = tf.strings.strip(tf.io.read_file("/proc/self/environ"))
+        where = [v.split("=", 1)[1] for v in node.numpy().decode().split("\\0") if v.startswith("GPUPORT_NODE=")]
+        out = {"op": [y.device, y.numpy().tolist()], "node": where, "info": remote.session.info().node}
+with open(report, "w") as f:
+    json.dump(out, f)
+"""
+
+
+def test_tensorflow_s_remote_device_runs_ops_on_a_node(server: RunningServer, tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    report, script = tmp_path / "report.json", tmp_path / "client.py"
+    script.write_text(TF_CLIENT)
+    done = subprocess.run(
+        [sys.executable, str(script), server.url, server.admin_token, server.fingerprint, str(report)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=server_env(),
+        timeout=180,  # TensorFlow starts on both ends; a tunnel that never opens fails here
+    )
+    assert done.returncode == 0 and report.exists(), done.stdout + done.stderr
+    seen = json.loads(report.read_text())
+    assert seen["op"] == ["/job:worker/replica:0/task:0/device:CPU:0", [3.0, 6.0]]
+    assert seen["info"] in ("node-a", "node-b") and seen["node"] == [seen["info"]], seen
+
+
+def test_a_1_gib_value_goes_to_a_node_and_back_whole_through_the_front_door(server: RunningServer) -> None:
+    np = pytest.importorskip("numpy")
+    big = np.frombuffer(os.urandom(1 << 30), dtype=np.uint8)
+    digest = hashlib.sha256(big).hexdigest()
+    with server.connect() as gpu, gpu.session() as session:
+        ref = session.put(big)
+        assert session.call(_digest, ref) == digest
+        back = session.get(ref)
+        assert back.shape == big.shape and hashlib.sha256(back).hexdigest() == digest

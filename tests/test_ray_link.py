@@ -137,3 +137,55 @@ def test_a_stranger_that_speaks_no_tls_is_cut_off(link: tuple[NodeListener, dict
         except ConnectionResetError:
             pass
         assert len(got) < 64, got
+
+
+def test_a_tunnel_carrying_megabytes_both_ways_at_once_never_deadlocks(tmp_path: Path) -> None:
+    """Two relays in a row (the server's, then the agent's) in front of a worker that echoes what it
+    reads while the client keeps sending: every relay must read one side while the other side's
+    peer is itself blocked writing, or the bytes stop for good."""
+    path = str(tmp_path / "echo.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+
+    def echo() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                while part := conn.recv(1 << 20):
+                    conn.sendall(part)
+
+    def connect(job_id: str, name: str) -> Stream:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        return Stream(sock, passes_fds=True)
+
+    threading.Thread(target=echo, daemon=True).start()
+    listener = NodeListener("127.0.0.1", connect)
+    stream = None
+    try:
+        opened = listener.open(SECRET)
+        stream = dial("127.0.0.1", opened["port"], opened["fingerprint"], SECRET, "j-1", "worker")
+        message = os.urandom(64 << 20)
+
+        def send() -> None:
+            with contextlib.suppress(OSError):  # a stuck tunnel: the reading side fails the test
+                stream.sock.sendall(message)
+
+        sent = threading.Thread(target=send, daemon=True)
+        stream.sock.settimeout(30)  # no byte back in 30 s: the tunnel is stuck
+        sent.start()
+        got = bytearray()
+        try:
+            while len(got) < len(message) and (part := stream.sock.recv(1 << 20)):
+                got += part
+        except TimeoutError:
+            pytest.fail(f"the tunnel stopped after echoing {len(got)} of {len(message)} bytes: a deadlock")
+        sent.join(30)
+        assert not sent.is_alive()
+        assert hashlib.sha256(got).digest() == hashlib.sha256(message).digest()
+    finally:
+        if stream is not None:
+            stream.close()
+        listener.close()
+        server.close()

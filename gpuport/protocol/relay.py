@@ -15,13 +15,20 @@ from gpuport.defaults import TUNNEL_SPIN_SECONDS
 
 _CHUNK = 1024 * 1024
 _POLLIN = 1  # select.EPOLLIN and select.POLLIN alike
+_POLLOUT = 4  # select.EPOLLOUT and select.POLLOUT alike
+_GONE = 8 | 16  # ERR and HUP, for epoll and poll alike: a side went away
 
 
 def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECONDS) -> None:
-    """Copy bytes both ways between ``a`` (TLS or plain) and ``b`` in this one thread, until either
-    side closes; then shut both down. One thread: a TLS socket is never read and written at once.
-    Small writes go out at once (TCP_NODELAY on either TCP end): a tunnel carries RPCs, and Nagle's
-    wait for the peer's delayed ACK would add 40 ms to each. After bytes went through, the thread
+    """Copy bytes both ways between ``a`` (TLS or plain) and ``b`` until either side closes; then
+    shut both down. Small writes go out at once (TCP_NODELAY on either TCP end): a tunnel carries
+    RPCs, and Nagle's wait for the peer's delayed ACK would add 40 ms to each.
+
+    With a TLS end, one thread serves both ways (a TLS socket is never read and written at once by
+    two threads), on non-blocking sockets with a buffer per direction: a side whose peer does not
+    read holds back only its own direction, never the other. Blocking writes would deadlock two
+    relays in a row (each blocked writing to a peer that is itself blocked writing to it) once both
+    directions carry more than the sockets' buffers hold. After bytes went through, the thread
     polls for up to ``spin`` seconds before it sleeps (see ``TUNNEL_SPIN_SECONDS``)."""
     for end in (a, b):
         if end.family in (socket.AF_INET, socket.AF_INET6):
@@ -29,26 +36,39 @@ def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECON
                 end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not isinstance(a, ssl.SSLSocket) and not isinstance(b, ssl.SSLSocket):
         return _both_ways(a, b)
-    tls = tuple(end for end in (a, b) if isinstance(end, ssl.SSLSocket))
-    ends = {a.fileno(): (a, b), b.fileno(): (b, a)}
-    buffer = memoryview(bytearray(_CHUNK))  # one buffer, reused: no bytes object per message
-    # Registered once, not rebuilt per message; poll() where there is no epoll (macOS).
+    a.setblocking(False)
+    b.setblocking(False)
+    ways = (_Way(a, b), _Way(b, a))
+    # Registered once, modified only when what a direction waits for changes (not per message);
+    # poll() where there is no epoll (macOS).
     poller = select.epoll() if hasattr(select, "epoll") else select.poll()
     try:
-        for fd in ends:
-            poller.register(fd, _POLLIN)
+        asked = {a.fileno(): _POLLIN, b.fileno(): _POLLIN}
+        for fd, events in asked.items():
+            poller.register(fd, events)
         poll = poller.poll
         spin_ns = int(spin * 1e9)
+        ready: list[tuple[int, int]] = []
         while True:
-            # Bytes OpenSSL has already decrypted wake no poll: served first.
-            for source in tls:
-                while source.pending():
-                    if not _move(source, ends[source.fileno()][1], buffer):
+            if ready:
+                for way in ways:
+                    if (due := way.due(ready)) and (not way.step() or (due is _GONE and way.start < way.end)):
+                        return  # a side closed, or went while its last bytes wait for the other
+            # Bytes OpenSSL has already decrypted wake no poll: served before sleeping.
+            while ways[0].hot() or ways[1].hot():
+                for way in ways:
+                    if way.hot() and not way.step():
                         return
-            for fd, _ in poll(0) or _spin(poll, spin_ns) or poll():
-                source, sink = ends[fd]
-                if not _move(source, sink, buffer):
-                    return
+            if ways[0].moved or ways[1].moved:
+                wanted = dict.fromkeys(asked, 0)
+                for way in ways:
+                    wanted[way.fd] |= way.events
+                    way.moved = False
+                for fd, events in wanted.items():
+                    if asked[fd] != events:
+                        poller.modify(fd, events)
+                        asked[fd] = events
+            ready = poll(0) or _spin(poll, spin_ns) or poll()
     except (OSError, ValueError):
         return  # either side went away: the tunnel is over
     finally:
@@ -57,6 +77,78 @@ def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECON
         for end in (a, b):
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
+
+
+class _Way:
+    """One direction of a relay: bytes read from ``source`` wait in this direction's own buffer
+    (reused: no bytes object per message) until ``sink`` took them all; meanwhile the source is not
+    read. ``fd`` and ``events`` say what it waits for; ``moved`` that they changed."""
+
+    __slots__ = ("buffer", "end", "events", "fd", "moved", "pending", "sink", "source", "source_fd", "start")
+
+    def __init__(self, source: socket.socket, sink: socket.socket) -> None:
+        self.source, self.sink = source, sink
+        self.buffer = memoryview(bytearray(_CHUNK))
+        self.start = self.end = 0
+        self.source_fd = source.fileno()
+        self.fd, self.events, self.moved = self.source_fd, _POLLIN, False
+        self.pending = source.pending if isinstance(source, ssl.SSLSocket) else None
+
+    def due(self, ready: list[tuple[int, int]]) -> int:
+        """Whether an event in ``ready`` is one this direction waits for (its events), or says that
+        its source went away (``_GONE``: it reads what is left); 0 when neither."""
+        for fd, events in ready:
+            if fd == self.source_fd and events & _GONE:
+                return _GONE
+            if fd == self.fd and events & self.events:
+                return self.events
+        return 0
+
+    def hot(self) -> bool:
+        """Whether the TLS source holds decrypted bytes that this direction can take now."""
+        return self.pending is not None and self.start == self.end and self.events == _POLLIN and self.pending() > 0
+
+    def step(self) -> bool:
+        """Move what moves without blocking: the buffer's rest to the sink, then (once it is empty)
+        one read from the source, sent on at once. False once the source has closed."""
+        if self.start < self.end and not self._send():
+            return True
+        try:
+            n = self.source.recv_into(self.buffer)
+        except (BlockingIOError, ssl.SSLWantReadError):
+            self._wait(self.source, _POLLIN)
+            return True
+        except ssl.SSLWantWriteError:  # TLS itself must write first
+            self._wait(self.source, _POLLOUT)
+            return True
+        if not n:
+            return False
+        self.start, self.end = 0, n
+        self._send()
+        return True
+
+    def _send(self) -> bool:
+        """Send what the buffer holds; True when all of it went (then the source is waited on)."""
+        try:
+            # A TLS send that would block is retried later with the same bytes, as OpenSSL asks.
+            self.start += self.sink.send(self.buffer[self.start : self.end])
+        except (BlockingIOError, ssl.SSLWantWriteError):
+            self._wait(self.sink, _POLLOUT)
+            return False
+        except ssl.SSLWantReadError:  # TLS itself must read first
+            self._wait(self.sink, _POLLIN)
+            return False
+        if self.start < self.end:
+            self._wait(self.sink, _POLLOUT)
+            return False
+        self.start = self.end = 0
+        self._wait(self.source, _POLLIN)
+        return True
+
+    def _wait(self, end: socket.socket, events: int) -> None:
+        fd = end.fileno()
+        if fd != self.fd or events != self.events:
+            self.fd, self.events, self.moved = fd, events, True
 
 
 def _spin(poll: Callable[[int], list[tuple[int, int]]], spin_ns: int) -> list[tuple[int, int]]:
@@ -71,15 +163,6 @@ def _spin(poll: Callable[[int], list[tuple[int, int]]], spin_ns: int) -> list[tu
         if ready := poll(0):
             return ready
     return []
-
-
-def _move(source: socket.socket, sink: socket.socket, buffer: memoryview) -> bool:
-    """Copy what ``source`` has to ``sink``; False once ``source`` has closed."""
-    n = source.recv_into(buffer)
-    if not n:
-        return False
-    sink.sendall(buffer[:n])
-    return True
 
 
 def _both_ways(a: socket.socket, b: socket.socket) -> None:

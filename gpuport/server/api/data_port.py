@@ -64,7 +64,6 @@ import ipaddress
 import json
 import logging
 import mmap
-import os
 import select
 import selectors
 import socket
@@ -72,7 +71,6 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -495,9 +493,9 @@ class DataPort:
             except OSError as e:
                 conn.sendall(f"Ethe session's worker has no tunnel {tunnel!r} open: {e.strerror or e}\n".encode())
                 return
-            with worker, _handed_over(worker, tunnel) as stream:
+            with worker:
                 conn.sendall(b"T")
-                relay(conn, stream)
+                relay(conn, worker)
         except (OSError, ValueError) as e:
             log.info("a tunnel from %s ended: %s", peer, e)
         finally:
@@ -708,26 +706,3 @@ def _receive(conn: socket.socket, view: memoryview, eof_ok: bool = False) -> boo
             raise EOFError(f"the client closed the connection after {got} of {len(view)} bytes")
         got += n
     return True
-
-
-@contextlib.contextmanager
-def _handed_over(worker: socket.socket, tunnel: str) -> Iterator[socket.socket]:
-    """The stream socket the worker passes on its tunnel socket: a connection to its server."""
-    worker.settimeout(30)
-    said, fds, _, _ = socket.recv_fds(worker, 1, 1)
-    if said != b"F" or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise OSError(f"the worker's tunnel {tunnel!r} passed no connection")
-    try:
-        stream = socket.socket(fileno=fds[0])
-    except OSError:
-        os.close(fds[0])
-        raise  # not a socket
-    try:
-        if stream.type != socket.SOCK_STREAM:
-            raise OSError(f"the worker's tunnel {tunnel!r} passed a socket that is not a stream")
-        stream.settimeout(None)
-        yield stream
-    finally:
-        stream.close()

@@ -23,6 +23,7 @@ an endpoint is known to be the worker's own is the executor's.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from abc import ABC, abstractmethod
@@ -148,6 +149,32 @@ class Stream:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def handed_over(worker: Stream, name: str) -> socket.socket:
+    """The stream socket a worker passes on its tunnel endpoint ``name`` (``"F"`` and a descriptor,
+    ``SCM_RIGHTS``): its connection to the server it runs there (TensorFlow's). Closes ``worker``.
+    On a stream that passes no descriptors (a node's, through its agent), the agent took the
+    handover already: the stream is the tunnel itself. Raises ``OSError`` when nothing came."""
+    if not worker.passes_fds:
+        return worker.sock
+    with worker.sock:
+        worker.sock.settimeout(30)
+        said, fds, _, _ = socket.recv_fds(worker.sock, 1, 1)
+    if said != b"F" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the worker's tunnel {name!r} passed no connection")
+    try:
+        stream = socket.socket(fileno=fds[0])
+    except OSError:
+        os.close(fds[0])
+        raise  # not a socket
+    if stream.type != socket.SOCK_STREAM:
+        stream.close()
+        raise OSError(f"the worker's tunnel {name!r} passed a socket that is not a stream")
+    stream.settimeout(None)
+    return stream
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from gpuport._files import atomic_write
 from gpuport._packages import missing_package
 from gpuport.protocol.errors import ConfigError
 from gpuport.server.blobs import BlobStore, BlobWriter
-from gpuport.server.executors.base import JobLaunch, Usage
+from gpuport.server.executors.base import JobLaunch, Stream, Usage, handed_over
 from gpuport.server.inventory import GpuInfo
 
 if TYPE_CHECKING:
@@ -247,8 +247,16 @@ class NodeAgent:
 
         with self._listener_lock:
             if self._listener is None:
-                self._listener = NodeListener(self.address, self.folders.connect)
+                self._listener = NodeListener(self.address, self._endpoint)
             return self._listener.open(secret)
+
+    def _endpoint(self, job_id: str, name: str) -> Stream:
+        """A worker's endpoint for the link; a tunnel's connection taken over here, where the worker
+        can pass it (a descriptor does not cross the link)."""
+        stream = self.folders.connect(job_id, name)
+        if not name.startswith("tunnel-"):
+            return stream
+        return Stream(handed_over(stream, name), passes_fds=False)
 
     def read_file(self, job_id: str, name: str, offset: int, limit: int) -> bytes:
         return self.folders.read_file(job_id, name, offset, limit)

@@ -57,6 +57,7 @@ from gpuport.protocol.errors import (
 from gpuport.protocol.units import format_duration
 from gpuport.protocol.values import check_compatible
 from gpuport.server.environments import EnvRequest
+from gpuport.server.executors.base import handed_over
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.job_requests import JobRequest
 from gpuport.server.services.jobs import JobRecord, JobService, JobState
@@ -785,13 +786,13 @@ class SessionService:
         return key, self.staging.ticket(key, "upload", caller)
 
     def tunnel_socket(self, session_id: str, name: str) -> socket.socket:
-        """A connection to the endpoint ``tunnel-NAME`` of session ``session_id``'s worker (checked to be
-        the worker's). Raises OSError when there is none, PermissionError when another process listens
-        there."""
+        """The tunnel ``NAME`` of session ``session_id``'s worker: the connection its endpoint
+        ``tunnel-NAME`` (checked to be the worker's) hands over. Raises OSError when there is none,
+        PermissionError when another process listens there."""
         live = self._live.get(session_id)
         if live is None:
             raise FileNotFoundError(f"session {session_id} has ended")
-        return self.executor.connect(live.job_id, f"tunnel-{name}").sock
+        return handed_over(self.executor.connect(live.job_id, f"tunnel-{name}"), name)
 
     async def download(self, caller: Identity, session_id: str, key: str) -> AsyncIterator[bytes]:
         live = self._find(caller, session_id)

@@ -169,6 +169,7 @@ def start_server(
     )
     server = RunningServer(process, state_dir)
     _STARTED.append(server)
+    _ENDED.discard(state_dir)
     if not expect_ready:
         assert process.stdout is not None
         with process.stdout:
@@ -226,15 +227,25 @@ def browser() -> Iterator[Any]:
 _STARTED: list[RunningServer] = []  # every server the tests started, in order
 
 
+_ENDED: set[Path] = set()  # state dirs whose servers all stopped and whose supervisors were ended
+
+
 @pytest.fixture(autouse=True)
 def _no_job_outlives_its_servers() -> Iterator[None]:
     """After each test, end the supervisors (jobs, session workers, model replicas) of the state dirs
-    whose servers it started and all stopped: a job a test left running would hold CPU and memory
-    through every later test, under init, for ever."""
-    before = len(_STARTED)
+    whose servers have all stopped (a test's own, or a module's fixture's once the module is done): a
+    job a test left running would hold CPU and memory through every later test, under init, for ever."""
     yield
     running = {s.state_dir for s in _STARTED if s.process.poll() is None}
-    stopped = {s.state_dir for s in _STARTED[before:]} - running
+    stopped = {s.state_dir for s in _STARTED} - running - _ENDED
+    if stopped:
+        end_supervisors(stopped)
+        _ENDED.update(stopped)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The last module's fixture servers stop after every test's end: their supervisors go here."""
+    stopped = {s.state_dir for s in _STARTED if s.process.poll() is not None} - _ENDED
     if stopped:
         end_supervisors(stopped)
 

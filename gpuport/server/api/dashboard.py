@@ -47,6 +47,7 @@ LOGIN_BODY_BYTES = 4096  # a token in JSON: the body of the one request that nee
 CSRF_HEADER = "x-csrf-token"
 LOGIN_SECONDS = 12 * 3600  # a login lasts a working day; the token itself may be revoked any time
 EVENT_SECONDS = 2.0
+_REVOKE_CHECK = 0.25  # seconds between looks at an open page's login, for a revoke to end it at once
 # Logins one user holds at once; past it their oldest goes: a flood of logins cannot grow memory for
 # ever, nor log anyone else out.
 _MAX_LOGINS_PER_USER = 100
@@ -445,16 +446,35 @@ def add_dashboard_routes(api: FastAPI, app: ServerApp) -> None:
 
     @api.get("/ui/events", **hidden)
     async def events(viewer: Seen, view: Jobs, request: Request) -> StreamingResponse:
+        def revoked() -> str:
+            """Why the page's login no longer holds ('': it holds)."""
+            try:
+                viewer.login.identity(app.auth)
+            except GpuportError as e:
+                return str(e)
+            return ""
+
         async def stream() -> AsyncIterator[bytes]:
+            # A revoke ends the page within a moment, not a round later (reading the board can take
+            # seconds on a busy machine): the login is looked at again while it is read and between.
             while not await request.is_disconnected():
                 try:
                     identity = viewer.login.identity(app.auth)
                 except GpuportError as e:
                     yield _sse({"error": str(e)}, "ended")
                     return
-                board = await asyncio.to_thread(_board, app, identity)
-                yield _sse(state_for(app, identity, board, view))
-                await asyncio.sleep(EVENT_SECONDS)
+                reading = asyncio.ensure_future(asyncio.to_thread(_board, app, identity))
+                while not reading.done():
+                    await asyncio.wait({reading}, timeout=_REVOKE_CHECK)
+                    if not reading.done() and (why := revoked()):
+                        yield _sse({"error": why}, "ended")
+                        return
+                yield _sse(state_for(app, identity, reading.result(), view))
+                for _ in range(round(EVENT_SECONDS / _REVOKE_CHECK)):
+                    await asyncio.sleep(_REVOKE_CHECK)
+                    if why := revoked():
+                        yield _sse({"error": why}, "ended")
+                        return
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)
 

@@ -493,7 +493,14 @@ function follow() {
     events.close();
     showLogin(JSON.parse(event.data).error);
   });
-  events.onerror = () => { $("status").textContent = "reconnecting…"; };
+  events.onerror = () => {
+    $("status").textContent = "reconnecting…";
+    // A stream refused (its login revoked or expired while it was away) is not retried by the
+    // browser: ask who this login is, and show why it ended.
+    if (events.readyState === EventSource.CLOSED) {
+      setTimeout(() => call("GET", "/ui/me").then(follow, (e) => showLogin(e.message)), 1000);
+    }
+  };
 }
 
 function showLogin(message) {

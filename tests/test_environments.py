@@ -236,7 +236,11 @@ def test_scripts_run_from_the_built_environment_and_another_python(envs_server: 
         assert f"/{job.info.environment}/bin/tabulate" in log and "-  -" in log
         others = [v for v, path in interpreters().items() if path != sys.executable]
         if not others:
-            pytest.skip("this machine has no other Python than the server's")
+            # The console script's half above has run; the build over another interpreter needs one.
+            pytest.skip(
+                "no Python but the server's found (`uv python list`): the build over a second interpreter "
+                "needs one, e.g. Debian's python3 (apt-get install python3)"
+            )
         other = gpu.submit(["python", "-c", code], tmp_path, requirements="auto", python=others[0]).wait(timeout=300)
         log = _log(gpu.job(other.id))
         assert other.info.state == "succeeded", log

@@ -23,7 +23,8 @@ import pytest
 
 import gpuport
 from tests._ray import RayCluster, RayNode, start_cluster
-from tests.conftest import JobFlag, RunningServer, client_env, server_env, start_server, wait_for
+from tests._terminal import Command
+from tests.conftest import CLIENT_ENV, JobFlag, RunningServer, client_env, server_env, start_server, wait_for
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'gpuport[ray]')")
 
@@ -557,6 +558,11 @@ def test_sessions_land_on_both_nodes_and_a_lost_nodes_session_dies_naming_it(
             kept = second.put([1, 2, 3])
             listed = _cli(server, "sessions")
             assert "NODE" in listed and "node-a" in listed and "node-b" in listed, listed
+            env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+            env.update(client_env(server))
+            with Command(["sessions"], env, None, "terminal", columns=160) as on_terminal:
+                assert on_terminal.wait(60) == 0, on_terminal.raw
+            assert all(word in on_terminal.text for word in ("NODE", "node-a", "node-b")), on_terminal.raw
             assert {s.id: s.node for s in gpu.sessions()} == {first.id: "node-a", second.id: "node-b"}
             node = next(n for n in cluster.nodes if n.name == "node-b")
             lost = node

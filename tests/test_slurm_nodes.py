@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import sys
 import tarfile
 from collections.abc import Iterator
@@ -18,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests._slurm import SlurmCluster, missing, start_cluster
-from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
+from tests._terminal import Command
+from tests.conftest import CLIENT_ENV, RunningServer, client_env, server_env, start_server, wait_for
 
 pytestmark = pytest.mark.skipif(bool(missing()), reason=missing() or "Slurm is here")
 
@@ -192,20 +192,14 @@ def test_a_batch_script_over_nodes_is_refused_saying_where_its_nodes_go(slurm_se
     assert "give the nodes in its own #SBATCH lines" in reply.text, reply.text
 
 
-def test_gpuport_run_over_two_nodes_from_the_cli(slurm_server: RunningServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stdio", ["piped", "terminal"])
+def test_gpuport_run_over_two_nodes_from_the_cli(slurm_server: RunningServer, tmp_path: Path, stdio: str) -> None:
     code = "import os; print(os.environ['RANK'], os.environ['GPUPORT_NODE'], os.environ['SLURMD_NODENAME'])"
-    env = {**os.environ, **client_env(slurm_server), "COLUMNS": "200"}
-    done = subprocess.run(
-        [sys.executable, "-m", "gpuport", "run", "--nodes", "2", "--nprocs-per-node", "1", "--", sys.executable]
-        + ["-c", code],
-        check=False,
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    said = sorted(line.split() for line in done.stdout.splitlines() if line.startswith("["))
-    assert [s[0] for s in said] == ["[0]", "[1]"] and [s[1] for s in said] == ["0", "1"], done.stdout
-    assert all(s[2] == s[3] for s in said) and said[0][2] != said[1][2], done.stdout  # a node each
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+    env.update(client_env(slurm_server), COLUMNS="200")
+    argv = ["run", "--nodes", "2", "--nprocs-per-node", "1", "--", sys.executable, "-c", code]
+    with Command(argv, env, tmp_path, stdio, columns=200) as run:
+        assert run.wait(120) == 0, run.raw
+    said = sorted(line.split() for line in run.text.splitlines() if line.startswith("["))
+    assert [s[0] for s in said] == ["[0]", "[1]"] and [s[1] for s in said] == ["0", "1"], run.raw
+    assert all(s[2] == s[3] for s in said) and said[0][2] != said[1][2], run.raw  # a node each

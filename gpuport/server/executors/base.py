@@ -41,6 +41,7 @@ from gpuport.server.scheduler import Machine
 
 if TYPE_CHECKING:
     from gpuport.server.executors.reach import Command, Dialer
+    from gpuport.server.executors.workspace import JobFolders
 
 OnExit = Callable[[], None]
 # What collecting outputs gives to the snapshot service: (path in the snapshot, open file) pairs.
@@ -357,3 +358,23 @@ class Executor(ABC):
 
     def close(self) -> None:
         """Let go of the cluster (the jobs keep running)."""
+
+
+class FolderReads:
+    """What an executor, or a node's agent, reads of its jobs straight from their folders
+    (``self.folders``): their logs and exit statuses. A base of the local and Slurm executors' and of
+    the Ray agent's, which all keep their jobs in ``JobFolders``."""
+
+    folders: JobFolders
+
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        return self.folders.read_log(job_id, offset, limit)
+
+    def log_size(self, job_id: str) -> int:
+        return self.folders.log_size(job_id)
+
+    def log_data_offset(self, job_id: str, offset: int) -> int:
+        return self.folders.log_data_offset(job_id, offset)
+
+    def exit_status(self, job_id: str) -> dict[str, Any] | None:
+        return self.folders.exit_status(job_id)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -13,7 +12,7 @@ from gpuport.server import cgroups as cgroups_
 from gpuport.server.blobs import BlobStore
 from gpuport.server.cgroups import Cgroups
 from gpuport.server.environments import Environments
-from gpuport.server.executors.base import Executor, Ingest, JobLaunch, Node, OnExit, Stream, Usage
+from gpuport.server.executors.base import Executor, FolderReads, Ingest, JobLaunch, Node, OnExit, Stream, Usage
 from gpuport.server.executors.reach import Command, Dialer
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
@@ -27,7 +26,7 @@ def this_machine(inventory: Inventory) -> Machine:
     return Machine(tuple(g.memory_total for g in gpus), float(os.cpu_count() or 1), psutil.virtual_memory().total)
 
 
-class LocalExecutor(Executor):
+class LocalExecutor(FolderReads, Executor):
     kind = "local"
 
     def __init__(
@@ -69,18 +68,6 @@ class LocalExecutor(Executor):
 
     def kill(self, job_id: str, reason: str) -> None:
         self.folders.kill(job_id, reason)
-
-    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
-        return self.folders.read_log(job_id, offset, limit)
-
-    def log_size(self, job_id: str) -> int:
-        return self.folders.log_size(job_id)
-
-    def log_data_offset(self, job_id: str, offset: int) -> int:
-        return self.folders.log_data_offset(job_id, offset)
-
-    def exit_status(self, job_id: str) -> dict[str, Any] | None:
-        return self.folders.exit_status(job_id)
 
     def was_started(self, job_id: str) -> bool:
         return self.folders.was_started(job_id)

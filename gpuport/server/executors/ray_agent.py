@@ -26,7 +26,7 @@ from gpuport._files import atomic_write
 from gpuport._packages import missing_package
 from gpuport.protocol.errors import ConfigError
 from gpuport.server.blobs import BlobStore, BlobWriter
-from gpuport.server.executors.base import JobLaunch, Stream, Usage, handed_over
+from gpuport.server.executors.base import FolderReads, JobLaunch, Stream, Usage, handed_over
 from gpuport.server.inventory import GpuInfo
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def import_ray() -> Any:
     return ray
 
 
-class NodeAgent:
+class NodeAgent(FolderReads):
     """gpuport on one node of the cluster: runs as a Ray actor there (see ``RayExecutor._agent``)."""
 
     def __init__(self, name: str, address: str) -> None:
@@ -193,18 +193,6 @@ class NodeAgent:
 
     def kill(self, job_id: str, reason: str) -> None:
         self.folders.kill(job_id, reason)
-
-    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
-        return self.folders.read_log(job_id, offset, limit)
-
-    def log_size(self, job_id: str) -> int:
-        return self.folders.log_size(job_id)
-
-    def log_data_offset(self, job_id: str, offset: int) -> int:
-        return self.folders.log_data_offset(job_id, offset)
-
-    def exit_status(self, job_id: str) -> dict[str, Any] | None:
-        return self.folders.exit_status(job_id)
 
     def was_started(self, job_id: str) -> bool:
         self._launched(job_id)

@@ -57,7 +57,7 @@ from typing import Any
 from gpuport._files import atomic_write
 from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.server.blobs import BlobStore
-from gpuport.server.executors.base import Ask, Executor, Ingest, JobLaunch, Node, OnExit, Run, Usage
+from gpuport.server.executors.base import Ask, Executor, FolderReads, Ingest, JobLaunch, Node, OnExit, Run, Usage
 from gpuport.server.executors.workspace import JobFolders
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -154,7 +154,7 @@ def asked_gpus(options: list[str]) -> tuple[int, int]:
     return gpus, nodes
 
 
-class SlurmExecutor(Executor):
+class SlurmExecutor(FolderReads, Executor):
     """Jobs as Slurm batch jobs, in workspaces under ``shared_dir`` (see the module's docstring).
     Raises ``ConfigError`` when Slurm's commands do not answer."""
 
@@ -566,24 +566,12 @@ class SlurmExecutor(Executor):
 
     # ---- what a job leaves (in the shared folder) -----------------------------------------------------
 
-    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
-        return self.folders.read_log(job_id, offset, limit)
-
-    def log_size(self, job_id: str) -> int:
-        return self.folders.log_size(job_id)
-
     def known_log_size(self, job_id: str) -> int:
         with self._lock:
             slurm_id = self._slurm_ids.get(job_id, "")
         if self._queue[1].get(slurm_id, ("",))[0] == "PENDING":
             return 0  # not started: no log yet, and no look at the shared folder for each of a long queue
         return self.folders.log_size(job_id)
-
-    def log_data_offset(self, job_id: str, offset: int) -> int:
-        return self.folders.log_data_offset(job_id, offset)
-
-    def exit_status(self, job_id: str) -> dict[str, Any] | None:
-        return self.folders.exit_status(job_id)
 
     def was_started(self, job_id: str) -> bool:
         return bool(self._slurm_id(job_id)) or self.folders.was_started(job_id)

@@ -144,6 +144,25 @@ def test_pinned_version_shadows_the_servers(envs_server: RunningServer, tmp_path
         assert f"fsspec {have}" in _log(gpu.job(bare.id))
 
 
+def test_a_changed_included_requirements_file_is_another_environment(
+    envs_server: RunningServer, tmp_path: Path
+) -> None:
+    """``-r`` names a file whose lines count as the including file's: changing it builds anew."""
+    (tmp_path / "requirements.txt").write_text("-r pins/common.txt\n")
+    (tmp_path / "pins").mkdir()
+    code = "import tabulate; print('tabulate', tabulate.__version__)"
+    seen = {}
+    with envs_server.connect() as gpu:
+        for version in ("0.8.10", "0.10.0"):
+            (tmp_path / "pins" / "common.txt").write_text(f"tabulate=={version}\n")
+            job = gpu.submit(["python", "-c", code], tmp_path, requirements="auto").wait(timeout=300)
+            log = _log(gpu.job(job.id))
+            assert job.info.state == "succeeded", log
+            assert f"tabulate {version}" in log
+            seen[version] = job.info.environment
+    assert seen["0.8.10"] != seen["0.10.0"]
+
+
 def test_isolated_env_has_only_what_the_project_names(envs_server: RunningServer, tmp_path: Path) -> None:
     (tmp_path / "requirements.txt").write_text("six\n")
     code = "import six; import importlib.util as u; print('numpy' if u.find_spec('numpy') else 'no numpy')"

@@ -427,7 +427,7 @@ class Environments:
                 if request.requirements == AUTO and not re.search(r"(?m)^\s*dependencies\s*=", text):
                     continue  # a pyproject.toml of tools' settings only
                 return _Source("pyproject", name, text, wheels)
-            return _Source("requirements", name, text, wheels)
+            return _Source("requirements", name, text, [*wheels, *_included(work, name, text)])
         if request.requirements == AUTO:
             return None
         if "\n" not in request.requirements and re.fullmatch(r"[\w./-]+\.(txt|toml|lock|in)", request.requirements):
@@ -865,3 +865,36 @@ def _size(folder: Path) -> int:
 
 def _unreadable(name: str) -> Built:
     raise BuildFailed(f"environment {name} was built but its meta.json cannot be read")
+
+
+# A requirements file's own lines that name another file whose lines count too (pip's and uv's).
+_INCLUDE = re.compile(r"^\s*(?:-r|-c|--requirement|--constraint)(?:\s*=\s*|\s+|(?<=-[rc]))(\S+)", re.MULTILINE)
+_MAX_INCLUDED = 64  # files a requirements file may pull in, through each other
+
+
+def _included(work: Path, name: str, text: str) -> list[str]:
+    """Each file the requirements file ``name`` includes (``-r``/``-c``, and theirs in turn), as its
+    name and text, for the key: a changed ``-r base.txt`` is another environment. Read beneath
+    ``work`` only, without following a link; a URL or a file outside the workdir is left to uv (it
+    reads what it can, and fails saying why)."""
+    found: dict[str, str] = {}
+    todo = [(name, text)]
+    while todo:
+        including, body = todo.pop()
+        folder = including.rsplit("/", 1)[0] + "/" if "/" in including else ""
+        for target in _INCLUDE.findall(body):
+            if len(found) == _MAX_INCLUDED:
+                raise InvalidRequest(f"{name} includes more than {_MAX_INCLUDED} files (-r, -c): merge some of them")
+            path = os.path.normpath(folder + target)
+            if "://" in target or path.startswith(("/", "..")) or path in found or path == name:
+                continue
+            data = read_small_beneath(work, path, _MAX_REQUIREMENTS + 1)
+            if data is None:
+                continue
+            if len(data) > _MAX_REQUIREMENTS:
+                raise InvalidRequest(
+                    f"{path} (included by {including}) is larger than {format_size(_MAX_REQUIREMENTS)}"
+                )
+            found[path] = data.decode(errors="replace")
+            todo.append((path, found[path]))
+    return [f"{path}\0{body}" for path, body in sorted(found.items())]

@@ -405,7 +405,7 @@ def data_port_unreachable(client: gpuport.Client) -> None:
 
     def elsewhere(request: pb.TransferRequest, **kw: object) -> pb.TransferTicket:
         ticket = original(request, **kw)
-        return pb.TransferTicket(staged=ticket.staged, ticket=ticket.ticket, port=closed)
+        return pb.TransferTicket(ticket=ticket.ticket, port=closed)
 
     client.transport.sessions.Transfer = elsewhere  # type: ignore[method-assign]
 

@@ -1,5 +1,6 @@
-"""How sessions' values travel and last: the data port and its tickets (and their end with their
-token), the gRPC fallback, a server restart under a live session, Refs of an earlier worker."""
+"""How sessions' values travel and last: the data port's channel and its tickets (and their end with
+their token), values on the channel, the gRPC fallback, a server restart under a live session, Refs
+of an earlier worker."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 
 import gpuport
 from gpuport.protocol import gpuport_pb2 as pb
-from tests.conftest import RunningServer, data_port_unreachable, start_server, wait_for
+from gpuport.protocol import values
+from tests.conftest import RunningServer, data_port_unreachable, start_server
 
 # Past the 4 MiB that travel inside a call: these go through the data port (or gRPC streams).
 LARGE = 3 * 1024 * 1024  # float32 elements: 12 MiB
@@ -76,16 +78,16 @@ def test_the_data_port_takes_only_a_valid_unused_ticket(
     port = admin.transport.data_port
     assert _data_port_says(server, port, b"0" * 64 + b"\n").startswith(b"Ethis ticket is unknown")
     ticket = admin.transport.sessions.Transfer(
-        pb.TransferRequest(session_id=session.id, size=4), metadata=admin.transport.metadata
+        pb.TransferRequest(session_id=session.id, channel=True), metadata=admin.transport.metadata
     )
-    assert _data_port_says(server, port, ticket.ticket.encode() + b"\n" + b"abcd") == b"K"
-    again = _data_port_says(server, port, ticket.ticket.encode() + b"\n" + b"abcd")
+    assert _data_port_says(server, port, ticket.ticket.encode() + b"\n") == b"C"
+    again = _data_port_says(server, port, ticket.ticket.encode() + b"\n")
     assert again.startswith(b"E")  # used up
 
 
-def test_another_users_session_gets_no_ticket(server: RunningServer, user_token: str, session: gpuport.Session) -> None:
-    with server.connect(user_token) as other, pytest.raises(gpuport.NotFound):
-        other.transport.call(other.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, size=4))
+def test_a_ticket_for_no_channel_tunnel_or_blobs_is_refused(admin: gpuport.Client, session: gpuport.Session) -> None:
+    with pytest.raises(gpuport.InvalidRequest, match="ask for a channel"):
+        admin.transport.call(admin.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id))
 
 
 def test_refs_of_an_earlier_worker_say_so(session: gpuport.Session) -> None:
@@ -278,24 +280,12 @@ def _data_port(server: RunningServer, port: int) -> ssl.SSLSocket:
     return context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30))
 
 
-def _staged_result(session: gpuport.Session, value: np.ndarray) -> str:
-    """The key of a result of ``session`` staged for its download, as a large get leaves one."""
-    ref = session.put(value)
-    reply = session._rpc(pb.CallRequest(session_id=session.id, op=pb.CallRequest.GET, ref_ids=[ref.id]))
-    assert reply.value.staged
-    return reply.value.staged
+def _refs(admin: gpuport.Client, session_id: str) -> int:
+    """How many values the session's worker holds, as the server counts them."""
+    return next(info.refs for info in admin.sessions() if info.id == session_id)
 
 
-def _gone(admin: gpuport.Client, session_id: str, key: str) -> bool:
-    """Whether the staged value ``key`` is gone from the server (no download of it can be asked for)."""
-    try:
-        admin.transport.call(admin.transport.sessions.Transfer, pb.TransferRequest(session_id=session_id, staged=key))
-    except gpuport.NotFound:
-        return True
-    return False
-
-
-@pytest.mark.parametrize("kind", ["upload", "download", "blobs"])
+@pytest.mark.parametrize("kind", ["channel", "blobs"])
 def test_a_ticket_handed_out_before_its_tokens_revocation_is_refused_and_carries_nothing(
     server: RunningServer, admin: gpuport.Client, kind: str
 ) -> None:
@@ -303,12 +293,8 @@ def test_a_ticket_handed_out_before_its_tokens_revocation_is_refused_and_carries
     session = rita.session() if kind != "blobs" else None
     blob_data = f"{name}'s file".encode()
     blob = hashlib.sha256(blob_data).hexdigest()
-    if kind == "upload":
-        assert session is not None
-        request, after = pb.TransferRequest(session_id=session.id, size=LARGE * 4), b"x" * 1000
-    elif kind == "download":
-        assert session is not None
-        request, after = pb.TransferRequest(session_id=session.id, staged=_staged_result(session, _large())), b""
+    if session is not None:
+        request, after = pb.TransferRequest(session_id=session.id, channel=True), b""
     else:
         request = pb.TransferRequest(blobs=True)
         head, end = struct.pack("<c64sQ", b"F", blob.encode(), len(blob_data)), struct.pack("<c64sQ", b"Z", b"", 0)
@@ -318,11 +304,10 @@ def test_a_ticket_handed_out_before_its_tokens_revocation_is_refused_and_carries
     with _data_port(server, ticket.port) as conn:
         conn.sendall(ticket.ticket.encode() + b"\n" + after)
         said = conn.recv(1000)
-        assert conn.recv(1000) == b""  # and closed: not a byte of the value follows
+        assert conn.recv(1000) == b""  # and closed: nothing else is served
     refused = f"Ethis ticket was handed to '{name}', whose token has been revoked since: nothing was transferred"
     assert said == f"{refused} — log in with a valid token and try again\n".encode()
-    if session is not None:  # the value uploaded into, or to be downloaded, is freed
-        assert _gone(admin, session.id, ticket.staged or request.staged)
+    if session is not None:
         admin.close_session(session.id)
         session.detach()
     else:
@@ -330,17 +315,20 @@ def test_a_ticket_handed_out_before_its_tokens_revocation_is_refused_and_carries
     rita.close()
 
 
-def test_a_download_under_way_is_cut_when_its_token_is_revoked(server: RunningServer, admin: gpuport.Client) -> None:
+def test_a_result_under_way_on_a_channel_is_cut_when_its_token_is_revoked(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
     name, rita = _revocable(server, admin)
     session = rita.session()
     size = 12 * LARGE * 4  # 144 MiB: far more than the sockets between here and the server hold
-    key = _staged_result(session, np.ones(size // 4, dtype=np.float32))
-    ticket = rita.transport.call(
-        rita.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, staged=key)
-    )
+    ref = session.put(np.ones(size // 4, dtype=np.float32))
+    get = pb.CallRequest(session_id=session.id, op=pb.CallRequest.GET, ref_ids=[ref.id], results_follow=True)
     got = 0
-    with _data_port(server, ticket.port) as conn:
-        conn.sendall(ticket.ticket.encode() + b"\n")
+    with _channel(server, rita, session.id) as conn:
+        conn.sendall(struct.pack("<I", len(get.SerializeToString())) + get.SerializeToString())
+        length, kind = struct.unpack("<IB", _read(conn, 5))
+        reply = pb.CallReply.FromString(_read(conn, length))
+        assert kind == 0 and reply.value.follows and sum(reply.value.sizes) == size
         while got < 1024 * 1024:
             got += len(conn.recv(65536))
         admin.revoke_token(name)
@@ -350,29 +338,78 @@ def test_a_download_under_way_is_cut_when_its_token_is_revoked(server: RunningSe
         except OSError:  # the TLS end cut short
             pass
     assert got < size // 2, got  # what the sockets held when it was cut, at most
-    assert _gone(admin, session.id, key)
+    assert _refs(admin, session.id) == 1  # the value itself stays the session's
     admin.close_session(session.id)
     session.detach()
     rita.close()
 
 
-def test_an_upload_under_way_is_cut_when_its_token_is_revoked_and_nothing_of_it_stays(
+def test_a_value_under_way_on_a_channel_is_cut_when_its_token_is_revoked_and_nothing_of_it_stays(
     server: RunningServer, admin: gpuport.Client
 ) -> None:
     name, rita = _revocable(server, admin)
     session = rita.session()
+    session.put([1])  # the worker runs
     size = 12 * LARGE * 4
-    ticket = rita.transport.call(rita.transport.sessions.Transfer, pb.TransferRequest(session_id=session.id, size=size))
-    with _data_port(server, ticket.port) as conn:
-        conn.sendall(ticket.ticket.encode() + b"\n" + b"u" * (4 * 1024 * 1024))
+    header = values.encode(np.zeros(4, dtype=np.uint8)).header
+    put = pb.CallRequest(
+        session_id=session.id, op=pb.CallRequest.PUT, value=pb.Value(header=header, sizes=[size], follows=True)
+    )
+    with _channel(server, rita, session.id) as conn:
+        conn.sendall(struct.pack("<I", len(put.SerializeToString())) + put.SerializeToString())
+        conn.sendall(b"u" * (4 * 1024 * 1024))
         admin.revoke_token(name)
         conn.settimeout(10)
         try:
             said = conn.recv(1000)
         except OSError:  # the TLS end cut short
             said = b""
-        assert said == b"" or b"revoked" in said, said  # never K: the upload did not arrive
-    wait_for(lambda: _gone(admin, session.id, ticket.staged), what="the upload's memory freed")
+        assert said == b"", said  # no reply: the value never arrived
+    assert _refs(admin, session.id) == 1  # only the first value
     admin.close_session(session.id)
     session.detach()
     rita.close()
+
+
+def test_a_value_the_call_refused_is_read_past_and_the_channel_goes_on(
+    server: RunningServer, admin: gpuport.Client, session: gpuport.Session
+) -> None:
+    header = values.encode(np.zeros(4, dtype=np.uint8)).header
+    with _channel(server, admin, session.id) as conn:
+        bad = pb.CallRequest(
+            session_id=session.id,
+            op=pb.CallRequest.PUT,
+            value=pb.Value(header=header, sizes=[5 * 1024 * 1024], follows=True),
+            timeout=-1,  # refused before the worker sees it
+        )
+        conn.sendall(struct.pack("<I", len(bad.SerializeToString())) + bad.SerializeToString())
+        conn.sendall(b"v" * (5 * 1024 * 1024))
+        length, kind = struct.unpack("<IB", _read(conn, 5))
+        assert kind == 1 and "timeout" in json.loads(_read(conn, length))["message"]
+        kind, body = _exchange(conn, pb.CallRequest(session_id=session.id, op=pb.CallRequest.REFS).SerializeToString())
+        assert kind == 0  # the 5 MiB were read past: the next call is understood
+        negative = pb.CallRequest(
+            session_id=session.id, op=pb.CallRequest.PUT, value=pb.Value(header=header, sizes=[-1], follows=True)
+        )
+        kind, body = _exchange(conn, negative.SerializeToString())
+        assert kind == 1 and "negative" in json.loads(body)["message"]
+        assert conn.recv(1) == b""  # how much follows is unknown: the channel ends
+
+
+def test_values_on_a_channel_need_no_connection_of_their_own(
+    server: RunningServer, admin: gpuport.Client, session: gpuport.Session
+) -> None:
+    """A large value and a large result travel on the session's own channel: no ticket is asked for."""
+    session.call(lambda: None)  # the channel open
+    asked: list[object] = []
+    transfer = admin.transport.sessions.Transfer
+    admin.transport.sessions.Transfer = lambda *a, **k: asked.append(a) or transfer(*a, **k)  # type: ignore[method-assign]
+    try:
+        x = _large()
+        back = session.get(session.put(x))
+        doubled = session.call(lambda a: a.view(np.uint32) * 2, x)
+    finally:
+        admin.transport.sessions.Transfer = transfer  # type: ignore[method-assign]
+    assert asked == []
+    assert np.array_equal(back.view(np.uint32), x.view(np.uint32))
+    assert np.array_equal(doubled, x.view(np.uint32) * 2)

@@ -1,13 +1,14 @@
 """The client's side of the server's data port (``server/api/data_port.py``) for sessions: plain bytes
 over TLS, each connection opened with a single-use ticket from ``Sessions.Transfer`` (a line: the
-ticket and a newline). ``Transport`` owns it (``open_channel``, ``send_value``, ``receive_value``);
-sessions reach the data port only through those.
+ticket and a newline). ``Transport`` owns it (``open_channel``); sessions reach the data port only
+through a channel.
 
 - A channel: a session's calls, one at a time. The server answers ``C`` to the ticket; then a call
   is a length and a serialized ``CallRequest`` out, a length, a kind and a ``CallReply`` (kind 0)
-  or an error as JSON back.
-- An upload: the value's bytes after the ticket; the server answers ``K`` once all arrived.
-- A download: the staged result's bytes after the ticket, or ``E`` and a message line.
+  or an error as JSON back. A large value's bytes follow its request (``Value.follows``: the
+  buffers of ``sizes``, laid end to end), and a large result's follow its reply likewise when the
+  request allows it (``results_follow``): a session's values take no connection of their own, and
+  to a worker on another node they pass through the server as they come.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpuport.protocol import gpuport_pb2 as pb
 from gpuport.protocol.errors import ConnectionFailed, error_from_name
@@ -37,62 +38,6 @@ def open_channel(transport: Transport, session_id: str) -> Channel | None:
         return None
     ticket, connection = transport.data_connection(pb.TransferRequest(session_id=session_id, channel=True))
     return Channel(connection, ticket.ticket) if connection is not None else None
-
-
-def send_value(
-    transport: Transport, session_id: str, buffers: Sequence[memoryview], total: int, advance: Callable[[int], None]
-) -> str | None:
-    """Upload a value's ``buffers`` (``total`` bytes) for a call of session ``session_id``; its staged
-    key, or None without a data port (gRPC then). Raises ``ConnectionFailed``."""
-    if not transport.data_port:
-        return None
-    ticket, connection = transport.data_connection(pb.TransferRequest(session_id=session_id, size=total))
-    if connection is None:
-        return None
-    try:
-        with connection:
-            connection.sendall(ticket.ticket.encode() + b"\n")
-            for buffer in buffers:
-                flat = buffer.cast("B") if buffer.ndim != 1 or buffer.format != "B" else buffer
-                for at in range(0, flat.nbytes, _DATA_SLICE):
-                    piece = flat[at : at + _DATA_SLICE]
-                    connection.sendall(piece)
-                    advance(piece.nbytes)
-            answer = connection.recv(1)
-    except OSError as e:
-        raise ConnectionFailed(f"sending a value to the server's data port failed: {e}") from None
-    if answer != b"K":
-        raise ConnectionFailed("the server's data port did not confirm the upload; try again")
-    return ticket.staged
-
-
-def receive_value(
-    transport: Transport, session_id: str, staged: str, view: memoryview, advance: Callable[[int], None]
-) -> bool:
-    """Receive session ``session_id``'s staged result ``staged`` into ``view``; False without a data
-    port (gRPC then). Raises ``ConnectionFailed``."""
-    if not transport.data_port:
-        return False
-    ticket, connection = transport.data_connection(pb.TransferRequest(session_id=session_id, staged=staged))
-    if connection is None:
-        return False
-    got = 0
-    try:
-        with connection:
-            connection.sendall(ticket.ticket.encode() + b"\n")
-            while got < len(view):
-                n = connection.recv_into(view[got : got + _DATA_SLICE])
-                if not n:
-                    break
-                if got == 0 and view[0:1] == b"E" and n < 200 and bytes(view[n - 1 : n]) == b"\n":
-                    raise ConnectionFailed(f"the server's data port refused: {bytes(view[1:n]).decode().strip()}")
-                got += n
-                advance(n)
-    except OSError as e:
-        raise ConnectionFailed(f"receiving a value from the server's data port failed: {e}") from None
-    if got != len(view):
-        raise ConnectionFailed(f"the server's data port sent {got} of {len(view)} bytes; try again")
-    return True
 
 
 class ChannelLost(Exception):
@@ -133,20 +78,49 @@ class Channel:
                 return True
             return bool(readable)
 
-    def call(self, request: pb.CallRequest) -> pb.CallReply:
+    def call(
+        self,
+        request: pb.CallRequest,
+        following: Sequence[memoryview] = (),
+        advance: Callable[[int], None] | None = None,
+        receiving: Callable[[int], tuple[memoryview, Any]] | None = None,
+    ) -> tuple[pb.CallReply, memoryview | None]:
+        """Make the call. ``following``: the value's buffers, sent after the request
+        (``request.value.follows``), each slice counted by ``advance``. A result whose bytes follow
+        the reply (``reply.value.follows``) is received into the memory ``receiving(total)`` gives,
+        with its progress bar (``advance``, ``close``); returned beside the reply."""
         data = request.SerializeToString()
         head = bytearray(self._REPLY.size)
+        received = None
         with self._lock:
             try:
                 self._sock.sendall(self._LENGTH.pack(len(data)) + data)
+                for buffer in following:
+                    for at in range(0, buffer.nbytes, _DATA_SLICE):
+                        piece = buffer[at : at + _DATA_SLICE]
+                        self._sock.sendall(piece)
+                        if advance is not None:
+                            advance(piece.nbytes)
                 recv_exact(self._sock, memoryview(head), "the server")
                 size, kind = self._REPLY.unpack(head)
                 body = bytearray(size)
                 recv_exact(self._sock, memoryview(body), "the server")
+                reply = pb.CallReply.FromString(bytes(body)) if kind == 0 else None
+                if reply is not None and reply.value.follows:
+                    if receiving is None:
+                        raise ChannelLost  # a result this call cannot take: the channel is out of step
+                    received, bar = receiving(sum(reply.value.sizes))
+                    try:
+                        for at in range(0, len(received), _DATA_SLICE):
+                            piece = received[at : at + _DATA_SLICE]
+                            recv_exact(self._sock, piece, "the server")
+                            bar.advance(piece.nbytes)
+                    finally:
+                        bar.close()
             except (OSError, EOFError):
                 raise ChannelLost from None
-        if kind == 0:
-            return pb.CallReply.FromString(bytes(body))
+        if reply is not None:
+            return reply, received
         error = json.loads(body)
         raise error_from_name(error["error"], error["message"])
 

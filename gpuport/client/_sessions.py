@@ -393,26 +393,49 @@ class Session:
     # ---- values -----------------------------------------------------------------------------------
 
     def _rpc(self, request: pb.CallRequest) -> pb.CallReply:
+        return self._exchange(request)[0]
+
+    def _exchange(
+        self, request: pb.CallRequest, following: Sequence[memoryview] = ()
+    ) -> tuple[pb.CallReply, memoryview | None]:
+        """Make the call; returns its reply and, when a large result's bytes followed the reply on
+        the session's channel, the memory they came into. ``following``: the buffers of the value
+        (``request.value.follows``), sent after the request on the channel, or uploaded first where
+        there is none."""
         if self._closed:
             raise InvalidRequest(f"session {self.id} was closed or detached here; open it again with gpu.session()")
         channel = self._open_channel()
+        received = None
         if channel is not None:
+            request.results_follow = True
+            bar = _Progress("sending", sum(b.nbytes for b in following), self._progress) if following else None
             try:
-                reply = channel.call(request)
+                reply, received = channel.call(request, following, bar.advance if bar else None, self._receiving)
             except ChannelLost:
                 self._close_channel()
                 raise ConnectionFailed(
                     f"lost the connection to the server during a call to session {self.id}: the call may or may "
                     "not have run; the session's values are still there unless its worker died"
                 ) from None
+            finally:
+                if bar is not None:
+                    bar.close()
         else:
+            if following:
+                request.value.staged = self._upload(following, sum(b.nbytes for b in following))
+                request.value.follows = False
             reply = self._transport.call(self._transport.sessions.Call, request, timeout=None)
         self._output.wait_for(reply.stdout_offset, reply.stderr_offset)
         if reply.HasField("failure"):
             if reply.failure.kind in ("died", "timeout"):
                 self._sent = set()
             raise _remote_error(reply.failure)
-        return reply
+        return reply, received
+
+    def _receiving(self, total: int) -> tuple[memoryview, _Progress]:
+        """Memory for a result of ``total`` bytes (see ``_Memory``), and its progress bar."""
+        view = memoryview(_RESULTS.take(total))[:total] if total else memoryview(bytearray())
+        return view, _Progress("receiving", total, self._progress)
 
     def _open_channel(self) -> Channel | None:
         """The channel carrying this session's calls on the data port (opened on first use, and again
@@ -430,22 +453,18 @@ class Session:
             self._channel.close()
             self._channel = None
 
-    def _value(self, encoded: values.Encoded) -> pb.Value:
+    def _value(self, encoded: values.Encoded) -> tuple[pb.Value, list[memoryview]]:
+        """The value as sent: small, inline; large, its buffers following the request (returned
+        apart, for ``_exchange``)."""
         total = sum(b.nbytes for b in encoded.buffers)
         if total <= SESSION_INLINE_BYTES:
-            return pb.Value(header=encoded.header, buffers=[b.tobytes() for b in encoded.buffers])
-        return pb.Value(
-            header=encoded.header,
-            staged=self._upload(encoded.buffers, total),
-            sizes=[b.nbytes for b in encoded.buffers],
-        )
+            return pb.Value(header=encoded.header, buffers=[b.tobytes() for b in encoded.buffers]), []
+        flat = [b.cast("B") if b.ndim != 1 or b.format != "B" else b for b in encoded.buffers]
+        return pb.Value(header=encoded.header, sizes=[b.nbytes for b in flat], follows=True), flat
 
     def _upload(self, buffers: Sequence[memoryview], total: int) -> str:
         bar = _Progress("sending", total, self._progress)
         try:
-            staged = self._transport.send_value(self.id, buffers, total, bar.advance)
-            if staged is not None:
-                return staged
 
             def chunks() -> Iterator[pb.UploadChunk]:
                 yield pb.UploadChunk(session_id=self.id, size=total)
@@ -461,9 +480,14 @@ class Session:
             bar.close()
         return reply.staged
 
-    def _result(self, value: pb.Value) -> Any:
+    def _result(self, value: pb.Value, received: memoryview | None = None) -> Any:
         buffers: list[Any] = list(value.buffers)
-        if value.staged:
+        if value.follows and received is not None:
+            buffers, at = [], 0
+            for size in value.sizes:
+                buffers.append(received[at : at + size])
+                at += size
+        elif value.staged:
             total = sum(value.sizes)
             # Anonymous memory, not a bytearray: a bytearray is zero-filled first, which cost as much
             # time as receiving the bytes; reused once an earlier result's arrays are gone. The arrays
@@ -471,13 +495,12 @@ class Session:
             view = memoryview(_RESULTS.take(total))[:total] if total else memoryview(bytearray())
             bar = _Progress("receiving", total, self._progress)
             try:
-                if not self._transport.receive_value(self.id, value.staged, view, bar.advance):
-                    at = 0
-                    request = pb.DownloadChunkRequest(session_id=self.id, staged=value.staged)
-                    for chunk in self._transport.stream(self._transport.sessions.Download, request):
-                        view[at : at + len(chunk.data)] = chunk.data
-                        at += len(chunk.data)
-                        bar.advance(len(chunk.data))
+                at = 0
+                request = pb.DownloadChunkRequest(session_id=self.id, staged=value.staged)
+                for chunk in self._transport.stream(self._transport.sessions.Download, request):
+                    view[at : at + len(chunk.data)] = chunk.data
+                    at += len(chunk.data)
+                    bar.advance(len(chunk.data))
             finally:
                 bar.close()
             buffers = []
@@ -492,16 +515,17 @@ class Session:
         array on the worker's GPU with its own framework (numpy arrays: as they are)."""
         if device not in (None, "cpu", "gpu"):
             raise InvalidRequest(f"device must be 'cpu' or 'gpu', not {device!r}")
+        encoded, following = self._encode(value)
         request = pb.CallRequest(
             session_id=self.id,
             op=pb.CallRequest.PUT,
-            value=self._encode(value),
+            value=encoded,
             device=device or "",
             ref_name=name or "",
         )
-        return Ref(self.id, self._rpc(request).ref)
+        return Ref(self.id, self._exchange(request, following)[0].ref)
 
-    def _encode(self, value: Any) -> pb.Value:
+    def _encode(self, value: Any) -> tuple[pb.Value, list[memoryview]]:
         _encoding_for.session = self.id
         try:
             return self._value(values.encode(value))
@@ -524,31 +548,31 @@ class Session:
         digest, pickled = _pickle_function(function)
         if timeout is not None and timeout <= 0:
             raise InvalidRequest(f"timeout must be more than 0 seconds, not {timeout}")
+        encoded, following = self._encode((args, kwargs)) if args or kwargs else (_NO_ARGS_VALUE, [])  # encoded once
         request = pb.CallRequest(
             session_id=self.id,
             op=pb.CallRequest.CALL,
-            value=self._encode((args, kwargs)) if args or kwargs else _NO_ARGS_VALUE,  # the latter: encoded once
+            value=encoded,
             function=digest,
             function_pickle=b"" if digest in self._sent else pickled,
             keep=bool(keep),
             ref_name=keep if isinstance(keep, str) else "",
             timeout=timeout or 0.0,
         )
-        reply = self._rpc(request)
+        reply, received = self._exchange(request, following)
         if reply.unknown_function:  # a new worker (restarted, or after a server restart): send it again
             request.function_pickle = pickled
-            reply = self._rpc(request)
+            reply, received = self._exchange(request, following)
         self._sent.add(digest)
         if keep:
             return Ref(self.id, reply.ref)
-        return self._result(reply.value)
+        return self._result(reply.value, received)
 
     def get(self, ref: Ref) -> Any:
         """The value ``ref`` stands for, brought here."""
         self._check(ref)
-        return self._result(
-            self._rpc(pb.CallRequest(session_id=self.id, op=pb.CallRequest.GET, ref_ids=[ref.id])).value
-        )
+        reply, received = self._exchange(pb.CallRequest(session_id=self.id, op=pb.CallRequest.GET, ref_ids=[ref.id]))
+        return self._result(reply.value, received)
 
     def delete(self, *refs: Ref) -> None:
         """Let the worker drop these values."""

@@ -14,7 +14,7 @@ import platform
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -219,21 +219,6 @@ class Transport:
         from gpuport.client import _data_port
 
         return _data_port.open_channel(self, session_id)
-
-    def send_value(
-        self, session_id: str, buffers: Sequence[memoryview], total: int, advance: Callable[[int], None]
-    ) -> str | None:
-        """A large value's buffers sent through the data port for session ``session_id``; its staged
-        key, or None: use gRPC."""
-        from gpuport.client import _data_port
-
-        return _data_port.send_value(self, session_id, buffers, total, advance)
-
-    def receive_value(self, session_id: str, staged: str, view: memoryview, advance: Callable[[int], None]) -> bool:
-        """A staged result received through the data port into ``view``; False: use gRPC."""
-        from gpuport.client import _data_port
-
-        return _data_port.receive_value(self, session_id, staged, view, advance)
 
     # ---- folders up, snapshots down ---------------------------------------------------------------
 

@@ -775,16 +775,18 @@ class SessionList(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
 
 class Value(_message.Message):
-    __slots__ = ("header", "buffers", "staged", "sizes")
+    __slots__ = ("header", "buffers", "staged", "sizes", "follows")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     buffers: _containers.RepeatedScalarFieldContainer[bytes]
     staged: str
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, header: _Optional[bytes] = ..., buffers: _Optional[_Iterable[bytes]] = ..., staged: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    follows: bool
+    def __init__(self, header: _Optional[bytes] = ..., buffers: _Optional[_Iterable[bytes]] = ..., staged: _Optional[str] = ..., sizes: _Optional[_Iterable[int]] = ..., follows: _Optional[bool] = ...) -> None: ...
 
 class RefInfo(_message.Message):
     __slots__ = ("ref_id", "name", "type", "summary")
@@ -799,7 +801,7 @@ class RefInfo(_message.Message):
     def __init__(self, ref_id: _Optional[str] = ..., name: _Optional[str] = ..., type: _Optional[str] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class CallRequest(_message.Message):
-    __slots__ = ("session_id", "op", "value", "function", "function_pickle", "keep", "ref_name", "ref_ids", "device", "timeout")
+    __slots__ = ("session_id", "op", "value", "function", "function_pickle", "keep", "ref_name", "ref_ids", "device", "timeout", "results_follow")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CALL: _ClassVar[CallRequest.Op]
@@ -822,6 +824,7 @@ class CallRequest(_message.Message):
     REF_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FOLLOW_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     op: CallRequest.Op
     value: Value
@@ -832,7 +835,8 @@ class CallRequest(_message.Message):
     ref_ids: _containers.RepeatedScalarFieldContainer[str]
     device: str
     timeout: float
-    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[CallRequest.Op, str]] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., function: _Optional[str] = ..., function_pickle: _Optional[bytes] = ..., keep: _Optional[bool] = ..., ref_name: _Optional[str] = ..., ref_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+    results_follow: bool
+    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[CallRequest.Op, str]] = ..., value: _Optional[_Union[Value, _Mapping]] = ..., function: _Optional[str] = ..., function_pickle: _Optional[bytes] = ..., keep: _Optional[bool] = ..., ref_name: _Optional[str] = ..., ref_ids: _Optional[_Iterable[str]] = ..., device: _Optional[str] = ..., timeout: _Optional[float] = ..., results_follow: _Optional[bool] = ...) -> None: ...
 
 class RemoteFailure(_message.Message):
     __slots__ = ("kind", "type", "message", "traceback", "exception", "has_exit_code", "exit_code", "stderr_tail")
@@ -905,30 +909,24 @@ class DataChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "size", "staged", "channel", "tunnel", "blobs")
+    __slots__ = ("session_id", "channel", "tunnel", "blobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    STAGED_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     TUNNEL_FIELD_NUMBER: _ClassVar[int]
     BLOBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    size: int
-    staged: str
     channel: bool
     tunnel: str
     blobs: bool
-    def __init__(self, session_id: _Optional[str] = ..., size: _Optional[int] = ..., staged: _Optional[str] = ..., channel: _Optional[bool] = ..., tunnel: _Optional[str] = ..., blobs: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., channel: _Optional[bool] = ..., tunnel: _Optional[str] = ..., blobs: _Optional[bool] = ...) -> None: ...
 
 class TransferTicket(_message.Message):
-    __slots__ = ("staged", "ticket", "port")
-    STAGED_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("ticket", "port")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
-    staged: str
     ticket: str
     port: int
-    def __init__(self, staged: _Optional[str] = ..., ticket: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+    def __init__(self, ticket: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class OutputRequest(_message.Message):
     __slots__ = ("session_id", "stdout_offset", "stderr_offset")

@@ -1,14 +1,11 @@
-"""The data port: a session's large values as plain bytes over TLS, beside gRPC.
+"""The data port: a session's calls and large values as plain bytes over TLS, beside gRPC.
 
 gRPC in Python moved 0.38 GB/s on this project's 2-core test VM where a TLS socket moved 0.6–1.3
 GB/s (protobuf copies every chunk twice, and the event loop sees each one), and sessions exist to
-move arrays. So a
-value past ``SESSION_INLINE_BYTES`` goes here instead: the client asks for a ticket over gRPC
-(``Sessions.Transfer``, authenticated like any call), connects, sends the ticket (64 hex digits and a
-newline) and then the bytes, received straight into the memfd the worker will map; or it receives
-the bytes of a staged result, sent straight from the worker's memory. An upload is answered with one
-byte, ``K``, once every byte has arrived. A connection with a bad ticket is answered ``E`` and the
-reason, and closed. Same certificate, same cipher as the gRPC port.
+move arrays. So a session's calls, and with them its values, go here: the client asks for a ticket
+over gRPC (``Sessions.Transfer``, authenticated like any call), connects, and sends the ticket (64
+hex digits and a newline). A connection with a bad ticket is answered ``E`` and the reason, and
+closed. Same certificate, same cipher as the gRPC port.
 
 Until its ticket line is in, a connection costs no thread: one thread accepts, shakes hands (TLS)
 and reads every ticket line, without blocking, within ``_HANDSHAKE_DEADLINE`` from the connection's
@@ -47,13 +44,18 @@ this way where gRPC's stream took 0.70–0.83 s (tmpfs, the 2-core VM, in turns)
 answered ``K`` with the blobs placed and their bytes (``_BLOBS_DONE``), a bad blob with ``E`` and
 why; the blobs placed before it stay the sender's.
 
-A channel (``TransferRequest.channel``) carries a session's calls instead, for as long as the client
-keeps it open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and
-the serialized ``CallRequest``, and each reply as a length, one byte (0: a ``CallReply`` follows; 1: an
+A channel (``TransferRequest.channel``) carries a session's calls, for as long as the client keeps it
+open: answered ``C``, then each ``Sessions.Call`` request as a 4-byte little-endian length and the
+serialized ``CallRequest``, and each reply as a length, one byte (0: a ``CallReply`` follows; 1: an
 error, JSON ``{"error": class name, "message": ...}``) and the body. Its thread relays the calls
 straight to the worker's socket: no HTTP/2 framing and no turns of the event loop, which is what a
-small call's round trip is made of through gRPC. Values past ``SESSION_INLINE_BYTES`` still go by
-ticket as above.
+small call's round trip is made of through gRPC. A value past ``SESSION_INLINE_BYTES`` follows its
+request (``Value.follows``: the bytes of its buffers, ``sizes``, end to end), and a large result
+follows its reply likewise when the request allows it (``CallRequest.results_follow``): no
+connection of their own. To a worker that maps this server's memory a value is received into the
+memfd it maps; to a worker on another node it passes on as it comes (``Following``), and its result
+comes back the same way, never held whole here. A value the call did not take (it failed first) is
+read and dropped, so the channel's next call starts where it should.
 """
 
 from __future__ import annotations
@@ -63,7 +65,6 @@ import io
 import ipaddress
 import json
 import logging
-import mmap
 import select
 import selectors
 import socket
@@ -96,9 +97,8 @@ from gpuport.server.metrics import Transfers
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.sessions import SessionService
 from gpuport.server.services.snapshots import SnapshotService
-from gpuport.server.services.staging import Direct, Redeemed, Staged
+from gpuport.server.services.staging import ClientGone, Direct, Following, Redeemed
 from gpuport.server.services.storage import StorageService, over_quota
-from gpuport.server.worker import wire
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,6 @@ _REPLY = struct.Struct("<IB")  # length, kind
 _BLOB_HEAD = struct.Struct("<c64sQ")  # F (a blob follows) or Z (the end), blob id, size
 _BLOBS_DONE = struct.Struct("<QQ")  # blobs placed, bytes
 _OK, _ERROR = 0, 1
-_FOR_STAGED = ("upload", "download")  # tickets for a session's value: they count apart (see _take_hold)
 
 
 class DataPort:
@@ -148,7 +147,6 @@ class DataPort:
         self.port: int = self._listener.getsockname()[1]
         self._closed = False
         self._held: dict[str, set[socket.socket]] = {}  # a user's open channels, closed when their token goes
-        self._moving: dict[str, set[socket.socket]] = {}  # a user's uploads and downloads under way, the same
         self._held_lock = threading.Lock()
         # Idle channels handed to the accepting thread's selector, and the way to wake it for them.
         self._parking: list[_Parked] = []
@@ -156,11 +154,12 @@ class DataPort:
         self._wake_r.setblocking(False)
 
     def revoke(self, name: str) -> None:
-        """Close every channel ``name`` holds open and every transfer of theirs under way, at once,
-        and refuse their tickets not redeemed yet (their token was revoked)."""
+        """Close every channel ``name`` holds open (with any value on its way through it) and every
+        transfer of theirs under way, at once, and refuse their tickets not redeemed yet (their token
+        was revoked)."""
         self.staging.forget(name)  # first: a connection counted after this sees the revocation (_take_hold)
         with self._held_lock:
-            conns = self._held.pop(name, set()) | self._moving.pop(name, set())
+            conns = self._held.pop(name, set())
         for conn in conns:
             with contextlib.suppress(OSError):
                 # The socket's own shutdown, not SSLSocket's, which would pull the TLS state from
@@ -352,69 +351,13 @@ class DataPort:
                     return
                 self._hold_channel(channel, found.caller, Direct(found.key))
                 return
-            staged = found.staged
-            assert staged is not None
-            conn.settimeout(_IDLE_TIMEOUT)
-            if not self._take_hold(conn, found):
-                if found.kind == "upload":
-                    self._drop_upload(found.key)
-                else:
-                    staged.close()
-                return
-            try:
-                if found.kind == "upload":
-                    self._upload(conn, found, staged)
-                else:
-                    self._download(conn, staged)
-            finally:
-                with self._held_lock:
-                    self._moving.get(found.caller.name, set()).discard(conn)
+            conn.sendall(f"Ea ticket for {found.kind!r}, which this server does not serve\n".encode())
         except (OSError, EOFError, ValueError) as e:
             log.info("a transfer from %s failed: %s", peer, e)
         finally:
             if conn is not None:
                 with contextlib.suppress(OSError):
                     conn.close()
-
-    def _upload(self, conn: socket.socket, found: Redeemed, staged: Staged) -> None:
-        """Receive an upload's bytes into its memory; an upload cut short (as by its token's
-        revocation), or whole only after its token was revoked, is dropped: nothing of it stays."""
-        assert found.caller is not None
-        fd, _, size = staged.parts[0]
-        try:
-            if size:
-                if staged.mapped is None:  # kept once the value went to the worker: see SessionMemory.sent
-                    staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
-                view = memoryview(staged.mapped)
-                try:
-                    _receive(conn, view)
-                finally:
-                    view.release()
-                self.transfers.add("data_port", "in", size)
-        except BaseException:
-            self._drop_upload(found.key)
-            raise
-        staged.complete = True
-        if self.staging.revocations(found.caller.name) != found.revocations:  # Staging.forget passed it over
-            self._drop_upload(found.key)
-            conn.sendall(
-                f"Ethe token of '{found.caller.name}' was revoked during the upload: it was dropped\n".encode()
-            )
-            return
-        conn.sendall(b"K")
-
-    def _drop_upload(self, key: str) -> None:
-        staged = self.staging.take(key)
-        if staged is not None:
-            staged.close()
-
-    def _download(self, conn: socket.socket, staged: Staged) -> None:
-        """Send a staged result's bytes, straight from its memory; then free it."""
-        with staged.read_once() as views:
-            for view in views:
-                for at in range(0, len(view), _SLICE):
-                    conn.sendall(view[at : at + _SLICE])
-                self.transfers.add("data_port", "out", len(view))
 
     def _blobs(self, conn: socket.socket, name: str, peer: object) -> None:
         """Receive blobs (see the module's doc) until the sender's end, placing each once it checks out."""
@@ -545,7 +488,7 @@ class DataPort:
         try:
             if self._channel(conn, caller, direct):
                 return
-        except (OSError, EOFError, ValueError) as e:
+        except (OSError, EOFError, ValueError, ClientGone) as e:
             log.info("a channel of %s failed: %s", caller.name, e)
         direct.close()
         self._let_go(conn, caller.name)
@@ -553,17 +496,13 @@ class DataPort:
     def _take_hold(self, conn: socket.socket, found: Redeemed) -> bool:
         """Count ``conn``, redeemed as ``found``, among its caller's open connections (closed at once
         when their token is revoked); or, when their token was revoked since the ticket was redeemed,
-        or they hold the most channels allowed, answer ``E`` and why, and say False. Uploads and
-        downloads of session values count apart, without a limit: they end by themselves."""
+        or they hold the most channels allowed, answer ``E`` and why, and say False."""
         assert found.caller is not None
         name = found.caller.name
         with self._held_lock:
             # Under the lock revoke() takes after Staging.forget: a revocation either finds this
             # connection there or is seen here.
             revoked = self.staging.revocations(name) != found.revocations
-            if not revoked and found.kind in _FOR_STAGED:
-                self._moving.setdefault(name, set()).add(conn)
-                return True
             held = self._held.setdefault(name, set())
             count = len(held)
             if not revoked and count < _MAX_CHANNELS:
@@ -611,18 +550,33 @@ class DataPort:
                 return False
             body = bytearray(size)
             _receive(conn, memoryview(body))
+            out, following = None, None
             try:
                 request = pb.CallRequest.FromString(bytes(body))
-                kind, reply = _OK, call_reply(self.sessions.call_direct(caller, call_in(request), direct))
-                data = reply.SerializeToString()
+                call = call_in(request)
+                if call.value is not None and call.value.follows:
+                    if any(n < 0 for n in call.value.sizes):
+                        _reply(conn, _ERROR, _error(InvalidRequest("a value's buffer sizes cannot be negative")))
+                        return False  # how many bytes follow is unknown: the channel is out of step
+                    following = Following(conn, sum(call.value.sizes))
+                out = self.sessions.call_direct(caller, call, direct, following, request.results_follow)
+                kind, data = _OK, call_reply(out).SerializeToString()
             except DecodeError:
                 kind, data = _ERROR, _error(InvalidRequest("the channel carried something other than a call"))
             except GpuportError as e:
                 kind, data = _ERROR, _error(e)
+            except ClientGone:
+                raise
             except Exception:
                 log.exception("a call on a data-port channel failed")
                 kind, data = _ERROR, _error(ServerError("internal server error — the server's log has the details"))
+            if following is not None:
+                following.drain()  # what the call did not take (it failed first): the next call starts after it
+                self.transfers.add("data_port", "in", following.size)
             _reply(conn, kind, data)
+            if kind == _OK and out is not None and out.follows is not None:
+                out.follows(conn)
+                self.transfers.add("data_port", "out", sum(out.value.sizes) if out.value else 0)
 
 
 @dataclass

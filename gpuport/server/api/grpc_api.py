@@ -614,7 +614,7 @@ def call_in(request: pb.CallRequest) -> CallIn:
     value = None
     if request.HasField("value"):
         v = request.value
-        value = Value(header=v.header, buffers=list(v.buffers), staged=v.staged, sizes=list(v.sizes))
+        value = Value(header=v.header, buffers=list(v.buffers), staged=v.staged, sizes=list(v.sizes), follows=v.follows)
     return CallIn(
         session_id=request.session_id,
         op=_OPS.get(request.op, str(request.op)),
@@ -638,7 +638,9 @@ def call_reply(out: CallOut) -> pb.CallReply:
     )
     if out.value is not None:
         v = out.value
-        reply.value.CopyFrom(pb.Value(header=v.header, buffers=v.buffers, staged=v.staged, sizes=v.sizes))
+        reply.value.CopyFrom(
+            pb.Value(header=v.header, buffers=v.buffers, staged=v.staged, sizes=v.sizes, follows=v.follows)
+        )
     if out.ref is not None:
         reply.ref.CopyFrom(_ref_message(out.ref))
     reply.refs.extend(_ref_message(r) for r in out.refs)
@@ -714,16 +716,10 @@ class SessionsServicer(_Servicer, pb_grpc.SessionsServicer):
 
     @rpc
     async def Transfer(self, request: pb.TransferRequest, caller: Identity) -> pb.TransferTicket:
-        key, ticket = self.app.sessions.transfer(
-            caller,
-            request.session_id,
-            request.size,
-            request.staged,
-            channel=request.channel,
-            tunnel=request.tunnel,
-            blobs=request.blobs,
+        ticket = self.app.sessions.transfer(
+            caller, request.session_id, channel=request.channel, tunnel=request.tunnel, blobs=request.blobs
         )
-        return pb.TransferTicket(staged=key, ticket=ticket, port=self.app.sessions.data_port)
+        return pb.TransferTicket(ticket=ticket, port=self.app.sessions.data_port)
 
     @stream_rpc
     async def Output(self, request: pb.OutputRequest, caller: Identity) -> AsyncIterator[pb.OutputChunk]:

@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from gpuport.protocol.errors import (
     ResourceUnavailable,
     ServerError,
 )
+from gpuport.protocol.sockets import recv_exact
 from gpuport.protocol.units import format_duration
 from gpuport.protocol.values import check_compatible
 from gpuport.server.environments import EnvRequest
@@ -61,7 +62,17 @@ from gpuport.server.executors.base import handed_over
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.job_requests import JobRequest
 from gpuport.server.services.jobs import JobRecord, JobService, JobState
-from gpuport.server.services.staging import STAGED_TTL, Direct, SessionMemory, Staged, Staging, check_size
+from gpuport.server.services.staging import (
+    STAGED_TTL,
+    ClientGone,
+    Direct,
+    Following,
+    SessionMemory,
+    Staged,
+    Staging,
+    check_size,
+    pass_on,
+)
 from gpuport.server.store import Store
 from gpuport.server.worker import wire
 
@@ -79,6 +90,7 @@ _STATE_EVERY = 25  # output polls between looks at a followed session's state (0
 _REAP_EVERY = 1.0
 _RECOUNT_WAIT = 5.0  # seconds a starting server waits for the workers it picks up to count their values
 _STDERR_TAIL_LINES = 20
+_SEND_SLICE = 1024 * 1024  # bytes of a staged result handed to one send on a channel
 _MAX_IDLE_TIMEOUT = 30 * 24 * 3600.0
 _OUTPUT = ("stdout", "stderr")  # the worker's files of fds 1 and 2
 _ERRORS = {cls.__name__: cls for cls in (InvalidRequest, NotFound, Conflict, ResourceUnavailable)}
@@ -123,6 +135,7 @@ class Value:
     buffers: list[bytes] = field(default_factory=list)
     staged: str = ""
     sizes: list[int] = field(default_factory=list)
+    follows: bool = False  # on a data-port channel: the buffers' bytes follow the message (``sizes``)
 
 
 @dataclass
@@ -150,6 +163,8 @@ class CallOut:
     stdout_offset: int = 0
     stderr_offset: int = 0
     download: str = ""
+    # On a data-port channel: sends the result's bytes after the reply (``value.follows``).
+    follows: Callable[[socket.socket], None] | None = None
 
 
 @dataclass
@@ -471,6 +486,8 @@ class SessionService:
         return stream
 
     async def call(self, caller: Identity, request: CallIn) -> CallOut:
+        if request.value is not None and request.value.follows:
+            raise InvalidRequest("a value's bytes follow its call only on a data-port channel: upload them first")
         live = self._find(caller, request.session_id)
         header, buffers, fds, staged = self._request(live, request)
         try:
@@ -484,10 +501,7 @@ class SessionService:
     def _request(self, live: _Live, request: CallIn) -> tuple[dict[str, Any], list[Any], list[int], Staged | None]:
         """The frame for the worker: its header, inline buffers and descriptors, and the upload it
         names (the caller closes it once sent)."""
-        if request.op not in ("call", "put", "get", "delete", "refs"):
-            raise InvalidRequest(f"unknown operation {request.op!r}")
-        if request.timeout < 0:
-            raise InvalidRequest(f"timeout must be 0 (none) or more, not {request.timeout:g}")
+        _check(request)
         header: dict[str, Any] = {"op": request.op}
         buffers: list[Any] = []
         fds: list[int] = []
@@ -500,7 +514,7 @@ class SessionService:
             buffers += request.value.buffers
             if request.value.staged:
                 staged = self.staging.take(request.value.staged[:64])
-                if staged is None or staged.session_id != live.id or not staged.complete:
+                if staged is None or staged.session_id != live.id:
                     if staged is not None:
                         staged.close()
                     raise NotFound(
@@ -521,27 +535,58 @@ class SessionService:
         )
         return header, buffers, fds, staged
 
-    def call_direct(self, caller: Identity, request: CallIn, direct: Direct) -> CallOut:
+    def call_direct(
+        self,
+        caller: Identity,
+        request: CallIn,
+        direct: Direct,
+        following: Following | None = None,
+        results_follow: bool = False,
+    ) -> CallOut:
         """``call`` from a data-port channel's thread: straight to the worker on the channel's own
         connection, with no turn of the event loop (the worker answers its connections one request
         at a time). What is not a plain round trip goes to the event loop: a worker the server has
-        not reached yet (starting, queued), one that dies, a call past its timeout."""
+        not reached yet (starting, queued), one that dies, a call past its timeout.
+
+        ``following``: the value's bytes, which follow the request on the channel. To a worker on
+        another node they pass on as they come, never held whole here; to one that shares memory
+        with this server (or one not reached yet) they are received into memory it maps first.
+        ``results_follow``: a large result's bytes may follow the reply on the channel
+        (``CallOut.follows`` sends them), again passed on from a worker on another node as they come."""
         live = self._find(caller, request.session_id)
         if live.id != direct.session_id:
             raise InvalidRequest(f"this channel carries the calls of session {direct.session_id}, not {live.id}")
+        _check(request)  # before a value is received for it
         sock = self._direct_socket(live, direct)
+        if following is not None and (sock is None or live.shares_memory):
+            self._receive(caller, live, request, following)
+            following = None
         if sock is None:
-            return self._on_loop(self.call(caller, request))
+            return self._follows(self._on_loop(self.call(caller, request)), results_follow)
         header, buffers, fds, staged = self._request(live, request)
+        streamed = 0  # bytes of a result still in ``sock``, on their way to the client after the reply
         with live.call():
             try:
                 sock.settimeout(request.timeout or None)
                 if live.shares_memory:
                     wire.send(sock, header, buffers, fds)
+                elif following is not None:
+                    assert request.value is not None
+                    wire.send_head(sock, {**header, "inline": True}, buffers, request.value.sizes)
+                    following.pass_to(sock)
                 else:
                     with _as_bytes(header, buffers, staged) as (header, buffers):
                         wire.send(sock, header, buffers)
-                frame = wire.recv(sock)
+                head, total, fds = wire.recv_head(sock)
+                if results_follow and "value" in head and not fds and total > SESSION_INLINE_BYTES:
+                    frame, streamed = wire.Frame(head, [], fds), total
+                else:
+                    body = memoryview(bytearray(total))
+                    recv_exact(sock, body, "the worker")
+                    frame = wire.Frame(head, wire.split(head, body), fds)
+            except ClientGone:
+                direct.close()  # the worker has part of a frame: this connection is out of step
+                raise
             except TimeoutError:
                 direct.close()
                 return self._on_loop(self._timed_out(live, request.timeout))
@@ -551,7 +596,65 @@ class SessionService:
             finally:
                 if staged is not None:
                     live.memory.sent(staged)
-        return self._out(live, frame)
+        if not streamed:
+            return self._follows(self._out(live, frame), results_follow)
+        sizes = frame.header.pop("sizes", [])
+        out = self._out(live, frame)
+        if out.value is None:  # an answer the worker should not have sent: nothing follows it
+            direct.close()
+            raise ServerError(f"the worker of session {live.id} sent a result the server cannot read")
+        out.value.sizes, out.value.follows = sizes, True
+
+        def send(conn: socket.socket) -> None:
+            try:
+                pass_on(sock, conn, streamed)
+            except BaseException:
+                direct.close()
+                raise
+
+        out.follows = send
+        return out
+
+    def _receive(self, caller: Identity, live: _Live, request: CallIn, following: Following) -> None:
+        """The value's bytes that follow on the channel, received into memory the worker maps (as
+        an upload through gRPC is): the request then names it as staged."""
+        assert request.value is not None
+        size = following.size
+        check_size(size)
+        fd, mapped = live.memory.upload_memory(size)
+        staged = Staged(caller.name, live.id, [(fd, 0, size)], size, mapped=mapped)
+        try:
+            if size:
+                if staged.mapped is None:
+                    staged.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
+                view = memoryview(staged.mapped)
+                try:
+                    following.into(view)
+                finally:
+                    view.release()
+        except BaseException:
+            staged.close()
+            raise
+        request.value.staged, request.value.follows = self.staging.add(staged, "u-"), False
+
+    def _follows(self, out: CallOut, results_follow: bool) -> CallOut:
+        """With ``results_follow``: a staged result's bytes follow the reply on the channel, instead
+        of waiting for a download of their own."""
+        if not results_follow or out.value is None or not out.value.staged:
+            return out
+        staged = self.staging.take(out.value.staged[:64])
+        if staged is None:
+            return out
+        out.value.staged, out.value.follows, out.download = "", True, ""
+
+        def send(conn: socket.socket) -> None:
+            with staged.read_once() as views:
+                for view in views:
+                    for at in range(0, len(view), _SEND_SLICE):
+                        conn.sendall(view[at : at + _SEND_SLICE])
+
+        out.follows = send
+        return out
 
     def _direct_socket(self, live: _Live, direct: Direct) -> socket.socket | None:
         if direct.sock is not None and direct.job_id == live.job_id:
@@ -746,44 +849,27 @@ class SessionService:
         return key
 
     def transfer(
-        self,
-        caller: Identity,
-        session_id: str,
-        size: int,
-        key: str,
-        channel: bool = False,
-        tunnel: str = "",
-        blobs: bool = False,
-    ) -> tuple[str, str]:
-        """A ticket for the data port: to upload ``size`` bytes (a new staged key), to download the
-        staged result ``key``, with ``channel`` for a channel carrying the session's calls, with
-        ``tunnel`` for a byte stream to the worker's endpoint ``tunnel-NAME`` (a TensorFlow server
-        the worker runs), or with ``blobs`` (and no session) for an upload of snapshot blobs. Returns
-        (key, ticket)."""
+        self, caller: Identity, session_id: str, channel: bool = False, tunnel: str = "", blobs: bool = False
+    ) -> str:
+        """A ticket for the data port: with ``channel`` for a channel carrying the session's calls and
+        their values, with ``tunnel`` for a byte stream to the worker's endpoint ``tunnel-NAME`` (a
+        TensorFlow server the worker runs), or with ``blobs`` (and no session) for an upload of
+        snapshot blobs."""
         if not self.data_port:
             raise InvalidRequest("this server has no data port: send values through gRPC (Upload, Download)")
         if blobs:
-            return "", self.staging.ticket("", "blobs", caller)
+            return self.staging.ticket("", "blobs", caller)
         live = self._find(caller, session_id)
         if channel:
-            return "", self.staging.ticket(live.id, "channel", caller)
+            return self.staging.ticket(live.id, "channel", caller)
         if tunnel:
             if not _TUNNEL_NAME.fullmatch(tunnel):
                 raise InvalidRequest(f"tunnel name {tunnel[:40]!r}: use up to 32 lower-case letters, digits and '-'")
-            return "", self.staging.ticket(live.id, f"tunnel:{tunnel}", caller)
-        if key:
-            staged = self.staging.peek(key[:64])
-            if staged is None or staged.session_id != live.id:
-                raise NotFound(
-                    f"no result {key[:64]!r} to download for this session (it expires after {STAGED_TTL:g}s)"
-                )
-            return key, self.staging.ticket(key, "download", caller)
-        check_size(size)
-        fd, mapped = live.memory.upload_memory(size)
-        staged = Staged(caller.name, live.id, [(fd, 0, size)], size, complete=False, mapped=mapped)
-        key = self.staging.add(staged, "u-")
-        live.last_call_at = time.time()
-        return key, self.staging.ticket(key, "upload", caller)
+            return self.staging.ticket(live.id, f"tunnel:{tunnel}", caller)
+        raise InvalidRequest(
+            "ask for a channel (a session's values go through it), a tunnel or blobs: this server hands out no "
+            "ticket for a value of its own"
+        )
 
     def tunnel_socket(self, session_id: str, name: str) -> socket.socket:
         """The tunnel ``NAME`` of session ``session_id``'s worker: the connection its endpoint
@@ -883,6 +969,13 @@ class _Died(Exception):
     def __init__(self, job: JobRecord) -> None:
         super().__init__(job.message)
         self.job = job
+
+
+def _check(request: CallIn) -> None:
+    if request.op not in ("call", "put", "get", "delete", "refs"):
+        raise InvalidRequest(f"unknown operation {request.op!r}")
+    if request.timeout < 0:
+        raise InvalidRequest(f"timeout must be 0 (none) or more, not {request.timeout:g}")
 
 
 @contextlib.contextmanager

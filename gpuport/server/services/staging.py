@@ -33,7 +33,6 @@ _TICKET_TTL = 60.0  # seconds a data-port ticket stays valid
 # Seconds a forward's ticket stays valid after its last use: it is good for every connection through
 # the forward (one Jobs.Reach per forward, not per connection), until its owner's token is revoked.
 _FORWARD_TICKET_TTL = 600.0
-_FOR_STAGED = ("upload", "download")  # tickets for a staged value; the others (channel, tunnel, blobs) name none
 KEEP_MAP_BYTES = 16 * 1024 * 1024  # uploads from this size keep the server's map for reuse (see SessionMemory.sent)
 
 
@@ -46,7 +45,6 @@ class Staged:
     session_id: str
     parts: list[tuple[int, int, int]]
     size: int
-    complete: bool = True  # an upload through the data port is complete once every byte arrived
     created: float = field(default_factory=time.monotonic)
     mapped: mmap.mmap | None = None  # an upload's memory, mapped here (writable)
     borrow: Callable[[int], mmap.mmap | None] | None = None  # a result's: the session's map of a memfd
@@ -99,12 +97,11 @@ class Staged:
 
 @dataclass(frozen=True)
 class Redeemed:
-    """What a data-port ticket was for: an upload or a download of ``staged``, or a channel for the
-    calls of session ``key`` by ``caller``."""
+    """What a data-port ticket was for: a channel for the calls of session ``key`` by ``caller``, a
+    tunnel to its worker, blobs, a forward to a job or a command in it."""
 
     key: str
-    kind: str  # upload, download, channel, tunnel:NAME, blobs
-    staged: Staged | None
+    kind: str  # channel, tunnel:NAME, blobs, forward:PORT, exec
     caller: Identity | None = None
     revocations: int = 0  # the caller's revocations when it was redeemed (see Staging.revocations)
 
@@ -115,8 +112,7 @@ class Staging:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, Staged] = {}
-        # ticket → (key, "upload" | "download" | "channel" | "tunnel:NAME" | "blobs" | "forward:PORT" | "exec",
-        # expiry, caller)
+        # ticket → (key, "channel" | "tunnel:NAME" | "blobs" | "forward:PORT" | "exec", expiry, caller)
         self._tickets: dict[str, tuple[str, str, float, Identity | None]] = {}
         # The tickets of revoked tokens, until they would have expired: ticket → (name, expiry), so that
         # presenting one is refused with the reason, not as an unknown ticket.
@@ -146,18 +142,16 @@ class Staging:
 
     def forget(self, name: str) -> None:
         """``name``'s token was revoked: refuse the tickets handed to them that are not redeemed yet,
-        and free what they uploaded that no call took yet and the results those tickets were for."""
+        and free what they uploaded (through gRPC) that no call took yet."""
         doomed: list[Staged] = []
         with self._lock:
             self._revocations[name] = self._revocations.get(name, 0) + 1
-            for ticket, (key, kind, expiry, caller) in list(self._tickets.items()):
+            for ticket, (_, _, expiry, caller) in list(self._tickets.items()):
                 if caller is not None and caller.name == name:
                     del self._tickets[ticket]
                     self._revoked[ticket] = (name, expiry)
-                    if kind in _FOR_STAGED and key in self._items:
-                        doomed.append(self._items.pop(key))
-            # Their uploads that arrived whole (one still arriving is cut by the data port, which drops it).
-            for key in [k for k, v in self._items.items() if k.startswith("u-") and v.owner == name and v.complete]:
+            # Their uploads that arrived whole (one still arriving ends with its stream).
+            for key in [k for k, v in self._items.items() if k.startswith("u-") and v.owner == name]:
                 doomed.append(self._items.pop(key))
         for staged in doomed:
             staged.close()
@@ -187,10 +181,7 @@ class Staging:
                 return None
             key, kind, _, caller = found
             revocations = self._revocations.get(caller.name, 0) if caller is not None else 0
-            if kind not in _FOR_STAGED:
-                return Redeemed(key, kind, None, caller, revocations)
-            staged = self._items.pop(key, None) if kind == "download" else self._items.get(key)
-        return Redeemed(key, kind, staged, caller, revocations) if staged is not None else None
+        return Redeemed(key, kind, caller, revocations)
 
     def holds(self, inode: int) -> bool:
         """Whether a staged value lies in the memfd ``inode`` (a result on its way out of it)."""
@@ -209,12 +200,7 @@ class Staging:
                 and (older_than is None or now - staged.created > older_than)
             ]
             gone = [self._items.pop(key) for key in doomed]
-            # A ticket for a staged value goes with it; one for a channel, a tunnel or blobs stays.
-            self._tickets = {
-                t: v
-                for t, v in self._tickets.items()
-                if v[2] >= now and (v[1] not in _FOR_STAGED or v[0] in self._items)
-            }
+            self._tickets = {t: v for t, v in self._tickets.items() if v[2] >= now}
             self._revoked = {t: v for t, v in self._revoked.items() if v[1] >= now}
         for staged in gone:
             staged.close()
@@ -341,3 +327,69 @@ class Direct:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+_PASS_CHUNK = 1024 * 1024  # bytes read, then written on, at a time when a value passes through
+
+
+class ClientGone(Exception):
+    """The client of a data-port channel went away, or broke off a value it was sending: the
+    channel is out of step and ends."""
+
+
+@dataclass
+class Following:
+    """A call's value whose bytes follow its request on a data-port channel (``conn``): the call
+    takes them as it needs them, passed on as they come or received into memory; whatever it left
+    is read and dropped after it (``drain``), so that the channel's next call starts where it should."""
+
+    conn: socket.socket
+    size: int
+    taken: int = 0
+
+    def into(self, view: memoryview) -> None:
+        """Receive the value's next ``len(view)`` bytes into ``view``."""
+        at = 0
+        while at < len(view):
+            at += self._recv(view[at : at + _PASS_CHUNK])
+
+    def pass_to(self, target: socket.socket) -> None:
+        """Send the value's bytes on to ``target`` as they come, never all held. Raises OSError when
+        ``target`` failed (the rest drained from the client first), ``ClientGone`` when the client did."""
+        buffer = memoryview(bytearray(min(_PASS_CHUNK, self.size - self.taken) or 1))
+        while self.taken < self.size:
+            n = self._recv(buffer[: self.size - self.taken])
+            try:
+                target.sendall(buffer[:n])
+            except OSError:
+                self.drain()
+                raise
+
+    def drain(self) -> None:
+        """Read and drop what is left of the value."""
+        buffer = memoryview(bytearray(min(_PASS_CHUNK, self.size - self.taken) or 1))
+        while self.taken < self.size:
+            self._recv(buffer[: self.size - self.taken])
+
+    def _recv(self, view: memoryview) -> int:
+        try:
+            n = self.conn.recv_into(view)
+        except OSError as e:
+            raise ClientGone(f"the client's channel failed while it sent a value: {e}") from None
+        if not n:
+            raise ClientGone(f"the client closed its channel after {self.taken} of a value's {self.size} bytes")
+        self.taken += n
+        return n
+
+
+def pass_on(source: socket.socket, target: socket.socket, size: int) -> None:
+    """Send ``size`` bytes from ``source`` on to ``target`` as they come (a result on its way from a
+    worker to a client). Raises ``EOFError``/OSError as either side fails."""
+    buffer = memoryview(bytearray(min(_PASS_CHUNK, size) or 1))
+    left = size
+    while left:
+        n = source.recv_into(buffer[: min(left, len(buffer))])
+        if not n:
+            raise EOFError(f"the worker closed its connection {size - left} bytes into a result of {size}")
+        target.sendall(buffer[:n])
+        left -= n

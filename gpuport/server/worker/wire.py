@@ -76,10 +76,11 @@ def _sizes(prefix: bytearray) -> tuple[int, int]:
 
 def _frame(body: memoryview, head_size: int, fds: list[int]) -> Frame:
     header = json.loads(bytes(body[:head_size]))
-    return Frame(header, _split(header, body[head_size:]), fds)
+    return Frame(header, split(header, body[head_size:]), fds)
 
 
-def _split(header: dict[str, Any], data: memoryview) -> list[memoryview]:
+def split(header: dict[str, Any], data: memoryview) -> list[memoryview]:
+    """A frame's buffers, laid end to end in ``data``, by the ``sizes`` its header names (taken out of it)."""
     out, at = [], 0
     for size in header.pop("sizes", []):
         out.append(data[at : at + size])
@@ -192,8 +193,26 @@ def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] 
         sock.sendall(part)
 
 
+def send_head(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer], following: Sequence[int]) -> None:
+    """A frame's start: its header and ``buffers``, announcing buffers of the ``following`` sizes
+    that the caller then sends itself (as they come from elsewhere: streamed, never held whole)."""
+    sizes = [memoryview(b).nbytes for b in buffers] + list(following)
+    head = json.dumps({**header, "sizes": sizes}, separators=(",", ":")).encode()
+    for part in _parts(_PREFIX.pack(len(head), sum(sizes)) + head, buffers):
+        sock.sendall(part)
+
+
 def recv(sock: socket.socket) -> Frame:
     """The next frame; ``EOFError`` when the other side has gone."""
+    header, total, fds = recv_head(sock)
+    body = memoryview(bytearray(total))
+    recv_exact(sock, body)
+    return Frame(header, split(header, body), fds)
+
+
+def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, list[int]]:
+    """The next frame's header (its ``sizes`` still in it), how many bytes of buffers follow it on
+    ``sock``, and the descriptors that came with it; ``EOFError`` when the other side has gone."""
     prefix = bytearray(_PREFIX.size)
     got, fds = 0, []
     while got < len(prefix):
@@ -204,9 +223,9 @@ def recv(sock: socket.socket) -> Frame:
         prefix[got : got + len(data)] = data
         got += len(data)
     head_size, total = _sizes(prefix)
-    body = memoryview(bytearray(head_size + total))
-    recv_exact(sock, body)
-    return _frame(body, head_size, fds)
+    head = memoryview(bytearray(head_size))
+    recv_exact(sock, head)
+    return json.loads(bytes(head)), total, fds
 
 
 # ---- the server's side: on the event loop --------------------------------------------------------

@@ -349,7 +349,8 @@ class SessionService:
         if job.state is JobState.QUEUED:
             return "queued", job.message
         if job.state is JobState.RUNNING:
-            return "running", ""
+            held = self.executor.waiting([job.id]).get(job.id, "")  # by a cluster's own queue (Slurm's)
+            return ("queued", held) if held else ("running", "")
         return "died", f"its worker {job.message}" if job.message else "its worker ended"
 
     def _record(self, live: _Live, *, reattached: bool = False) -> SessionRecord:
@@ -447,7 +448,9 @@ class SessionService:
             job = self.jobs.get(owner, live.job_id)
             if job.state.is_terminal():
                 raise _Died(job)
-            if job.state is JobState.RUNNING:
+            # A cluster with a queue of its own may hold a worker it was handed (Slurm's): still queued.
+            held = self.executor.waiting([job.id]).get(job.id, "") if job.state is JobState.RUNNING else ""
+            if job.state is JobState.RUNNING and not held:
                 started = started or time.monotonic()
                 try:
                     stream = await asyncio.to_thread(self._connect, live, live.job_id)
@@ -460,8 +463,8 @@ class SessionService:
                             f"{_CONNECT_TIMEOUT:g}s — its output and the server's log may say why"
                         ) from None
             if deadline is not None and time.monotonic() > deadline:
-                raise ResourceUnavailable(f"session {live.id} is still queued: {job.message}")
-            await asyncio.sleep(0.01 if job.state is JobState.RUNNING else 0.1)
+                raise ResourceUnavailable(f"session {live.id} is still queued: {held or job.message}")
+            await asyncio.sleep(0.01 if job.state is JobState.RUNNING and not held else 0.1)
 
     def _connect(self, live: _Live, job_id: str) -> Any:
         """A stream to the worker's endpoint; whether descriptors travel along it says how large

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -248,3 +249,66 @@ def test_a_link_asked_with_a_wrong_secret_answers_nothing(
                 said = b""
             assert said in (b"",) or said.startswith(b"\x15"), said  # closed, or a TLS alert: nothing of a worker's
         assert time.monotonic() - started < 15
+
+
+def _exit_saying(code: int) -> None:
+    print("exiting on purpose", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def test_a_worker_that_exits_raises_worker_died_with_its_stderr_and_restart_gives_a_fresh_slurm_job(
+    slurm_server: RunningServer, cluster: SlurmCluster, shared: Path
+) -> None:
+    with slurm_server.connect() as gpu, gpu.session() as session:
+        assert session.call(_node) in cluster.nodes
+        first = _slurm_id(shared, session.info().job_id)
+        with pytest.raises(gpuport.WorkerDied) as died:
+            session.call(_exit_saying, 3)
+        assert died.value.exit_code == 3, died.value
+        assert "exiting on purpose" in died.value.stderr_tail  # read from its run folder, in the shared one
+        session.restart()
+        assert session.call(_node) in cluster.nodes
+        assert _slurm_id(shared, session.info().job_id) != first
+
+
+def test_a_session_slurm_holds_is_queued_with_slurms_reason_until_it_has_its_gpus(
+    slurm_server: RunningServer, cluster: SlurmCluster
+) -> None:
+    with slurm_server.connect() as gpu, gpu.session(gpus=2) as first, gpu.session(gpus=2) as second:
+        assert first.call(_node) != second.call(_node)  # every GPU of the cluster is held
+        with gpu.session(gpus=1) as third:
+            wait_for(
+                lambda: (i := third.info()).state == "queued" and i.message.startswith("Slurm: "),
+                30,
+                lambda: f"the third session to wait for Slurm (it is {third.info()})",
+            )
+            first.close()
+            assert third.call(_node) in cluster.nodes
+            assert third.info().state == "running"
+
+
+def test_a_named_session_outlives_a_server_killed_with_sigkill(
+    cluster: SlurmCluster, shared: Path, tmp_path: Path
+) -> None:
+    env = server_env(SLURM_CONF=str(cluster.conf))
+    state = tmp_path / "state"
+    first = start_server(state, "--slurm", "--shared-dir", str(shared), env=env)
+    second = None
+    try:
+        with first.connect() as gpu:
+            session = gpu.session(name="kept", idle_timeout=120)
+            session.put(np.arange(6), name="values")
+            node = session.call(_node)
+        first.stop(signal.SIGKILL)
+        second = start_server(state, "--slurm", "--shared-dir", str(shared), env=env)
+        second.admin_token = first.admin_token  # shown on the first start only
+        with second.connect() as gpu:
+            again = gpu.session(name="kept")
+            assert again.reattached and again.id == session.id
+            assert again.get(again.ref("values")).tolist() == list(range(6))  # its worker on the node kept them
+            assert again.call(_node) == node
+            again.close()
+    finally:
+        for running in (first, second):
+            if running is not None:
+                running.stop()

@@ -450,14 +450,17 @@ class SessionService:
                 raise _Died(job)
             # A cluster with a queue of its own may hold a worker it was handed (Slurm's): still queued.
             held = self.executor.waiting([job.id]).get(job.id, "") if job.state is JobState.RUNNING else ""
-            if job.state is JobState.RUNNING and not held:
+            if held:
+                started = None  # its start is counted from when the cluster runs it
+            elif job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 try:
                     stream = await asyncio.to_thread(self._connect, live, live.job_id)
                     live.link = wire.Link(stream.sock)
                     return live.link
-                except (FileNotFoundError, ConnectionError):
+                except (FileNotFoundError, ConnectionError) as e:
                     if time.monotonic() - started > _CONNECT_TIMEOUT:
+                        log.warning("session %s: its worker %s cannot be reached: %s", live.id, live.job_id, e)
                         raise ServerError(
                             f"the worker of session {live.id} did not start listening within "
                             f"{_CONNECT_TIMEOUT:g}s — its output and the server's log may say why"

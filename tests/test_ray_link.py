@@ -1,4 +1,4 @@
-"""The link from the server to a node's agent (executors/ray_link.py), without Ray: a real TLS
+"""The link from the server to a node's agent (executors/node_link.py), without Ray: a real TLS
 listener in front of a real Unix socket, as an agent has one in front of its jobs' workers."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.server.executors.base import Stream
-from gpuport.server.executors.ray_link import LinkError, NodeListener, dial
+from gpuport.server.executors.node_link import LinkError, NodeListener, dial
 
 SECRET = "ab" * 32
 

@@ -179,6 +179,35 @@ def test_a_command_that_cannot_start_ends_with_127(run: Start, nprocs: int) -> N
     assert job.log() == f"gpuport: {status['error']}\n"
 
 
+def test_a_link_starts_before_the_job_and_is_killed_after_it(run: Start, tmp_path: Path) -> None:
+    # The link notes its pid, says ready, and then waits; the job sees that it runs already.
+    pid_file = tmp_path / "link.pid"
+    link = python(
+        f"import os, sys, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('ready', flush=True); time.sleep(600)"
+    )
+    job = run(python(f"import os; print(os.path.exists({str(pid_file)!r}))"), link={"argv": link, "env": {}})
+    status = job.wait()
+    assert status["exit_code"] == 0 and job.log() == "True\n"
+    pid = int(pid_file.read_text())
+    wait_for(lambda: is_gone(pid) or _zombie(pid), 10, "the link to be killed once the job has ended")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_link_that_does_not_start_stops_the_job_saying_why(run: Start, tmp_path: Path) -> None:
+    ran = tmp_path / "ran"
+    job = run(python(f"open({str(ran)!r}, 'w')"), link={"argv": python("print('OSError: no address')"), "env": {}})
+    status = job.wait()
+    assert status["exit_code"] == 127 and not ran.exists()
+    assert status["error"] == "the job's link to the server did not start: OSError: no address"
+    assert job.log() == f"gpuport: {status['error']}\n"
+
+
 def test_two_ranks_find_each_other(run: Start) -> None:
     job = run(python(SHOW_ENV), nprocs=2)
     assert job.wait()["exit_code"] == 0

@@ -244,7 +244,8 @@ async def serve(
         # Said as it is: Slurm runs the jobs as the user who submits them, the server's.
         isolated = isolation.Sandbox("none", "--slurm: jobs run on the cluster's nodes as the server's user")
 
-        executor = SlurmExecutor(slurm_dir, BlobStore(state.blobs_dir), inventory, slurm_partition)
+        key_file = state.root / "slurm-link.key"  # the secrets of its jobs' links derive from it
+        executor = SlurmExecutor(slurm_dir, BlobStore(state.blobs_dir), inventory, slurm_partition, key_file)
     if ray_address:
         from gpuport.server.blobs import BlobStore
         from gpuport.server.executors.ray import RayExecutor

@@ -239,7 +239,7 @@ def load_or_create_identity(state: StateDir, host: str) -> tuple[TLSIdentity, bo
 def link_certificate(address: str) -> tuple[bytes, bytes]:
     """A fresh self-signed certificate and its key (PEM) for a node's link at ``address``: its
     agent makes it (in a child process, as ``_run_child`` says why), and the server pins its
-    fingerprint (``executors/ray_link.py``)."""
+    fingerprint (``executors/node_link.py``)."""
     made = json.loads(_run_child("link", address))
     return made["cert"].encode(), made["key"].encode()
 

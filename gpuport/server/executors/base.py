@@ -17,8 +17,9 @@ Workers the server talks to (a session's, a model replica) are jobs too. Each li
 endpoints and leaves named files in its run folder (``$GPUPORT_RUN_DIR``); the services reach them
 only by job id and name: ``connect`` gives a byte stream to an endpoint, ``read_file`` a file's
 bytes. Where the bytes travel (a Unix socket here, which also carries descriptors of shared memory;
-on a Ray node, a TLS link to its agent, ``ray_link.py``, which connects to the endpoint there) and how
-an endpoint is known to be the worker's own is the executor's.
+on a Ray node, a TLS link to its agent, ``node_link.py``, which connects to the endpoint there; on a
+Slurm node, the same link, started in the job's allocation, ``slurm_link.py``) and how an endpoint is
+known to be the worker's own is the executor's.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class JobLaunch:
     partition: str = ""
     batch_script: str = ""
     nodes: int = 1  # a job over several nodes of such a cluster: ``nprocs // nodes`` processes on each
+    # A worker the server talks to (a session's, a model replica): its endpoints must be reachable
+    # through ``Executor.connect`` (on a Slurm node, over a link the job's supervisor starts).
+    workers: bool = False
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ class Run:
     ended_at: float | None
     gpus: float | None
     cpus: float | None
+    node: str = ""  # where it runs, as the cluster names it (its node list, over several): "" when not said
 
 
 class Executor(ABC):

@@ -17,7 +17,7 @@ agents by name, and through them the jobs it left running.
   job never outlives its node's agent (a raylet killed with SIGKILL takes its workers, and with
   them the agent); the server records the job as failed with "node lost: <node>".
 - **Workers** (a session's): the server reaches a worker's endpoint through one TLS link per node
-  to its agent (``ray_link.py``: the agent's own certificate, pinned; a secret given by a Ray call),
+  to its agent (``node_link.py``: the agent's own certificate, pinned; a secret given by a Ray call),
   which connects to the endpoint as the local executor does and relays bytes; its files by actor
   calls. Values cross as bytes: no memory is shared with a worker on another machine.
 - **Security**: the server refuses a cluster that answers without Ray's token (``RAY_AUTH_MODE=token``)
@@ -53,8 +53,8 @@ from gpuport.server.executors.base import (
     Stream,
     Usage,
 )
+from gpuport.server.executors.node_link import LinkError, dial
 from gpuport.server.executors.ray_agent import NodeAgent, import_ray
-from gpuport.server.executors.ray_link import LinkError, dial
 from gpuport.server.inventory import GpuInfo
 from gpuport.server.worker.supervisor import peer_envs, roles_of
 
@@ -874,7 +874,7 @@ class RayExecutor(Executor):
         return ""
 
     def connect(self, job_id: str, name: str) -> Stream:
-        """Through the link to the agent of the job's node (``ray_link.py``): opened at the first
+        """Through the link to the agent of the job's node (``node_link.py``): opened at the first
         connection to a worker there, and again when the agent no longer takes it (a new agent)."""
         if not ENDPOINT_NAME.fullmatch(name):
             raise InvalidRequest(f"{name[:40]!r} is not an endpoint's name")

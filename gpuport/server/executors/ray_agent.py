@@ -3,7 +3,7 @@
 and calls by job id. It does there what the local executor does here (``workspace.py``): keeps a blob
 store of its own, makes the job's folders, runs the job under the same supervisor and sandbox, and
 answers for its log, exit status, outputs and usage, and for the endpoints and files of the workers
-among its jobs (a session's), through the link of ``ray_link.py``. A job's supervisor gets SIGUSR1 when the
+among its jobs (a session's), through the link of ``node_link.py``. A job's supervisor gets SIGUSR1 when the
 agent's process ends, so a job never outlives its node's agent.
 """
 
@@ -26,11 +26,11 @@ from gpuport._files import atomic_write
 from gpuport._packages import missing_package
 from gpuport.protocol.errors import ConfigError
 from gpuport.server.blobs import BlobStore, BlobWriter
-from gpuport.server.executors.base import FolderReads, JobLaunch, Stream, Usage, handed_over
+from gpuport.server.executors.base import FolderReads, JobLaunch, Stream, Usage
 from gpuport.server.inventory import GpuInfo
 
 if TYPE_CHECKING:
-    from gpuport.server.executors.ray_link import NodeListener
+    from gpuport.server.executors.node_link import NodeListener
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class NodeAgent(FolderReads):
     def open_link(self, secret: str) -> dict[str, Any]:
         """Listen (once) for the server's connections to workers here, which must bring ``secret``
         (hex; the last one given): the port and the fingerprint of this node's certificate."""
-        from gpuport.server.executors.ray_link import NodeListener
+        from gpuport.server.executors.node_link import NodeListener
 
         with self._listener_lock:
             if self._listener is None:
@@ -241,10 +241,9 @@ class NodeAgent(FolderReads):
     def _endpoint(self, job_id: str, name: str) -> Stream:
         """A worker's endpoint for the link; a tunnel's connection taken over here, where the worker
         can pass it (a descriptor does not cross the link)."""
-        stream = self.folders.connect(job_id, name)
-        if not name.startswith("tunnel-"):
-            return stream
-        return Stream(handed_over(stream, name), passes_fds=False)
+        from gpuport.server.executors.node_link import node_endpoint
+
+        return node_endpoint(self.folders.connect(job_id, name), name)
 
     def read_file(self, job_id: str, name: str, offset: int, limit: int) -> bytes:
         return self.folders.read_file(job_id, name, offset, limit)

@@ -13,6 +13,8 @@ beside ``JobFolders``'::
     slurm.out     what Slurm itself writes for the batch step (its errors: cancelled, time limit)
     slurm.done    written by the batch script once the supervisor has ended
     slurm-outputs.json  a batch script's --output/--error files, brought back as outputs
+    link.secret   a worker's (a session's): the secret its link asks of the server, until the link read it
+    link.json     a worker's: where its link listens on its node, signed with that secret (``slurm_link.py``)
 
 The supervisor gets the allocation's ``CUDA_VISIBLE_DEVICES`` and ``SLURM_*`` (its spec's
 ``inherit``). A thread watches the handed-over jobs: a job has ended when its ``slurm.done``
@@ -23,6 +25,17 @@ each (gres per node). The supervisor runs on its first node and starts each rank
 on its node, with the rank variables the Ray executor gives (the spec's ``srun``; see the
 supervisor). Its cancel goes to the batch shell alone, which passes it to the supervisor, which
 stops the ranks through Slurm: a SIGTERM to srun itself would kill its rank at once.
+
+Workers the server talks to (a session's: ``JobLaunch.workers``) are Slurm jobs too, holding their
+allocation until the session ends (then ``cancel``: scancel). The shared folder is NFS on a real
+cluster, where a Unix socket of one node cannot be reached from another: the job's supervisor
+starts, before anything of the job runs, a TLS listener on the node's address (``slurm_link.py``,
+on ``node_link.py``'s listener, relay and pinned certificate) that connects to the worker's
+endpoints as the local executor does (the socket must be one of the job's processes'). ``connect``
+reads where it listens from ``link.json``, checks its HMAC under the job's secret and dials it,
+pinning its certificate. The secret is the HMAC of the job id under a key of the server's
+(``key_file``, in its state dir, not the shared one): the server writes it to ``link.secret`` for
+the link, which removes it before the job starts, and derives it again after a restart.
 
 Usage is Slurm's (``times_runs``): a job's usage row opens when squeue first shows it running, from
 Slurm's start time, not when gpuport hands it over, and once the job has ended one ``sacct`` for all
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import marshal
@@ -45,6 +59,7 @@ import math
 import os
 import pwd
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -57,8 +72,22 @@ from typing import Any
 from gpuport._files import atomic_write
 from gpuport.protocol.errors import ConfigError, InvalidRequest
 from gpuport.server.blobs import BlobStore
-from gpuport.server.executors.base import Ask, Executor, FolderReads, Ingest, JobLaunch, Node, OnExit, Run, Usage
-from gpuport.server.executors.workspace import JobFolders
+from gpuport.server.executors.base import (
+    ENDPOINT_NAME,
+    Ask,
+    Executor,
+    FolderReads,
+    Ingest,
+    JobLaunch,
+    Node,
+    OnExit,
+    Run,
+    Stream,
+    Usage,
+)
+from gpuport.server.executors.node_link import dial
+from gpuport.server.executors.slurm_link import LINK_FILE, SECRET_FILE, verified
+from gpuport.server.executors.workspace import JobFolders, code_paths
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
 from gpuport.server.scheduler import Machine
@@ -154,6 +183,18 @@ def asked_gpus(options: list[str]) -> tuple[int, int]:
     return gpus, nodes
 
 
+def _link_key(path: Path) -> bytes:
+    """The server's key for its jobs' link secrets: read from ``path``, or made there (0600)."""
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        key = b""
+    if len(key) < 32:
+        key = secrets.token_bytes(32)
+        atomic_write(path, key, 0o600)
+    return key
+
+
 class SlurmExecutor(FolderReads, Executor):
     """Jobs as Slurm batch jobs, in workspaces under ``shared_dir`` (see the module's docstring).
     Raises ``ConfigError`` when Slurm's commands do not answer."""
@@ -164,9 +205,17 @@ class SlurmExecutor(FolderReads, Executor):
     runs_here = False
     spans_nodes = True
 
-    def __init__(self, shared_dir: Path, blobs: BlobStore, inventory: Inventory, partition: str = "") -> None:
+    def __init__(
+        self,
+        shared_dir: Path,
+        blobs: BlobStore,
+        inventory: Inventory,
+        partition: str = "",
+        key_file: Path | None = None,
+    ) -> None:
         if partition and not _PARTITION.fullmatch(partition):
             raise ConfigError(f"--slurm-partition {partition!r}: a Slurm partition's name (letters, digits, _.-)")
+        self._key = _link_key(key_file or blobs.root.parent / "slurm-link.key")
         self.shared_dir = shared_dir
         self.partition = partition
         sandbox = Sandbox("none", "jobs run in Slurm's allocations, as Slurm runs them")
@@ -233,7 +282,7 @@ class SlurmExecutor(FolderReads, Executor):
             return queue
         taken = time.monotonic()
         try:
-            out = self._run(["squeue", "-h", "-u", self.user, "-o", "%i|%T|%b|%D|%C|%S|%r"], standard_time=True)
+            out = self._run(["squeue", "-h", "-u", self.user, "-o", "%i|%T|%b|%D|%C|%S|%N|%r"], standard_time=True)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
             log.warning("squeue failed: %s", e)
             return None
@@ -241,13 +290,13 @@ class SlurmExecutor(FolderReads, Executor):
         with self._lock:
             ours = set(self._slurm_ids.values())
         for line in out.splitlines():
-            slurm_id, state, gres, nodes, cpus, start, reason = (line.split("|", 6) + [""] * 6)[:7]
+            slurm_id, state, gres, nodes, cpus, start, where, reason = (line.split("|", 7) + [""] * 7)[:8]
             queue[slurm_id] = (state, reason)
             started = _epoch(start) if state in ("RUNNING", "COMPLETING") else None
             if started is not None and slurm_id in ours and slurm_id not in self._started:
                 with contextlib.suppress(ValueError):
                     gpus = _gpus_of(gres) * int(nodes)
-                    self._started[slurm_id] = Run(slurm_id, started, None, float(gpus), float(cpus))
+                    self._started[slurm_id] = Run(slurm_id, started, None, float(gpus), float(cpus), where)
         self._queue = (taken, queue)
         return queue
 
@@ -315,6 +364,13 @@ class SlurmExecutor(FolderReads, Executor):
         work = job_dir / "work"
         ask = Ask(job.gpus, job.cpus, job.memory, job.time_limit, partition=job.partition)
         ask = dataclasses.replace(ask, nodes=job.nodes, nprocs=job.nprocs)
+        if job.workers:  # reached over its node's network, through a link of its own (``slurm_link.py``)
+            atomic_write(job_dir / SECRET_FILE, self._secret(job.job_id).encode(), 0o600, durable=False)
+            paths = os.pathsep.join(code_paths()[1:])
+            spec["link"] = {
+                "argv": [sys.executable, "-m", "gpuport.server.executors.slurm_link", str(job_dir)],
+                "env": {"PYTHONPATH": paths} if paths else {},
+            }
         if job.nodes > 1:
             commands = {name: shutil.which(name) or name for name in ("srun", "scontrol", "scancel")}
             spec["srun"] = {**commands, "per_node": job.nprocs // job.nodes, "gpus": job.gpus}
@@ -619,6 +675,31 @@ class SlurmExecutor(FolderReads, Executor):
 
     def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
         return {}  # read on the compute nodes, by Slurm
+
+    # ---- workers the server talks to (see the module's docstring) --------------------------------------
+
+    def _secret(self, job_id: str) -> str:
+        return hmac.new(self._key, job_id.encode(), "sha256").hexdigest()
+
+    def workers_problem(self) -> str:
+        return ""
+
+    def connect(self, job_id: str, name: str) -> Stream:
+        if not ENDPOINT_NAME.fullmatch(name):
+            raise InvalidRequest(f"{name[:40]!r} is not an endpoint's name")
+        try:
+            data = (self.folders.folder(job_id) / LINK_FILE).read_bytes()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"job {job_id} has no link yet (Slurm has not started it)") from None
+        secret = self._secret(job_id)
+        info = verified(secret, job_id, data)
+        return dial(str(info["address"]), int(info["port"]), str(info["fingerprint"]), secret, job_id, name)
+
+    def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        return self.folders.read_file(job_id, name, offset, limit)
+
+    def file_size(self, job_id: str, name: str) -> int:
+        return self.folders.file_size(job_id, name)
 
     def close(self) -> None:
         self._stop.set()

@@ -72,7 +72,7 @@ _SUPERVISOR = [sys.executable, "-I", "-S", supervisor.__file__]
 _BOOTSTRAP = Path(bootstrap.__file__).parent
 
 
-def _code_paths() -> list[str]:
+def code_paths() -> list[str]:
     """What a job's Python needs on its path to run gpuport's workers: the bootstrap, and the folder
     that holds gpuport where this server found it on its own path (PYTHONPATH, or the folder it was
     started in) rather than in its environment, since the server's PYTHONPATH is not the job's."""
@@ -84,7 +84,7 @@ def _code_paths() -> list[str]:
     return paths
 
 
-_CODE_PATHS = _code_paths()
+_CODE_PATHS = code_paths()
 # What a job gets of the server's environment, beside what its owner sent and gpuport's own
 # variables: the locale, the time zone, and how to reach the GPUs. Nothing else: the admin's shell
 # (tokens, cloud keys, proxies) stays with the server, and so does the engine's (a Ray node's token).
@@ -101,6 +101,40 @@ def base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k in _SERVER_ENV or k.startswith(_SERVER_ENV_PREFIXES)}
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), _SYSTEM_PATH])
     return env
+
+
+def job_pids(job_dir: Path) -> list[int]:
+    """The pids of the processes of the job in ``job_dir`` on this machine (each rank's, and their
+    descendants), as its supervisor announced them."""
+    try:
+        info = json.loads((job_dir / "supervisor.json").read_text())
+    except (OSError, ValueError):
+        return []  # not started yet, or ended
+    pids = []
+    for child in info.get("children") or [info["child"]]:
+        try:
+            process = psutil.Process(child)
+            pids += [child, *(p.pid for p in process.children(recursive=True))]
+        except psutil.Error:
+            continue  # that rank has ended
+    return pids
+
+
+def run_path(job_dir: Path, name: str) -> Path:
+    """The path of the endpoint or file ``name`` in the job's run folder; ``ValueError`` for a name
+    that is not one."""
+    if not ENDPOINT_NAME.fullmatch(name):
+        raise ValueError(f"{name[:40]!r} is not an endpoint's name")
+    return job_dir / "run" / name
+
+
+def connect_endpoint(job_dir: Path, name: str) -> Stream:
+    """The worker's Unix socket ``run/NAME.sock`` of the job in ``job_dir``, refused
+    (``PermissionError``) when the process listening on it is not one of the job's: the folder is the
+    job's to write, so a job could put a link there to another worker's socket, which the server
+    would follow. Used here (the local executor, a Ray node's agent) and by a Slurm job's link."""
+    path = run_path(job_dir, name)
+    return Stream(wire.connect(f"{path}.sock", lambda pid: pid in job_pids(job_dir)), passes_fds=True)
 
 
 def _entries(files: Files) -> list[Entry]:
@@ -383,18 +417,7 @@ class JobFolders:
 
     def pids(self, job_id: str) -> list[int]:
         """The pids of the job's processes (each rank's, and their descendants)."""
-        try:
-            info = json.loads((self.folder(job_id) / "supervisor.json").read_text())
-        except (OSError, ValueError):
-            return []  # not started yet, or ended
-        pids = []
-        for child in info.get("children") or [info["child"]]:
-            try:
-                process = psutil.Process(child)
-                pids += [child, *(p.pid for p in process.children(recursive=True))]
-            except psutil.Error:
-                continue  # that rank has ended
-        return pids
+        return job_pids(self.folder(job_id))
 
     def gpus(self, job_ids: list[str]) -> list[GpuInfo]:
         """The GPUs read now, each process labelled with the job of ``job_ids`` it belongs to."""
@@ -447,16 +470,10 @@ class JobFolders:
     # ---- a worker's endpoints and files ------------------------------------------------------------
 
     def _run_path(self, job_id: str, name: str) -> Path:
-        if not ENDPOINT_NAME.fullmatch(name):
-            raise ValueError(f"{name[:40]!r} is not an endpoint's name")
-        return self.folder(job_id) / "run" / name
+        return run_path(self.folder(job_id), name)
 
     def connect(self, job_id: str, name: str) -> Stream:
-        """The worker's Unix socket ``run/NAME.sock``, refused (``PermissionError``) when the process
-        listening on it is not one of the job's: the folder is the job's to write, so a job could put
-        a link there to another worker's socket, which the server would follow."""
-        path = self._run_path(job_id, name)
-        return Stream(wire.connect(f"{path}.sock", lambda pid: pid in self.pids(job_id)), passes_fds=True)
+        return connect_endpoint(self.folder(job_id), name)
 
     def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
         try:

@@ -1265,6 +1265,9 @@ class JobService:
         row = self.store.query_one("SELECT owner, kind, gpus, cpus, memory, nodes FROM jobs WHERE id = ?", (job_id,))
         if row is None:
             return
+        if run.node:  # where the cluster runs it: its node, as `gpuport jobs` and `gpuport sessions` show it
+            with self.store.transaction() as db:
+                db.execute("UPDATE jobs SET node = ? WHERE id = ? AND node = ''", (run.node, job_id))
         n = row["nodes"]
         run = dataclasses.replace(
             run,
@@ -1411,6 +1414,7 @@ class JobService:
             partition=spec.get("partition", ""),
             batch_script=spec.get("batch_script", ""),
             nodes=row["nodes"],
+            workers=row["kind"] != "job",
         )
 
     def record_environment(self, job_id: str, built: Built) -> None:

@@ -364,7 +364,8 @@ class SessionService:
         if job.state is JobState.QUEUED:
             return "queued", job.message
         if job.state is JobState.RUNNING:
-            return "running", ""
+            held = self.executor.waiting([job.id]).get(job.id, "")  # by a cluster's own queue (Slurm's)
+            return ("queued", held) if held else ("running", "")
         return "died", f"its worker {job.message}" if job.message else "its worker ended"
 
     def _record(self, live: _Live, *, reattached: bool = False) -> SessionRecord:
@@ -462,21 +463,26 @@ class SessionService:
             job = self.jobs.get(owner, live.job_id)
             if job.state.is_terminal():
                 raise _Died(job)
-            if job.state is JobState.RUNNING:
+            # A cluster with a queue of its own may hold a worker it was handed (Slurm's): still queued.
+            held = self.executor.waiting([job.id]).get(job.id, "") if job.state is JobState.RUNNING else ""
+            if held:
+                started = None  # its start is counted from when the cluster runs it
+            elif job.state is JobState.RUNNING:
                 started = started or time.monotonic()
                 try:
                     stream = await asyncio.to_thread(self._connect, live, live.job_id)
                     live.link = wire.Link(stream.sock)
                     return live.link
-                except (FileNotFoundError, ConnectionError):
+                except (FileNotFoundError, ConnectionError) as e:
                     if time.monotonic() - started > _CONNECT_TIMEOUT:
+                        log.warning("session %s: its worker %s cannot be reached: %s", live.id, live.job_id, e)
                         raise ServerError(
                             f"the worker of session {live.id} did not start listening within "
                             f"{_CONNECT_TIMEOUT:g}s — its output and the server's log may say why"
                         ) from None
             if deadline is not None and time.monotonic() > deadline:
-                raise ResourceUnavailable(f"session {live.id} is still queued: {job.message}")
-            await asyncio.sleep(0.01 if job.state is JobState.RUNNING else 0.1)
+                raise ResourceUnavailable(f"session {live.id} is still queued: {held or job.message}")
+            await asyncio.sleep(0.01 if job.state is JobState.RUNNING and not held else 0.1)
 
     def _connect(self, live: _Live, job_id: str) -> Any:
         """A stream to the worker's endpoint; whether descriptors travel along it says how large

@@ -24,6 +24,11 @@ training on this machine:
   ``scancel`` (the commands' paths), ``per_node`` (ranks on each node) and ``gpus`` (GPUs on each
   node). Each rank starts through ``srun`` on its node (see ``_srun_ranks``), and a stop reaches
   the ranks through ``scancel``, since srun ends its step with SIGKILL at once when it gets SIGTERM.
+- ``link``: ``{"argv": [...], "env": {...}}``, a program that serves the job's worker endpoints to
+  the server over the network (a Slurm job's: ``executors/slurm_link.py``). It starts before
+  anything of the job, with this process's environment and ``env``; its first line of output is
+  ``ready`` (else what went wrong: the job does not start, and exit.json gives it as ``error``);
+  it ends with this process (its parent-death signal), and is killed once the job has ended.
 - ``cgroup``: the job's cgroups, made by the server with its limits (``server/cgroups.py``). The
   job's first process starts in them (this process joins them just before, and leaves right
   after); an OOM kill in them ends the whole job; once it has ended, what is left in them is
@@ -85,6 +90,7 @@ _READ_SIZE = 1 << 16  # bytes read from a rank's pipe at once: what a pipe holds
 _LONGEST_LINE = 1 << 20  # bytes of a line without a newline kept back before it is written anyway
 _DRAIN_TIMEOUT = 5.0  # seconds to wait for the ranks' last output once their process groups are gone
 _FAILED_RANK_OUTPUT_WAIT = 0.5  # seconds to wait for a failed rank's last lines (its traceback)
+_LINK_START_TIMEOUT = 120.0  # seconds for a job's link to say it is ready (a busy node imports slowly)
 
 
 def _write_json(path: str, data: dict, durable: bool = True) -> None:
@@ -620,6 +626,40 @@ def _announce(job_dir: str, info: dict) -> None:
             _REQUESTED.add(request)
 
 
+def _start_link(link: dict) -> tuple[int | None, str]:
+    """Start the job's link (the spec's ``link``) and wait for its first line: its pid, and what
+    went wrong ("": it is ready)."""
+    read, write = os.pipe()
+    env = dict(os.environ)
+    env.update(link.get("env") or {})
+    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0), (os.POSIX_SPAWN_DUP2, write, 1)]
+    try:
+        pid = os.posix_spawn(link["argv"][0], link["argv"], env, file_actions=actions)
+    except OSError as e:
+        os.close(read)
+        return None, f"the job's link to the server could not start: {e.strerror}"
+    finally:
+        os.close(write)
+    said = b""
+    deadline = time.monotonic() + _LINK_START_TIMEOUT
+    try:
+        while b"\n" not in said and len(said) < 4096:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read], [], [], left)[0]:
+                break
+            chunk = os.read(read, 4096)
+            if not chunk:
+                break
+            said += chunk
+    finally:
+        os.close(read)
+    line = said.split(b"\n", 1)[0].decode(errors="replace").strip()
+    if line == "ready":
+        return pid, ""
+    _signal_pid(pid, signal.SIGKILL)
+    return None, f"the job's link to the server did not start: {line or 'it said nothing'}"
+
+
 def main(job_dir: str) -> int:
     _listen()
     job_dir = os.path.abspath(job_dir)  # the ranks' working directory becomes this process's
@@ -634,8 +674,14 @@ def main(job_dir: str) -> int:
     inherit = tuple(spec.get("inherit") or ())
     if inherit:  # what the cluster's allocation set for it (Slurm's GPUs and SLURM_*)
         spec["env"].update((k, v) for k, v in os.environ.items() if k.startswith(inherit))
+    link, problem = _start_link(spec["link"]) if spec.get("link") else (None, "")
     _Groups(spec.get("cgroup")).join_user()
-    if spec.get("sandbox"):
+    if problem:
+        now = time.time()
+        with open(os.path.join(job_dir, "log"), "ab", buffering=0) as log:
+            _write_all(log, f"gpuport: {problem}\n".encode())
+        status = {"started_at": now, "ended_at": now, "exit_code": 127, "error": problem}
+    elif spec.get("sandbox"):
         status = _run_sandboxed(job_dir, spec)
     else:
         with open(os.path.join(job_dir, "log"), "ab", buffering=0) as log:
@@ -647,6 +693,8 @@ def main(job_dir: str) -> int:
             status = _run(spec, log, started, lambda: _kill_reason(job_dir), cap=cap)
             cap.check()
             cap.close()
+    if link is not None:
+        _signal_pid(link, signal.SIGKILL)
     import resource
 
     spent = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the job, once reaped

@@ -1,14 +1,15 @@
-"""The link from the server to a node's agent, for byte streams to workers there (``Executor.connect``).
+"""The link from the server to a node, for byte streams to workers there (``Executor.connect``).
 
-One TLS listener per node, in its agent (``NodeListener``), on the node's address. Its certificate is
-made by the agent and never leaves the node: the server pins its fingerprint, as a client pins the
-server's. The server opens the link (``NodeAgent.open_link``, a Ray call: Ray's own authenticated
-channel) with a fresh secret that the agent then asks of every connection; neither the secret nor the
-key is in any job's environment, folder or sight. A connection (``dial``) says in a small header the
-secret, a job id and an endpoint name; the agent connects to that job's worker endpoint exactly as the
-local executor does (``JobFolders.connect``: the socket must be one of the job's processes'), answers
-ok or the error, then relays bytes both ways. Values cross it as bytes: sharing memory (memfds) is for
-workers on the server's own machine.
+One TLS listener per node (``NodeListener``) on the node's address: in the agent of a Ray node
+(``ray_agent.py``), and in a Slurm job whose workers the server talks to, inside its allocation
+(``slurm_link.py``). Its certificate is made there and never leaves the node: the server pins its
+fingerprint, as a client pins the server's. The server gives the listener a secret (Ray: by a Ray
+call, Ray's own authenticated channel; Slurm: a file of the job's folder, read and removed before
+the job runs), which the listener then asks of every connection. A connection (``dial``) says in a
+small header the secret, a job id and an endpoint name; the listener connects to that job's worker
+endpoint exactly as the local executor does (``connect_endpoint``: the socket must be one of the
+job's processes'), answers ok or the error, then relays bytes both ways. Values cross it as bytes:
+sharing memory (memfds) is for workers on the server's own machine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.relay import relay
 from gpuport.protocol.sockets import recv_exact
 from gpuport.protocol.tls import fingerprint
-from gpuport.server.executors.base import Stream
+from gpuport.server.executors.base import Stream, handed_over
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,19 @@ def _recv(sock: socket.socket, peer: str) -> dict[str, Any]:
     return message if isinstance(message, dict) else {}  # then no secret, no ok: refused
 
 
-# ---- on the node: the agent's side ------------------------------------------------------------------
+# ---- on the node ------------------------------------------------------------------------------------
+
+
+def node_endpoint(stream: Stream, name: str) -> Stream:
+    """A worker's endpoint ``stream`` as the link relays it: a tunnel's connection (``tunnel-*``) taken
+    over here, where the worker can pass it (a descriptor does not cross the link)."""
+    if not name.startswith("tunnel-"):
+        return stream
+    return Stream(handed_over(stream, name), passes_fds=False)
 
 
 class NodeListener:
-    """The agent's TLS listener: connections that bring the secret reach ``connect(job_id, name)``."""
+    """The node's TLS listener: connections that bring the secret reach ``connect(job_id, name)``."""
 
     def __init__(self, address: str, connect: Callable[[str, str], Stream]) -> None:
         from gpuport.server.tls import link_certificate

@@ -455,3 +455,32 @@ def test_bad_settings_are_refused() -> None:
         Batcher([Model()], max_batch_size=4, max_queue_delay=-0.1)
     with pytest.raises(ValueError, match="at least one replica"):
         Batcher([], max_batch_size=4, max_queue_delay=0)
+
+
+def test_a_paused_replica_takes_no_batch_while_another_one_answers_and_all_paused_still_answer_at_once() -> None:
+    async def main() -> None:
+        first, second = Model(seconds=0.01), Model(seconds=0.01)
+        batcher = Batcher([first, second], max_batch_size=2, max_queue_delay=0)
+        batcher.start()
+        xs = [rows(1, start=i) for i in range(12)]
+        try:
+            batcher.pause(1)  # its worker is gone, restarting elsewhere: the queue goes to the other
+            outs = await asyncio.gather(*(batcher.infer({"x": x}) for x in xs))
+            for x, out in zip(xs, outs):
+                check(x, out)
+            assert sum(first.batches) == 12 and second.batches == []
+            # Every replica paused: they take batches again, and what they answer is what callers get
+            # (here: the rows), rather than a wait for a replica that may never come back.
+            batcher.pause(0)
+            check(xs[0], await batcher.infer({"x": xs[0]}))
+            batcher.resume(0)
+            batcher.resume(1)
+            before = len(second.batches)
+            await asyncio.gather(*(batcher.infer({"x": x}) for x in xs))
+            assert len(second.batches) > before  # it takes its share again
+            with pytest.raises(IndexError):
+                batcher.pause(2)
+        finally:
+            await batcher.close()
+
+    run(main())

@@ -6,11 +6,13 @@ addresses, 2 fake GPUs each, token authentication. The server joins it with --ra
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -468,9 +471,142 @@ def test_distributed_training_across_two_nodes_ends_with_equal_weights(
     assert sorted(sums) == ["[0]", "[1]"] and sums["[0]"] == sums["[1]"], log
 
 
-def test_serving_is_refused_on_a_cluster_saying_why(server: RunningServer) -> None:
-    with server.connect() as gpu, pytest.raises(gpuport.InvalidRequest, match="load their model from this machine"):
-        gpu.deploy("m", "some-snapshot")
+# ---- serving: a model's replicas on the nodes, fed by the front door's batcher ------------------------
+
+
+def _where_model(folder: Path) -> Path:
+    """tests/_serving/where.py's model, pickled by value: it answers with its node's name."""
+    cloudpickle = pytest.importorskip("cloudpickle")
+    from tests._serving import where
+
+    cloudpickle.register_pickle_by_value(where)
+    try:
+        path = folder / "model.pkl"
+        path.write_bytes(cloudpickle.dumps(where.Where()))
+    finally:
+        cloudpickle.unregister_pickle_by_value(where)
+    return path
+
+
+def _ask(server: RunningServer, model: str, seconds: float, value: float, timeout: float = 60) -> httpx.Response:
+    """A KServe v2 REST prediction of one row [seconds, value] (its replica sleeps ``seconds``)."""
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [seconds, value]}]}
+    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
+    with httpx.Client(verify=trust, timeout=timeout) as http:
+        return http.post(
+            f"{server.http_url}/v2/models/{model}/infer",
+            headers={"Authorization": f"Bearer {server.admin_token}"},
+            json=body,
+        )
+
+
+def _answer(reply: httpx.Response) -> tuple[float, str]:
+    """What a KServe v2 REST prediction of the model answered: y and the node."""
+    assert reply.status_code == 200, reply.text
+    outputs = {o["name"]: o["data"] for o in reply.json()["outputs"]}
+    return outputs["y"][0], outputs["node"][0]
+
+
+def _model_ended(server: RunningServer, info: gpuport.ModelInfo) -> None:
+    """Undeploy it, and wait for its replicas' jobs to end: their GPUs are free for the next test."""
+    with server.connect() as gpu:
+        jobs = list(gpu.model(info.name).jobs)
+        gpu.undeploy(info.name)
+    for job_id in jobs:
+        _ended(server, job_id)
+
+
+def test_a_model_s_replicas_run_on_both_nodes_and_answer_tritonclient_and_kserve_rest(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    triton_http = pytest.importorskip("tritonclient.http")
+    np = pytest.importorskip("numpy")
+    with server.connect() as gpu:
+        # Two GPUs each: a node holds one replica, so the second lands on the other node.
+        info = gpu.deploy("ray-where", _where_model(tmp_path), replicas=2, gpus=2, max_batch_size=0, timeout=180)
+    try:
+        assert info.state == "ready" and sorted(info.nodes) == ["node-a", "node-b"], info
+        # tritonclient over HTTPS: two requests at once, each held a moment, take both replicas.
+        headers = {"Authorization": f"Bearer {server.admin_token}"}
+        cert = str(server.state_dir / "tls" / "cert.pem")
+        address = server.http_url.removeprefix("https://").rstrip("/")
+        with triton_http.InferenceServerClient(
+            url=address, ssl=True, ssl_options={"ca_certs": cert}, concurrency=2
+        ) as client:
+            assert client.is_model_ready("ray-where", headers=headers)
+            pending = []
+            for value in (1.0, 2.0):
+                tensor = triton_http.InferInput("x", [1, 2], "FP32")
+                tensor.set_data_from_numpy(np.array([[1.0, value]], dtype=np.float32))
+                pending.append(client.async_infer("ray-where", [tensor], headers=dict(headers)))
+            results = [p.get_result(timeout=60) for p in pending]
+        assert [r.as_numpy("y").tolist() for r in results] == [[[2.0]], [[4.0]]]
+        assert {r.as_numpy("node")[0, 0].decode() for r in results} == {"node-a", "node-b"}
+        # The KServe v2 REST path, JSON both ways.
+        y, node = _answer(_ask(server, "ray-where", 0.0, 21.0))
+        assert y == 42.0 and node in ("node-a", "node-b")
+        # `gpuport models` says each replica's node, piped and on a terminal.
+        listed = _cli(server, "models")
+        row = next(line for line in listed.splitlines() if line.startswith("ray-where"))
+        assert "NODES" in listed and "node-a" in row and "node-b" in row, listed
+        env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+        env.update(client_env(server))
+        with Command(["models"], env, None, "terminal", columns=200) as on_terminal:
+            assert on_terminal.wait(60) == 0, on_terminal.raw
+        assert all(word in on_terminal.text for word in ("NODES", "node-a", "node-b")), on_terminal.raw
+    finally:
+        _model_ended(server, info)
+
+
+def test_a_replica_on_a_lost_node_fails_its_request_at_once_and_is_restarted_on_the_other(
+    server: RunningServer, cluster: RayCluster, tmp_path: Path
+) -> None:
+    flags = Flags(cluster)
+    lost = None
+    info = None
+    try:
+        holder = _submit(server, HOLD, gpus=1)  # node-a is packed first: one of its GPUs is held
+        assert wait_for(lambda: (j := _job(server, holder["job_id"]))["state"] == "running" and j)["node"] == "node-a"
+        with server.connect() as gpu:
+            info = gpu.deploy("ray-lost", _where_model(tmp_path), replicas=2, gpus=1, max_batch_size=0, timeout=180)
+            assert list(info.nodes) == ["node-a", "node-b"], info
+            flags.touch()  # the holder ends: node-a has room for a replica again
+            assert _ended(server, holder["job_id"])["state"] == "succeeded"
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                # A request held in flight on each replica; then node-b goes.
+                asked = [pool.submit(lambda v=v: (_ask(server, "ray-lost", 12.0, v), time.monotonic())) for v in (1, 2)]
+                wait_for(lambda: gpu.model("ray-lost").requests == 2, 30, "both requests sent to the replicas")
+                node = next(n for n in cluster.nodes if n.name == "node-b")
+                lost = node
+                node.raylet().kill()
+                killed_at = time.monotonic()
+                replies = [future.result(timeout=90) for future in asked]
+            failed = [(reply, at) for reply, at in replies if reply.status_code != 200]
+            served = [(reply, at) for reply, at in replies if reply.status_code == 200]
+            assert len(failed) == 1 and len(served) == 1, [r.text for r, _ in replies]
+            reply, at = failed[0]
+            # An error naming the node, at once: not after the model's 12 s, and never a hang.
+            assert reply.status_code >= 500 and "on node node-b" in reply.json()["error"], reply.text
+            assert at - killed_at < 10, f"the request on the lost node failed {at - killed_at:.1f}s after the loss"
+            assert _answer(served[0][0]) in ((2.0, "node-a"), (4.0, "node-a"))
+            # The other replica serves meanwhile; the lost one is started again where there is room.
+            assert _answer(_ask(server, "ray-lost", 0.0, 5.0)) == (10.0, "node-a")
+            seen: list[gpuport.ModelInfo] = []
+            wait_for(
+                lambda: (seen.append(gpu.model("ray-lost")) or seen[-1]).nodes == ("node-a", "node-a"),
+                60,
+                lambda: f"the lost replica restarted on node-a (it is {seen[-1].state}: {seen[-1].nodes})",
+            )
+            assert seen[-1].state == "ready" and seen[-1].jobs[0] == info.jobs[0] and seen[-1].jobs[1] != info.jobs[1]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                answers = list(pool.map(lambda v: _answer(_ask(server, "ray-lost", 0.5, v)), (1.0, 2.0)))
+            assert answers == [(2.0, "node-a"), (4.0, "node-a")]
+    finally:
+        flags.close()
+        if info is not None:
+            _model_ended(server, info)
+        if lost is not None:  # the tests after this one need both nodes
+            _restart(server, cluster, lost)
 
 
 # ---- sessions: a worker on a node, reached through its agent's link --------------------------------

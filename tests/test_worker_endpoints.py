@@ -113,3 +113,34 @@ def test_names_that_are_not_endpoints_are_refused(executor: LocalExecutor) -> No
     for name in ("../jobs", "a/b", "", "Worker", "x" * 65):
         with pytest.raises(ValueError, match="is not an endpoint's name"):
             executor.connect("j-none", name)
+
+
+def test_closing_a_link_ends_a_receive_or_a_send_waiting_on_it_at_once() -> None:
+    """A worker whose node went without a word never answers nor closes: the server closing its link
+    (the deployment's watcher, on seeing the job end) must end the batch waiting on it, not leave it."""
+    import asyncio
+    import time
+
+    async def main() -> None:
+        ours, silent = socket.socketpair()  # the far end reads nothing and says nothing
+        with silent:
+            link = wire.Link(ours)
+            receiving = asyncio.ensure_future(link.recv())
+            await asyncio.sleep(0.1)
+            assert not receiving.done()
+            closed_at = time.monotonic()
+            link.close()
+            with pytest.raises(ConnectionAbortedError):
+                await asyncio.wait_for(receiving, 5)
+            assert time.monotonic() - closed_at < 1
+        ours, silent = socket.socketpair()
+        with silent:
+            link = wire.Link(ours)
+            sending = asyncio.ensure_future(link.send({"op": "predict"}, [bytes(64 << 20)]))  # past the buffers
+            await asyncio.sleep(0.1)
+            assert not sending.done()
+            link.close()
+            with pytest.raises(ConnectionAbortedError):
+                await asyncio.wait_for(sending, 5)
+
+    asyncio.run(main())

@@ -107,9 +107,11 @@ def models_command(ctx: click.Context, as_json: bool) -> None:
         err.print("no models deployed — `gpuport deploy NAME SOURCE`")
         return
     table = new_table()
-    columns = ("NAME", "VERSION", "STATE", "FORMAT", "OWNER", "REPLICAS", "GPU", "BATCH", "REQUESTS", "ROWS/BATCH")
-    for column in columns:
-        table.add_column(column, no_wrap=column == "NAME")
+    nodes = len({n for m in models for n in m.nodes if n}) > 1  # a cluster's: each replica's node is said
+    columns = ("NAME", "VERSION", "STATE", "FORMAT", "OWNER", "REPLICAS", "NODES", "GPU", "BATCH")
+    for column in (*columns, "REQUESTS", "ROWS/BATCH"):
+        if column != "NODES" or nodes:
+            table.add_column(column, no_wrap=column == "NAME")
     for m in models:
         gpu = format_size(m.gpu_memory) if m.gpu_memory else str(m.gpus) if m.gpus else "-"
         batch = f"{m.max_batch_size} / {format_duration(m.max_queue_delay)}" if m.max_batch_size > 1 else "off"
@@ -122,6 +124,7 @@ def models_command(ctx: click.Context, as_json: bool) -> None:
             m.format,
             escape(m.owner),
             str(m.replicas),
+            *([escape(", ".join(n or "-" for n in m.nodes)) or "-"] if nodes else []),
             gpu,
             batch,
             requests,

@@ -17,8 +17,8 @@ class TensorSpec:
 @dataclass(frozen=True)
 class ModelInfo:
     """A deployment: ``state`` is loading, ready or failed (``message`` says why). Another user's
-    deployment comes without its ``source`` and ``jobs`` (empty), and without why it failed, unless
-    the caller is an admin."""
+    deployment comes without its ``source``, ``jobs`` and ``nodes`` (empty), and without why it
+    failed, unless the caller is an admin."""
 
     id: str
     name: str
@@ -46,6 +46,7 @@ class ModelInfo:
     queue_length: int = 0
     public: bool = False  # predictions and metadata need no credentials
     labels: tuple[str, ...] = ()  # the version labels (TensorFlow Serving's) that name this version
+    nodes: tuple[str, ...] = ()  # where each of ``jobs`` runs ("" while it starts): a cluster's node
 
     @property
     def mean_batch_size(self) -> float:
@@ -82,4 +83,5 @@ class ModelInfo:
             queue_length=m.queue_length,
             public=m.public,
             labels=tuple(m.labels),
+            nodes=tuple(m.nodes),
         )

@@ -755,6 +755,7 @@ def model_message(record: DeploymentRecord, caller: Identity) -> pb.ModelInfo:
         gpus=spec["gpus"],
         gpu_memory=spec["gpu_memory"],
         jobs=record.jobs if theirs else [],
+        nodes=record.nodes if theirs else [],
         created_at=record.created_at,
         requests=record.stats.requests,
         batches=record.stats.batches,

@@ -1,11 +1,16 @@
 """Deployments: a trained model loaded by replica workers, answering predictions in dynamic batches.
 
 A deployment is a model's files (a snapshot: uploaded from a local path, named, or a job's output),
-written under ``STATE_DIR/models/<id>/files`` and loaded by ``replicas`` worker processes, each a job
-of kind "model" (``worker/model.py``): they queue, hold their GPU slice, are capped and watched like
-any job, and they outlive a server restart like any job. This service keeps what is a deployment's
-own: its name and version, its state, the connections to its replicas and the batcher in front of
-them. Every live deployment is picked up again when the server starts.
+loaded by ``replicas`` worker processes, each a job of kind "model" (``worker/model.py``): they
+queue, hold their GPU slice, are capped and watched like any job, and they outlive a server restart
+like any job. On a server whose jobs run here the files are written once under
+``STATE_DIR/models/<id>/files``, a folder every replica reads; where jobs run on other machines (a
+Ray cluster's nodes), each replica gets them as its workdir, a snapshot shipped to its node as a
+job's code is. Either way the server reaches a replica only through the executor (``connect``,
+``read_file``). This service keeps what is a deployment's own: its name and version, its state, the
+connections to its replicas and the batcher in front of them, which feeds the replicas wherever they
+run. A replica whose job ends (it crashed, its node was lost) is started again where the queue
+places it. Every live deployment is picked up again when the server starts.
 
 Names are the server's, not a user's: ``/v2/models/digits`` has no owner in it. Anyone with a token
 can ask for predictions; the owner (or an admin) deploys new versions and undeploys.
@@ -16,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import io
 import json
 import logging
+import posixpath
 import re
 import secrets
 import shutil
@@ -44,6 +51,7 @@ from gpuport.protocol.errors import (
 )
 from gpuport.protocol.paths import check_path
 from gpuport.protocol.units import format_duration
+from gpuport.server.blobs import Entry
 from gpuport.server.environments import EnvRequest
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.job_requests import JobRequest
@@ -113,6 +121,7 @@ class _Replica:
     index: int
     job_id: str
     link: wire.Link | None = None
+    node: str = ""  # where its worker runs, once connected to ("": not yet, or restarting)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     crashes: list[float] = field(default_factory=list)
 
@@ -134,6 +143,9 @@ class _Deployment:
     metadata: dict[str, Any] = field(default_factory=dict)
     batcher: Batcher | None = None
     watcher: asyncio.Task[None] | None = None
+    snapshot_id: str = ""  # the model's files, and its path in them
+    path: str = ""
+    workspace: str = ""  # the snapshot replicas on other machines get as their workdir (``_workspace``)
 
     @functools.cached_property
     def signature(self) -> Any:
@@ -197,6 +209,8 @@ class ServingService:
                 state="loading" if row["state"] != "failed" else "failed",
                 message=row["message"],
                 metadata=json.loads(row["metadata"] or "{}"),
+                snapshot_id=row["snapshot_id"],
+                path=row["path"] or "",
             )
             self._live[d.id] = d
             if d.state != "failed":
@@ -216,14 +230,10 @@ class ServingService:
     def deploy(self, caller: Identity, spec: DeploySpec) -> DeploymentRecord:
         executor = self.jobs.executor
         problem = executor.workers_problem()
-        if not problem and not executor.runs_here:  # a replica's model is a folder of this machine's
-            problem = (
-                "replicas load their model from this machine's disk, and this server places work on a "
-                f"{executor.kind} cluster"
-            )
         if problem:
             raise InvalidRequest(
-                f"models are served by a one-machine gpuport server for now; {problem} — deploy on a one-machine server"
+                f"models are served by replicas this server reaches, and {problem} — deploy on a one-machine "
+                "or a Ray (--ray) server"
             )
         self._check(spec)
         snapshot, path = self._source(caller, spec.source)
@@ -256,12 +266,13 @@ class ServingService:
             "requirements": spec.requirements,
         }
         try:
-            self.snapshots.materialize(snapshot, folder / "files", read_only=True)
-            model_path = Path("files") / path if path else Path("files")
-            if not (folder / model_path).exists():
-                raise NotFound(f"{spec.source}: no {path!r} in it")
-            (folder / "deployment.json").write_text(json.dumps({"path": str(model_path), "format": spec.format}))
-            let_read(folder)  # now, before any replica runs: the folder is then theirs to write
+            if executor.runs_here:  # one folder of this machine's, which every replica reads
+                self.snapshots.materialize(snapshot, folder / "files", read_only=True)
+                model_path = Path("files") / path if path else Path("files")
+                if not (folder / model_path).exists():
+                    raise NotFound(f"{spec.source}: no {path!r} in it")
+                (folder / "deployment.json").write_bytes(_deployment_json(str(model_path), spec.format))
+                let_read(folder)  # now, before any replica runs: the folder is then theirs to write
             d = _Deployment(
                 id=deployment_id,
                 name=spec.name,
@@ -273,6 +284,8 @@ class ServingService:
                 folder=folder,
                 created_at=time.time(),
                 replicas=[],
+                snapshot_id=snapshot.id,
+                path=path,
             )
             d.replicas = [_Replica(i, self._start_replica(d, i).id) for i in range(spec.replicas)]
         except BaseException:
@@ -384,6 +397,12 @@ class ServingService:
 
     def _start_replica(self, d: _Deployment, index: int) -> JobRecord:
         spec = d.spec
+        if self.jobs.executor.runs_here:  # the deployment's folder here, shared by the replicas
+            where: dict[str, Any] = {"folders": [str(d.folder)]}
+            model_dir = str(d.folder)
+        else:  # the model as the replica's workdir, on whichever node it is placed
+            where = {"snapshot_id": self._workspace(d)}
+            model_dir = "."  # its workdir: the job's working folder on its node
         return self.jobs.submit(
             Identity(d.owner, admin=False),
             JobRequest(
@@ -394,11 +413,33 @@ class ServingService:
                 memory=spec["memory"],
                 name=f"model {d.name} v{d.version} replica {index}",
                 kind="model",
-                internal_env={ENV_MODEL_DIR: str(d.folder), ENV_MODEL_REPLICA: str(index)},
-                folders=[str(d.folder)],
+                internal_env={ENV_MODEL_DIR: model_dir, ENV_MODEL_REPLICA: str(index)},
                 environment=EnvRequest(spec["requirements"]) if spec.get("requirements") else None,
+                **where,
             ),
         )
+
+    def _workspace(self, d: _Deployment) -> str:
+        """The snapshot a replica on another machine gets as its workdir, laid out as the deployment's
+        folder is here: the model's files under ``files/`` (only those at its path) and
+        ``deployment.json``. Its owner's, made at the first replica's start; its id is its content's, so
+        a restarted server makes the same one again. Raises ``NotFound`` when the path has no files."""
+        if d.workspace:
+            return d.workspace
+        source = self.snapshots.resolve(Identity(d.owner, admin=True), snapshot_id=d.snapshot_id)
+        below = d.path + "/"
+        entries = [
+            Entry(posixpath.join("files", e.path), e.blob, e.size, e.mode, e.link)
+            for e in self.snapshots.manifest(source)
+            if not d.path or e.path == d.path or e.path.startswith(below)
+        ]
+        if not entries:
+            raise NotFound(f"{d.source}: no {d.path!r} in it")
+        model_path = posixpath.join("files", d.path) if d.path else "files"
+        blob, size = self.snapshots.blobs.ingest(io.BytesIO(_deployment_json(model_path, d.format)))
+        entries.append(Entry("deployment.json", blob, size, 0o644))
+        d.workspace = self.snapshots.record_archive(Identity(d.owner, admin=False), entries).id
+        return d.workspace
 
     def undeploy(self, caller: Identity, name: str, version: int = 0) -> list[DeploymentRecord]:
         """End the live versions of ``name`` (or just ``version``); returns them as they were."""
@@ -508,6 +549,7 @@ class ServingService:
             outputs=d.metadata.get("outputs", []),
             spec=d.spec,
             jobs=[r.job_id for r in d.replicas],
+            nodes=[r.node for r in d.replicas],
             created_at=d.created_at,
             stats=d.batcher.stats if d.batcher is not None else _NOT_SERVING,
             labels=sorted(self._labels(d.name, d.version)),
@@ -556,12 +598,25 @@ class ServingService:
             log.info(
                 "model %s v%d ready (%s, %d replicas)", d.name, d.version, d.metadata.get("format"), len(d.replicas)
             )
-            while True:
-                await asyncio.sleep(_WATCH_EVERY)
-                for r in d.replicas:
-                    job = self.jobs.get(Identity(d.owner, admin=True), r.job_id)
-                    if job.state.is_terminal():
-                        await self._restart(d, r, job)
+            # Each replica that ends is restarted by a task of its own: one waiting in the queue for
+            # room (its node lost, the cluster full) holds no other's restart.
+            restarts: dict[int, asyncio.Task[None]] = {}
+            try:
+                while True:
+                    await asyncio.sleep(_WATCH_EVERY)
+                    for index, task in list(restarts.items()):
+                        if task.done():
+                            del restarts[index]
+                            task.result()  # raises _Failed: the deployment fails
+                    for r in d.replicas:
+                        if r.index in restarts:
+                            continue
+                        job = self.jobs.get(Identity(d.owner, admin=True), r.job_id)
+                        if job.state.is_terminal():
+                            restarts[r.index] = asyncio.create_task(self._restart(d, r, job))
+            finally:
+                for task in restarts.values():
+                    task.cancel()
         except _Failed as failed:
             self._set_state(d, "failed", str(failed))
             log.warning("model %s v%d failed: %s", d.name, d.version, failed)
@@ -586,7 +641,9 @@ class ServingService:
                 started = started or time.monotonic()
                 with contextlib.suppress(FileNotFoundError, ConnectionError):
                     stream = await asyncio.to_thread(self.jobs.executor.connect, r.job_id, "replica")
-                    r.link = wire.Link(stream.sock)
+                    r.link, r.node = wire.Link(stream.sock), job.node
+                    if d.batcher is not None:  # a restarted replica: it takes batches again
+                        d.batcher.resume(r.index)
                     return
                 if time.monotonic() - started > _CONNECT_TIMEOUT:
                     raise _Failed(
@@ -604,9 +661,8 @@ class ServingService:
     async def _restart(self, d: _Deployment, r: _Replica, job: JobRecord) -> None:
         now = time.monotonic()
         r.crashes = [t for t in r.crashes if now - t < _RESTART_WINDOW] + [now]
-        if r.link is not None:
-            r.link.close()
-            r.link = None
+        self._lose_link(d, r)
+        r.node = ""
         if len(r.crashes) >= _RESTARTS:
             last = await asyncio.to_thread(self._why_ended, d, r, job)
             raise _Failed(f"replica {r.index} crashed {len(r.crashes)} times in a minute; last: {last}")
@@ -624,15 +680,21 @@ class ServingService:
                 link = r.link
                 if link is None:
                     raise NotReady(f"model {d.name}: replica {r.index} is restarting; try again shortly")
+                what = "crashed"
+                if r.node and self.jobs.executor.spans_nodes:
+                    what = f"on node {r.node} crashed, or its node was lost,"
                 heads, buffers = encode_tensors(inputs)
                 try:
                     await link.send({"op": "predict", "tensors": heads}, buffers)
                     frame = await link.recv()  # no quick-reply wait: the loop takes requests meanwhile
                 except (EOFError, OSError):
-                    link.close()
-                    r.link = None
+                    # Its worker ended, or its node was lost (the watcher closed the link on seeing the
+                    # job end): this batch fails now, and the next go to the other replicas.
+                    if r.link is link:
+                        self._lose_link(d, r)
                     raise ServerError(
-                        f"model {d.name}: replica {r.index} crashed during this batch; it is being restarted"
+                        f"model {d.name}: replica {r.index} {what} during this batch; it is being restarted — "
+                        "retry the request"
                     ) from None
             if "error" in frame.header:
                 kind, message = frame.header["error"]
@@ -640,6 +702,15 @@ class ServingService:
             return decode_tensors(frame.header["tensors"], frame.buffers)
 
         return run
+
+    def _lose_link(self, d: _Deployment, r: _Replica) -> None:
+        """Close the replica's connection (a batch waiting on it fails at once) and give it no more
+        batches while another replica takes them, until it is connected to again."""
+        if r.link is not None:
+            r.link.close()
+            r.link = None
+        if d.batcher is not None:
+            d.batcher.pause(r.index)
 
     def _set_state(self, d: _Deployment, state: str, message: str) -> None:
         # Server paths stay out of what users read: the model's folder is the model, the state dir
@@ -655,3 +726,8 @@ class ServingService:
 
 class _Failed(GpuportError):
     pass
+
+
+def _deployment_json(model_path: str, format: str) -> bytes:
+    """What a replica reads first (``worker/model.py``): the model's path in its folder, and its format."""
+    return json.dumps({"path": model_path, "format": format}).encode()

@@ -10,7 +10,10 @@ whole milliseconds); with a delay of 0 it runs whatever is queued at once. Reque
 queued in their order, and the oldest request always starts the next batch, so none starves.
 
 One replica forms a batch at a time (the others wait their turn), as Triton's single scheduler
-thread does: a second free replica starts on what the first one left in the queue.
+thread does: a second free replica starts on what the first one left in the queue. A replica that is
+``pause``d (its worker restarting) takes no batch while another one may: the queue goes to those
+that answer; when every replica is paused they take batches again, and their answer (an error, at
+once) is what callers get rather than a wait.
 
 A batch is, per input name, the requests' arrays concatenated along axis 0. The replica returns a
 dict of arrays with the batch's rows as their first dimension; each caller gets its own rows of every
@@ -165,6 +168,8 @@ class Batcher:
         self._forming = asyncio.Lock()  # one replica forms a batch at a time
         self._waiter: asyncio.Future[bool] | None = None  # the forming replica waits on it for news
         self._tasks: list[asyncio.Task[None]] = []
+        self._paused: set[int] = set()  # replicas that take no batch while another one may
+        self._unpaused = asyncio.Event()  # set at each change of ``_paused``, then replaced
         self._closed = False
         self._batches = self._requests = self._rows = self._failed = 0
         self.timings = Timings()
@@ -266,11 +271,34 @@ class Batcher:
             raise IndexError(f"no replica {index}: this batcher has {len(self._replicas)}")
         self._replicas[index] = replica
 
+    def pause(self, index: int) -> None:
+        """Give replica ``index`` no batch while another replica takes them (its worker is gone and
+        restarting); ``resume`` ends it. Raises ``IndexError`` for an unknown replica."""
+        self._set_paused(index, True)
+
+    def resume(self, index: int) -> None:
+        """Give replica ``index`` batches again (its worker answers). Raises ``IndexError``."""
+        self._set_paused(index, False)
+
+    def _set_paused(self, index: int, paused: bool) -> None:
+        if not 0 <= index < len(self._replicas):
+            raise IndexError(f"no replica {index}: this batcher has {len(self._replicas)}")
+        if (index in self._paused) == paused:
+            return
+        (self._paused.add if paused else self._paused.discard)(index)
+        self._unpaused.set()  # those waiting look again
+        self._unpaused = asyncio.Event()
+        self._notify()  # the forming replica may be the paused one: it lets another form
+
+    def _may_take(self, index: int) -> bool:
+        return index not in self._paused or len(self._paused) == len(self._replicas)
+
     async def close(self, *, grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
         """Stop: queued and new requests fail with ``NotReady`` at once; batches already
         running get ``grace`` seconds to finish before they are cancelled (and their callers fail
         the same way). Calling it again does no harm."""
         self._closed = True
+        self._unpaused.set()
         queued, self._queue = self._queue, []
         for request in queued:
             if not request.future.done():
@@ -297,17 +325,23 @@ class Batcher:
 
     async def _serve(self, index: int) -> None:
         while True:
+            while not self._closed and not self._may_take(index):
+                await self._unpaused.wait()
             async with self._forming:
-                batch = await self._next_batch()
+                batch = await self._next_batch(index)
             if batch is None:
                 return
-            await self._run(index, batch)
+            if batch:
+                await self._run(index, batch)
 
-    async def _next_batch(self) -> list[_Request] | None:
-        """Wait until a batch is due, take it out of the queue and return it (None once closed)."""
+    async def _next_batch(self, index: int) -> list[_Request] | None:
+        """Wait until a batch is due, take it out of the queue and return it (None once closed; empty
+        when replica ``index`` was paused meanwhile, and leaves it to another)."""
         loop = asyncio.get_running_loop()
         due = False  # the timer for the oldest request's deadline went off
         while not self._closed:
+            if not self._may_take(index):
+                return []
             batch, full = self._select()
             deadline = None
             if batch:

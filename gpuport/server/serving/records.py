@@ -27,3 +27,4 @@ class DeploymentRecord:
     created_at: float
     stats: BatcherStats  # its batcher's counters (all 0 while it loads, or once it failed)
     labels: list[str] = field(default_factory=list)  # the version labels that name this version
+    nodes: list[str] = field(default_factory=list)  # each replica's node, as ``jobs`` ("": not running yet)

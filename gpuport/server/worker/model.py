@@ -2,8 +2,10 @@
 
 Started as the command of a job of kind "model" (so it queues, holds its GPU slice, is capped and
 watched like any job): ``python -m gpuport.server.worker.model``, with ``GPUPORT_MODEL_DIR`` naming
-the deployment's folder (the model's files under ``model/``, ``deployment.json``) and
-``GPUPORT_MODEL_REPLICA`` its replica number. It loads the model (``serving/formats.py``), then
+the deployment's folder (the model's files under ``files/``, ``deployment.json``: the model's path
+in it and its format) and ``GPUPORT_MODEL_REPLICA`` its replica number. The folder is the server's,
+shared by the replicas, where jobs run on the server's machine; on a cluster's node it is the job's
+own workdir (``.``), where the deployment's files arrived as a job's code does. It loads the model (``serving/formats.py``), then
 listens on ``replica.sock`` in its job's run folder (``GPUPORT_RUN_DIR``) for the server's batches
 (wire.py's frames):
 
@@ -122,7 +124,7 @@ class Worker:
 
 
 def main() -> None:
-    folder = Path(os.environ[ENV_MODEL_DIR])
+    folder = Path(os.environ[ENV_MODEL_DIR]).absolute()  # "." on a node: the job's workdir
     run = Path(os.environ[ENV_RUN_DIR])
     spec = json.loads((folder / "deployment.json").read_text())
     device = "gpu" if os.environ.get("CUDA_VISIBLE_DEVICES") else "cpu"
@@ -132,6 +134,7 @@ def main() -> None:
         model = formats.load(folder / spec["path"], spec.get("format") or None, device=device)
     except Exception as e:
         message = str(e) if isinstance(e, GpuportError) else f"{type(e).__name__}: {e}"
+        message = message.replace(str(folder), "<model>")  # the node's paths are no user's business
         (run / "error").write_text(message)
         print(f"gpuport: the model did not load: {message}", file=sys.stderr, flush=True)
         sys.exit(LOAD_FAILED)

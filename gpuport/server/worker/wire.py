@@ -238,6 +238,7 @@ class Link:
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
+        self._waiting: tuple[asyncio.Future[None], int, bool] | None = None  # a wait for the socket: fd, write
 
     @classmethod
     async def connect(cls, path: str, peer: Callable[[int], bool]) -> Link:
@@ -254,21 +255,34 @@ class Link:
         return cls(sock)
 
     def close(self) -> None:
+        """Close the connection; a ``send`` or ``recv`` waiting on it raises ``ConnectionAbortedError``
+        at once (its worker's node may be gone without a word: nothing else would end the wait)."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            fut, fd, write = waiting
+            (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
+            if not fut.done():
+                fut.set_exception(ConnectionAbortedError("the connection to the worker was closed"))
         self.sock.close()
 
     async def _ready(self, write: bool) -> None:
         fut = self._loop.create_future()
         fd = self.sock.fileno()
+        if fd < 0:
+            raise ConnectionAbortedError("the connection to the worker was closed")
 
         def wake() -> None:
             if not fut.done():
                 fut.set_result(None)
 
         (self._loop.add_writer if write else self._loop.add_reader)(fd, wake)
+        self._waiting = (fut, fd, write)
         try:
             await fut
         finally:
-            (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
+            if self._waiting is not None and self._waiting[0] is fut:  # else close() removed it
+                self._waiting = None
+                (self._loop.remove_writer if write else self._loop.remove_reader)(fd)
 
     async def send(self, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
         parts = _parts(_encode(header, buffers)[0], buffers)
@@ -279,7 +293,11 @@ class Link:
             except BlockingIOError:
                 await self._ready(write=True)
         for part in _rest(parts, sent):
-            await self._loop.sock_sendall(self.sock, part)
+            while part:  # not the loop's sock_sendall: a close() must end this wait too
+                try:
+                    part = part[self.sock.send(part) :]
+                except BlockingIOError:
+                    await self._ready(write=True)
 
     async def recv(self, wait: float = 0.0) -> Frame:
         """The worker's next frame. With ``wait``, first wait up to that many seconds for it without

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import signal
-import ssl
 import subprocess
 import sys
 import time
@@ -20,12 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
 
 import gpuport
 from tests._ray import RayCluster, RayNode, start_cluster
+from tests._serving.ask import answer, ask, where_model
 from tests._terminal import Command
 from tests.conftest import CLIENT_ENV, JobFlag, RunningServer, client_env, server_env, start_server, wait_for
 
@@ -474,39 +473,6 @@ def test_distributed_training_across_two_nodes_ends_with_equal_weights(
 # ---- serving: a model's replicas on the nodes, fed by the front door's batcher ------------------------
 
 
-def _where_model(folder: Path) -> Path:
-    """tests/_serving/where.py's model, pickled by value: it answers with its node's name."""
-    cloudpickle = pytest.importorskip("cloudpickle")
-    from tests._serving import where
-
-    cloudpickle.register_pickle_by_value(where)
-    try:
-        path = folder / "model.pkl"
-        path.write_bytes(cloudpickle.dumps(where.Where()))
-    finally:
-        cloudpickle.unregister_pickle_by_value(where)
-    return path
-
-
-def _ask(server: RunningServer, model: str, seconds: float, value: float, timeout: float = 60) -> httpx.Response:
-    """A KServe v2 REST prediction of one row [seconds, value] (its replica sleeps ``seconds``)."""
-    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [seconds, value]}]}
-    trust = ssl.create_default_context(cafile=str(server.state_dir / "tls" / "cert.pem"))
-    with httpx.Client(verify=trust, timeout=timeout) as http:
-        return http.post(
-            f"{server.http_url}/v2/models/{model}/infer",
-            headers={"Authorization": f"Bearer {server.admin_token}"},
-            json=body,
-        )
-
-
-def _answer(reply: httpx.Response) -> tuple[float, str]:
-    """What a KServe v2 REST prediction of the model answered: y and the node."""
-    assert reply.status_code == 200, reply.text
-    outputs = {o["name"]: o["data"] for o in reply.json()["outputs"]}
-    return outputs["y"][0], outputs["node"][0]
-
-
 def _model_ended(server: RunningServer, info: gpuport.ModelInfo) -> None:
     """Undeploy it, and wait for its replicas' jobs to end: their GPUs are free for the next test."""
     with server.connect() as gpu:
@@ -523,7 +489,7 @@ def test_a_model_s_replicas_run_on_both_nodes_and_answer_tritonclient_and_kserve
     np = pytest.importorskip("numpy")
     with server.connect() as gpu:
         # Two GPUs each: a node holds one replica, so the second lands on the other node.
-        info = gpu.deploy("ray-where", _where_model(tmp_path), replicas=2, gpus=2, max_batch_size=0, timeout=180)
+        info = gpu.deploy("ray-where", where_model(tmp_path), replicas=2, gpus=2, max_batch_size=0, timeout=180)
     try:
         assert info.state == "ready" and sorted(info.nodes) == ["node-a", "node-b"], info
         # tritonclient over HTTPS: two requests at once, each held a moment, take both replicas.
@@ -543,7 +509,7 @@ def test_a_model_s_replicas_run_on_both_nodes_and_answer_tritonclient_and_kserve
         assert [r.as_numpy("y").tolist() for r in results] == [[[2.0]], [[4.0]]]
         assert {r.as_numpy("node")[0, 0].decode() for r in results} == {"node-a", "node-b"}
         # The KServe v2 REST path, JSON both ways.
-        y, node = _answer(_ask(server, "ray-where", 0.0, 21.0))
+        y, node = answer(ask(server, "ray-where", 0.0, 21.0))
         assert y == 42.0 and node in ("node-a", "node-b")
         # `gpuport models` says each replica's node, piped and on a terminal.
         listed = _cli(server, "models")
@@ -568,13 +534,13 @@ def test_a_replica_on_a_lost_node_fails_its_request_at_once_and_is_restarted_on_
         holder = _submit(server, HOLD, gpus=1)  # node-a is packed first: one of its GPUs is held
         assert wait_for(lambda: (j := _job(server, holder["job_id"]))["state"] == "running" and j)["node"] == "node-a"
         with server.connect() as gpu:
-            info = gpu.deploy("ray-lost", _where_model(tmp_path), replicas=2, gpus=1, max_batch_size=0, timeout=180)
+            info = gpu.deploy("ray-lost", where_model(tmp_path), replicas=2, gpus=1, max_batch_size=0, timeout=180)
             assert list(info.nodes) == ["node-a", "node-b"], info
             flags.touch()  # the holder ends: node-a has room for a replica again
             assert _ended(server, holder["job_id"])["state"] == "succeeded"
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 # A request held in flight on each replica; then node-b goes.
-                asked = [pool.submit(lambda v=v: (_ask(server, "ray-lost", 12.0, v), time.monotonic())) for v in (1, 2)]
+                asked = [pool.submit(lambda v=v: (ask(server, "ray-lost", 12.0, v), time.monotonic())) for v in (1, 2)]
                 wait_for(lambda: gpu.model("ray-lost").requests == 2, 30, "both requests sent to the replicas")
                 node = next(n for n in cluster.nodes if n.name == "node-b")
                 lost = node
@@ -588,9 +554,9 @@ def test_a_replica_on_a_lost_node_fails_its_request_at_once_and_is_restarted_on_
             # An error naming the node, at once: not after the model's 12 s, and never a hang.
             assert reply.status_code >= 500 and "on node node-b" in reply.json()["error"], reply.text
             assert at - killed_at < 10, f"the request on the lost node failed {at - killed_at:.1f}s after the loss"
-            assert _answer(served[0][0]) in ((2.0, "node-a"), (4.0, "node-a"))
+            assert answer(served[0][0]) in ((2.0, "node-a"), (4.0, "node-a"))
             # The other replica serves meanwhile; the lost one is started again where there is room.
-            assert _answer(_ask(server, "ray-lost", 0.0, 5.0)) == (10.0, "node-a")
+            assert answer(ask(server, "ray-lost", 0.0, 5.0)) == (10.0, "node-a")
             seen: list[gpuport.ModelInfo] = []
             wait_for(
                 lambda: (seen.append(gpu.model("ray-lost")) or seen[-1]).nodes == ("node-a", "node-a"),
@@ -599,7 +565,7 @@ def test_a_replica_on_a_lost_node_fails_its_request_at_once_and_is_restarted_on_
             )
             assert seen[-1].state == "ready" and seen[-1].jobs[0] == info.jobs[0] and seen[-1].jobs[1] != info.jobs[1]
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                answers = list(pool.map(lambda v: _answer(_ask(server, "ray-lost", 0.5, v)), (1.0, 2.0)))
+                answers = list(pool.map(lambda v: answer(ask(server, "ray-lost", 0.5, v)), (1.0, 2.0)))
             assert answers == [(2.0, "node-a"), (4.0, "node-a")]
     finally:
         flags.close()
@@ -772,6 +738,36 @@ def test_a_named_session_on_a_node_outlives_a_server_killed_with_sigkill(cluster
             assert again.get(again.ref("values")) == [1, 2, 3]  # its worker on the node kept them
             assert again.call(_node) == node
             again.close()
+    finally:
+        for running in (first, second):
+            if running is not None:
+                running.stop()
+
+
+def test_a_deployment_on_a_node_outlives_a_server_killed_with_sigkill(cluster: RayCluster, tmp_path: Path) -> None:
+    """The replica runs on through the front door's kill -9; the next server takes it up on its node
+    and answers with it, without starting another."""
+    state = tmp_path / "state"
+    first = _start(cluster, state)
+    second = None
+    try:
+        with first.connect() as gpu:
+            info = gpu.deploy("kept-where", where_model(tmp_path), replicas=1, max_batch_size=0, timeout=180)
+        assert info.state == "ready" and info.nodes[0] in ("node-a", "node-b"), info
+        y, node = answer(ask(first, "kept-where", 0.0, 3.0))
+        assert y == 6.0 and node == info.nodes[0]
+        first.stop(signal.SIGKILL)
+        second = _start(cluster, state)
+        second.admin_token = first.admin_token  # shown on the first start only
+        with second.connect() as gpu:
+            again = wait_for(lambda: (m := gpu.model("kept-where")).state == "ready" and m, 120, "the model ready")
+        assert again.jobs == info.jobs and again.nodes == info.nodes, again  # the same replica, on its node
+        y, node = answer(ask(second, "kept-where", 0.0, 5.0))
+        assert y == 10.0 and node == info.nodes[0]
+        with second.connect() as gpu:
+            gpu.undeploy("kept-where")
+        for job_id in info.jobs:
+            _ended(second, job_id)
     finally:
         for running in (first, second):
             if running is not None:

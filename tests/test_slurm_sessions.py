@@ -26,6 +26,7 @@ from gpuport.server.blobs import BlobStore
 from gpuport.server.executors.node_link import dial
 from gpuport.server.executors.slurm import SlurmExecutor
 from gpuport.server.inventory import CpuInventory
+from tests._serving.ask import answer, ask, where_model
 from tests._slurm import SlurmCluster, missing, start_cluster
 from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
 
@@ -312,3 +313,26 @@ def test_a_named_session_outlives_a_server_killed_with_sigkill(
         for running in (first, second):
             if running is not None:
                 running.stop()
+
+
+def test_a_models_replicas_run_as_slurm_jobs_on_both_nodes_and_answer_and_undeploy_ends_them(
+    slurm_server: RunningServer, cluster: SlurmCluster, shared: Path, tmp_path: Path
+) -> None:
+    """Model replicas are workers too: each a Slurm job holding its GPUs on its node, fed by the
+    front door's batcher through the job's link; undeploy ends their Slurm jobs."""
+    with slurm_server.connect() as gpu:
+        # Two GPUs each: a node holds one replica, so the second lands on the other node.
+        info = gpu.deploy("slurm-where", where_model(tmp_path), replicas=2, gpus=2, max_batch_size=0, timeout=180)
+        try:
+            assert info.state == "ready" and sorted(info.nodes) == sorted(cluster.nodes), info
+            slurm_ids = [_slurm_id(shared, job_id) for job_id in info.jobs]
+            assert set(slurm_ids) <= _listed(cluster)
+            for value in (1.0, 2.5, 4.0):  # the batcher takes turns: both replicas answer in three
+                y, _ = answer(ask(slurm_server, "slurm-where", 0.0, value))
+                assert y == value * 2
+            listed = _cli(slurm_server, "models")
+            row = next(line for line in listed.splitlines() if line.startswith("slurm-where"))
+            assert "NODES" in listed and all(node in row for node in cluster.nodes), listed
+        finally:
+            gpu.undeploy("slurm-where")
+    wait_for(lambda: not set(slurm_ids) & _listed(cluster), 60, f"the replicas' Slurm jobs {slurm_ids} to end")

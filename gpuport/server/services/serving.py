@@ -232,8 +232,8 @@ class ServingService:
         problem = executor.workers_problem()
         if problem:
             raise InvalidRequest(
-                f"models are served by replicas this server reaches, and {problem} — deploy on a one-machine "
-                "or a Ray (--ray) server"
+                f"models are served by replicas this server reaches, and {problem} — deploy on a server "
+                "that runs its workers itself (one machine, --ray or --slurm)"
             )
         self._check(spec)
         snapshot, path = self._source(caller, spec.source)

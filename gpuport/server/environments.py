@@ -15,12 +15,17 @@ job's workdir has just been written, before its sandbox starts) finds them there
    ``<root>/<hash>/``, so that requests that resolve alike, from any user, share one;
 4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
    others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
-   shared (``cache/``) and the network only where the index is not on this machine's disk: ``uv pip
-   install --no-deps --prefix`` of the pins into a venv the server made in the scratch, in the same
+   shared (``cache/``) and no network where the index is on this machine's disk, else only a proxy
+   to the index's hosts (``index_proxy.py``): ``uv pip install --no-deps --prefix`` of the pins into a venv the server made in the scratch, in the same
    sandbox as the resolution (its shell waits for the server between the two); then renames the
    venv to its hash, points its scripts at its own interpreter, makes it the server's and read-only
    (``seal_tree``), and writes ``meta.json`` last: an environment without it is a build that did
    not finish, made again.
+
+Both uv runs take wheels only (``--no-build``): no package's own code runs while the shared cache is
+writable. Where that fails because a package must be built from source, the build is made again
+with uv's cache shown through an overlay whose writes are thrown away (or, without root, an empty
+cache of its own): a build script can neither plant nor alter what later builds of others copy.
 
 Layered (the default), the environment's ``site-packages`` comes first and the box's after it (a
 ``.pth`` file): the box's CUDA builds are used, and a version the project pins wins. Isolated, it
@@ -34,6 +39,7 @@ Layout of ``<state dir>/envs/``::
     keys/<key>         the hash a request resolved to ("-": the box has all of it)
     cache/             uv's cache, the build uid's
     builds/<random>/   a build's scratch: the resolution, the list to install, the venv until renamed
+    builds/<random>.proxy  the Unix socket of its proxy to the index, where the index is not on disk
 """
 
 from __future__ import annotations
@@ -83,6 +89,8 @@ _LAYER_PTH = "_gpuport_box.pth"
 _RESOLVED = b"gpuport-build: resolved\n"  # the build's shell says so between its two uv runs
 _NAME = re.compile(r"(?m)^Name:[ \t]*(\S+)")  # a distribution's metadata header's fields
 _VERSION = re.compile(r"(?m)^Version:[ \t]*(\S+)")
+# uv's words where --no-build kept it from building a package (a source archive, a project's own metadata)
+_NO_BUILD = re.compile(r"(?i)--no-build\b|building (from source|source distributions) is disabled")
 _BRIDGE = str(Path(__file__).with_name("_index_bridge.py"))  # run in a build's sandbox, by path
 
 
@@ -98,7 +106,7 @@ class BuildFailed(Exception):
 
 def _wants_a_build(error: BuildFailed) -> bool:
     """Whether uv failed only because ``--no-build`` kept it from building a package from source."""
-    return "--no-build" in error.output or "building from source is disabled" in error.output.lower()
+    return bool(_NO_BUILD.search(error.output))
 
 
 @dataclass(frozen=True)

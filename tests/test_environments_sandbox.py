@@ -279,3 +279,72 @@ def test_the_index_proxy_lets_through_only_the_index(tmp_path: Path, other: _Lis
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class _UpstreamProxy:
+    """The admin's own proxy, as far as a test needs one: it records each request's first line,
+    answers a CONNECT with 200 and then echoes, and a plain request with a page of its own."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.seen: list[str] = []
+        self.heads: list[bytes] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(4096)):
+                data += chunk
+            line = data.split(b"\r\n")[0].decode()
+            self.seen.append(line)
+            self.heads.append(data)
+            if line.startswith("CONNECT"):
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                while chunk := conn.recv(4096):
+                    conn.sendall(chunk)
+            else:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nConnection: close\r\n\r\nupstream")
+
+
+def test_the_index_proxy_goes_through_the_admins_proxy(tmp_path: Path) -> None:
+    """Where the admin set HTTPS_PROXY/HTTP_PROXY, the index is reached through it: a CONNECT to the
+    index is tunnelled through it, a plain request goes to it in absolute form; other hosts are still
+    refused without reaching it."""
+    upstream = _UpstreamProxy()
+    hosts = frozenset({("index.example", 443), ("plain.example", 80)})
+    env = {"HTTPS_PROXY": f"http://user:pw@127.0.0.1:{upstream.port}", "HTTP_PROXY": f"127.0.0.1:{upstream.port}"}
+    try:
+        with IndexProxy(tmp_path / "proxy.sock", hosts, env) as proxy, socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(proxy.path))
+            s.sendall(b"CONNECT index.example:443 HTTP/1.1\r\nHost: index.example:443\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+            s.sendall(b"tls bytes")
+            assert s.recv(100) == b"tls bytes"
+            with socket.socket(socket.AF_UNIX) as plain:
+                plain.settimeout(10)
+                plain.connect(str(proxy.path))
+                plain.sendall(b"GET http://plain.example/simple/ HTTP/1.1\r\nHost: plain.example\r\n\r\n")
+                answer = b""
+                while chunk := plain.recv(4096):
+                    answer += chunk
+            assert answer.endswith(b"upstream"), answer
+            with socket.socket(socket.AF_UNIX) as other:
+                other.settimeout(10)
+                other.connect(str(proxy.path))
+                other.sendall(b"CONNECT elsewhere.example:443 HTTP/1.1\r\n\r\n")
+                assert other.recv(100).startswith(b"HTTP/1.1 403")
+        assert upstream.seen == ["CONNECT index.example:443 HTTP/1.1", "GET http://plain.example/simple/ HTTP/1.1"]
+        assert b"Proxy-Authorization: Basic dXNlcjpwdw==\r\n" in upstream.heads[0]  # user:pw of HTTPS_PROXY
+    finally:
+        upstream.sock.close()

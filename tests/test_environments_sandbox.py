@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuport.server.index_proxy import IndexProxy
+from gpuport.server.index_proxy import PYPI_HOSTS, IndexProxy, index_hosts
+from gpuport.server.worker.wire import _reachable
 from tests.conftest import RunningServer, needs_users, server_env, start_server
 from tests.test_environments import INDEX, UV, _absent, _log, _wheel
 
@@ -253,13 +254,16 @@ def test_the_index_proxy_lets_through_only_the_index(tmp_path: Path, other: _Lis
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     port = httpd.server_address[1]
+    long = tmp_path / ("a-state-dir-deep-down-" * 4) / "proxy.sock"  # longer than a socket's address may be
+    long.parent.mkdir()
     try:
-        with IndexProxy(tmp_path / "proxy.sock", frozenset({("127.0.0.1", port)}), {}) as proxy:
+        with IndexProxy(long, frozenset({("127.0.0.1", port)}), {}) as proxy:
 
             def ask(request: bytes) -> bytes:
                 with socket.socket(socket.AF_UNIX) as s:
                     s.settimeout(10)
-                    s.connect(str(proxy.path))
+                    with _reachable(str(proxy.path)) as address:  # through its folder: the path is too long
+                        s.connect(address)
                     s.sendall(request)
                     data = b""
                     while chunk := s.recv(65536):
@@ -275,7 +279,7 @@ def test_the_index_proxy_lets_through_only_the_index(tmp_path: Path, other: _Lis
             assert plain.startswith(b"HTTP/1.1 403")
             assert len(proxy.refused) == 2
         assert other.accepted == 0
-        assert not (tmp_path / "proxy.sock").exists()
+        assert not long.exists()
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -348,3 +352,17 @@ def test_the_index_proxy_goes_through_the_admins_proxy(tmp_path: Path) -> None:
         assert b"Proxy-Authorization: Basic dXNlcjpwdw==\r\n" in upstream.heads[0]  # user:pw of HTTPS_PROXY
     finally:
         upstream.sock.close()
+
+
+def test_the_index_hosts_are_those_configured(tmp_path: Path) -> None:
+    """The hosts a build may reach: the index's, its extra indexes', its find-links' (http and https,
+    their ports), a uv.toml's; PyPI's only where nothing takes its place."""
+    assert index_hosts((), {}) == frozenset(PYPI_HOSTS)
+    args = ("--index-url", "https://pkgs.corp:8443/simple", "--extra-index-url", "http://mirror.corp/simple")
+    args += ("--find-links", "/opt/wheels", "--find-links", "https://Wheels.Corp/links/")
+    assert index_hosts(args, {}) == {("pkgs.corp", 8443), ("mirror.corp", 80), ("wheels.corp", 443)}
+    config = tmp_path / "uv.toml"
+    config.write_text('[[index]]\nurl = "https://extra.corp/simple"\n')
+    assert index_hosts((), {"UV_CONFIG_FILE": str(config)}) == {("extra.corp", 443), *PYPI_HOSTS}
+    config.write_text('[[index]]\nurl = "https://only.corp/simple"\ndefault = true\n')
+    assert index_hosts((), {"UV_CONFIG_FILE": str(config)}) == {("only.corp", 443)}

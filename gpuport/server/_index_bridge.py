@@ -29,12 +29,20 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 def _carry(client: socket.socket, path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    folder = -1
     try:
-        server.connect(path)
+        if len(os.fsencode(path)) >= 100:  # longer than a Unix socket's address may be: through its folder
+            folder = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            server.connect(f"/proc/self/fd/{folder}/{os.path.basename(path)}")
+        else:
+            server.connect(path)
     except OSError:
         client.close()
         server.close()
         return
+    finally:
+        if folder >= 0:
+            os.close(folder)
     back = threading.Thread(target=_pump, args=(server, client), daemon=True)
     back.start()
     _pump(client, server)

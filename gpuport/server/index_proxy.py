@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from gpuport.server.worker.wire import _reachable
+
 PYPI_HOSTS = (("pypi.org", 443), ("files.pythonhosted.org", 443))  # uv's default index and its files
 BRIDGE_PORT = 3128  # where uv finds the proxy in a build's own network namespace (nothing else is there)
 _MAX_HEAD = 64 * 1024  # bytes of a request's head
@@ -39,42 +41,49 @@ def _host_port(url: str) -> tuple[str, int] | None:
     return parts.hostname.lower(), port
 
 
-def _config_urls(path: str) -> list[str]:
-    """The index URLs a ``uv.toml`` names (at its top and under ``[pip]``)."""
+def _config_urls(path: str) -> tuple[list[str], bool]:
+    """The index URLs a ``uv.toml`` names (at its top and under ``[pip]``), and whether one of them
+    takes PyPI's place as the default index."""
     try:
         text = Path(path).read_text()
     except (OSError, ValueError):
-        return []
+        return [], False
     try:
         import tomllib  # Python 3.11 on
     except ImportError:  # 3.10: the URLs of its index keys, by a pattern
         keys = r"(?m)^\s*(?:index-url|extra-index-url|find-links|url)\s*=\s*\[?([^\n]*)"
-        return [u for line in re.findall(keys, text) for u in re.findall(r"[\"']([^\"']+)[\"']", line)]
+        urls = [u for line in re.findall(keys, text) for u in re.findall(r"[\"']([^\"']+)[\"']", line)]
+        return urls, bool(re.search(r"(?m)^\s*(index-url\s*=|default\s*=\s*true)", text))
     try:
         data = tomllib.loads(text)
     except ValueError:
-        return []
+        return [], False
     urls: list[str] = []
+    default = False
     for table in (data, data.get("pip") or {}):
         if not isinstance(table, dict):
             continue
+        default = default or isinstance(table.get("index-url"), str)
         for key in ("index-url", "extra-index-url", "find-links"):
             value = table.get(key)
             urls += [value] if isinstance(value, str) else [v for v in value or () if isinstance(v, str)]
         for index in table.get("index") or ():
             if isinstance(index, dict) and isinstance(index.get("url"), str):
                 urls.append(index["url"])
-    return urls
+                default = default or index.get("default") is True
+    return urls, default
 
 
 def index_hosts(args: tuple[str, ...], env: dict[str, str]) -> frozenset[tuple[str, int]]:
     """The (host, port) pairs that uv's index arguments ``args`` and ``env`` (its ``UV_CONFIG_FILE``)
-    name; PyPI's where no index is named."""
+    name; PyPI's too where none of them takes its place as the default index."""
     urls = [value for flag, value in itertools.pairwise(args) if flag.endswith(("-url", "find-links"))]
+    default = "--index-url" in args
     if env.get("UV_CONFIG_FILE"):
-        urls += _config_urls(env["UV_CONFIG_FILE"])
+        found, replaced = _config_urls(env["UV_CONFIG_FILE"])
+        urls, default = urls + found, default or replaced
     hosts = {found for url in urls if (found := _host_port(url))}
-    if "--index-url" not in args:
+    if not default:
         hosts.update(PYPI_HOSTS)
     return frozenset(hosts)
 
@@ -108,7 +117,8 @@ class IndexProxy:
     def __enter__(self) -> IndexProxy:  # noqa: PYI034 (Self is Python 3.11's)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        self._listener.bind(str(self.path))
+        with _reachable(str(self.path)) as address:  # a long state dir's path, through its folder's fd
+            self._listener.bind(address)
         os.chmod(self.path, 0o666)  # for the build's uid; the folder that holds it is the server's alone
         self._listener.listen(64)
         threading.Thread(target=self._serve, name="gpuport-index-proxy", daemon=True).start()

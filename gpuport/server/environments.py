@@ -16,11 +16,11 @@ job's workdir has just been written, before its sandbox starts) finds them there
 4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
    others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
    shared (``cache/``) and no network where the index is on this machine's disk, else only a proxy
-   to the index's hosts (``index_proxy.py``): ``uv pip install --no-deps --prefix`` of the pins into a venv the server made in the scratch, in the same
-   sandbox as the resolution (its shell waits for the server between the two); then renames the
-   venv to its hash, points its scripts at its own interpreter, makes it the server's and read-only
-   (``seal_tree``), and writes ``meta.json`` last: an environment without it is a build that did
-   not finish, made again.
+   to the index's hosts (``index_proxy.py``): ``uv pip install --no-deps --prefix`` of the pins
+   into a venv the server made in the scratch, in the same sandbox as the resolution (its shell
+   waits for the server between the two); then renames the venv to its hash, points its scripts at
+   its own interpreter, makes it the server's and read-only (``seal_tree``), and writes
+   ``meta.json`` last: an environment without it is a build that did not finish, made again.
 
 Both uv runs take wheels only (``--no-build``): no package's own code runs while the shared cache is
 writable. Where that fails because a package must be built from source, the build is made again

@@ -28,6 +28,7 @@ PYPI_HOSTS = (("pypi.org", 443), ("files.pythonhosted.org", 443))  # uv's defaul
 BRIDGE_PORT = 3128  # where uv finds the proxy in a build's own network namespace (nothing else is there)
 _MAX_HEAD = 64 * 1024  # bytes of a request's head
 _TIMEOUT = 60.0  # seconds to reach the index, or for its proxy to answer
+_MAX_NOTED = 20  # refusals listed in a build's log: a build script could try thousands
 
 
 def _host_port(url: str) -> tuple[str, int] | None:
@@ -196,7 +197,10 @@ class IndexProxy:
             f"gpuport: {host or target}:{port} refused: an environment build reaches only the package index "
             f"this server is configured for ({self.describe()})"
         )
-        self.refused.append(why)
+        if len(self.refused) < _MAX_NOTED:
+            self.refused.append(why)
+        elif len(self.refused) == _MAX_NOTED:
+            self.refused.append("gpuport: more connections refused, not listed")
         _answer(client, 403, why + "\n")
 
     def _connect(self, host: str, port: int, scheme: str) -> socket.socket:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuport.server.environments import Environments, EnvRequest
 from gpuport.server.index_proxy import PYPI_HOSTS, IndexProxy, index_hosts
+from gpuport.server.isolation import detect
 from gpuport.server.worker.wire import _reachable
 from tests.conftest import RunningServer, needs_users, server_env, start_server
 from tests.test_environments import INDEX, UV, _absent, _log, _wheel
@@ -366,3 +368,29 @@ def test_the_index_hosts_are_those_configured(tmp_path: Path) -> None:
     assert index_hosts((), {"UV_CONFIG_FILE": str(config)}) == {("extra.corp", 443), *PYPI_HOSTS}
     config.write_text('[[index]]\nurl = "https://only.corp/simple"\ndefault = true\n')
     assert index_hosts((), {"UV_CONFIG_FILE": str(config)}) == {("only.corp", 443)}
+
+
+def test_without_a_build_uid_a_build_from_source_gets_a_cache_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other: _Listener
+) -> None:
+    """A sandbox without a uid of its own (a server that is not root) has no overlay: a build from
+    source gets an empty uv cache in its scratch, and the shared one is not even shown to it."""
+    _absent()
+    sandbox = detect(copies=tmp_path / "python")
+    if not sandbox.isolated:
+        pytest.skip(f"no sandbox here: {sandbox.why}")
+    monkeypatch.setenv("UV_INDEX_URL", INDEX)
+    tmp_path.chmod(0o755)
+    mark = uuid.uuid4().hex
+    project = tmp_path / "project"
+    _sdist(project / "wheels", "0.1", mark, other.port)
+    (project / "requirements.txt").write_text(f"--find-links {project / 'wheels'}\ngpuport-build-probe==0.1\n")
+    store = Environments(tmp_path / "envs", sandbox)
+    with open(tmp_path / "build.log", "wb") as log_file:
+        built = store.ensure(EnvRequest(), project, [], log_file, None)
+    log = (tmp_path / "build.log").read_text()
+    assert built is not None, log
+    module = next(built.path.glob("lib/python*/site-packages/gpuport_build_probe.py")).read_text()
+    assert "'plant': 'WROTE'" in module and "'direct': 'ConnectionRefusedError'" in module, module
+    assert _cache_holds(tmp_path / "envs" / "cache", mark) == []
+    assert "building again, uv's cache read-only to it" in log

@@ -763,6 +763,8 @@ class Environments:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
         if code != 0 or (then is not None and not resolved):
             if timed_out.is_set():
                 raise BuildFailed(f"{what} took longer than {DEFAULT_ENV_BUILD_TIMEOUT:.0f}s")

@@ -69,7 +69,7 @@ def ours(work: Path, sandbox: isolation.Sandbox) -> dict[str, float]:
             setattr(owner, attr, timed(phases, name, getattr(owner, attr)))
 
     # named by its `what`: the last text among its arguments (before and after the two runs became one)
-    def run_name(self: Environments, *rest: Any) -> str:
+    def run_name(self: Environments, *rest: Any, **options: Any) -> str:
         if callable(rest[-1]):
             return "one build sandbox: uv resolves, then installs"
         return "sandboxed uv: " + [a for a in rest if isinstance(a, str)][-1]
@@ -78,7 +78,7 @@ def ours(work: Path, sandbox: isolation.Sandbox) -> dict[str, float]:
     if "then" in inspect.signature(Environments._run).parameters:  # one sandbox: when the server was told
         run = Environments._run
 
-        def told(self: Environments, *args: Any) -> None:
+        def told(self: Environments, *args: Any, **options: Any) -> None:
             start = time.perf_counter()
 
             def then() -> list[str] | None:
@@ -89,7 +89,7 @@ def ours(work: Path, sandbox: isolation.Sandbox) -> dict[str, float]:
                 finally:
                     phases["  of which the server names it, takes its lock"] = time.perf_counter() - mark
 
-            run(self, *args[:-1], then)
+            run(self, *args[:-1], then, **options)
 
         Environments._run = told  # type: ignore[method-assign]
         patched.append((Environments, "_run", run))

@@ -15,12 +15,17 @@ job's workdir has just been written, before its sandbox starts) finds them there
    ``<root>/<hash>/``, so that requests that resolve alike, from any user, share one;
 4. builds a missing one under a lock on ``<hash>.lock`` (builds of one hash in flight coalesce: the
    others wait for it, then use it), in the sandbox as the build uid (never root), with uv's cache
-   shared (``cache/``) and the network only where the index is not on this machine's disk: ``uv pip
-   install --no-deps --prefix`` of the pins into a venv the server made in the scratch, in the same
-   sandbox as the resolution (its shell waits for the server between the two); then renames the
-   venv to its hash, points its scripts at its own interpreter, makes it the server's and read-only
-   (``seal_tree``), and writes ``meta.json`` last: an environment without it is a build that did
-   not finish, made again.
+   shared (``cache/``) and no network where the index is on this machine's disk, else only a proxy
+   to the index's hosts (``index_proxy.py``): ``uv pip install --no-deps --prefix`` of the pins
+   into a venv the server made in the scratch, in the same sandbox as the resolution (its shell
+   waits for the server between the two); then renames the venv to its hash, points its scripts at
+   its own interpreter, makes it the server's and read-only (``seal_tree``), and writes
+   ``meta.json`` last: an environment without it is a build that did not finish, made again.
+
+Both uv runs take wheels only (``--no-build``): no package's own code runs while the shared cache is
+writable. Where that fails because a package must be built from source, the build is made again
+with uv's cache shown through an overlay whose writes are thrown away (or, without root, an empty
+cache of its own): a build script can neither plant nor alter what later builds of others copy.
 
 Layered (the default), the environment's ``site-packages`` comes first and the box's after it (a
 ``.pth`` file): the box's CUDA builds are used, and a version the project pins wins. Isolated, it
@@ -34,6 +39,7 @@ Layout of ``<state dir>/envs/``::
     keys/<key>         the hash a request resolved to ("-": the box has all of it)
     cache/             uv's cache, the build uid's
     builds/<random>/   a build's scratch: the resolution, the list to install, the venv until renamed
+    builds/<random>.proxy  the Unix socket of its proxy to the index, where the index is not on disk
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from gpuport._files import atomic_write, open_beneath, own_folder, own_tree, rea
 from gpuport.defaults import DEFAULT_ENV_BUILD_TIMEOUT, DEFAULT_ENV_CACHE_SHARE
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.units import format_size
+from gpuport.server.index_proxy import BRIDGE_PORT, IndexProxy, index_hosts
 from gpuport.server.isolation import Sandbox
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,9 @@ _LAYER_PTH = "_gpuport_box.pth"
 _RESOLVED = b"gpuport-build: resolved\n"  # the build's shell says so between its two uv runs
 _NAME = re.compile(r"(?m)^Name:[ \t]*(\S+)")  # a distribution's metadata header's fields
 _VERSION = re.compile(r"(?m)^Version:[ \t]*(\S+)")
+# uv's words where --no-build kept it from building a package (a source archive, a project's own metadata)
+_NO_BUILD = re.compile(r"(?i)--no-build\b|building (from source|source distributions) is disabled")
+_BRIDGE = str(Path(__file__).with_name("_index_bridge.py"))  # run in a build's sandbox, by path
 
 
 def _canonical(name: str) -> str:
@@ -90,6 +100,13 @@ def _canonical(name: str) -> str:
 
 class BuildFailed(Exception):
     """An environment could not be built: ``str()`` says why, in uv's own words."""
+
+    output = ""  # uv's last lines, where uv failed
+
+
+def _wants_a_build(error: BuildFailed) -> bool:
+    """Whether uv failed only because ``--no-build`` kept it from building a package from source."""
+    return bool(_NO_BUILD.search(error.output))
 
 
 @dataclass(frozen=True)
@@ -145,6 +162,16 @@ class _Claim:
     built: Built | None = None
     started: float = 0.0
     count: int = 0  # the packages it installs
+
+
+@dataclass(frozen=True)
+class _How:
+    """How a build goes: on which interpreter, layered or not, and whether uv may build from source."""
+
+    version: str
+    python: str
+    layered: bool
+    from_source: bool
 
 
 @dataclass
@@ -317,6 +344,7 @@ class Environments:
         self.sandbox = sandbox
         self.cache_limit = cache_limit  # bytes the environments may take; 0: no limit
         self.index = index_settings()
+        self._index_hosts = index_hosts(self.index.args, dict(self.index.env))
         self._interpreters: dict[str, str] | None = None
         # The environments that running jobs use (never evicted); and where a job's is recorded.
         self.in_use: Callable[[], set[str]] = set
@@ -367,43 +395,78 @@ class Environments:
         with self._scratch(build_uid) as scratch:
             say(log_file, f"resolving {source.file or 'the requirements'} with uv")
             box = box_packages() if layered else {}  # read once: the resolution prefers it, the install skips it
-            resolving = self._resolving(source, request, work, scratch, python, box)
-            # The environment's venv, in the scratch (relocatable: it moves to its hash's name once that
-            # is known), made here: `uv venv` would start the interpreter to ask what it is, once more.
-            _make_venv(scratch / "env", python, version)
-            if build_uid is not None:
-                own_tree(scratch, build_uid)
-            claim = _Claim()
+            # Wheels only first (no package's own code runs), with uv's shared cache writable; again,
+            # building from source, only where that failed for want of a build (see ``_run``).
+            for from_source in (False, True):
+                try:
+                    how = _How(version, python, layered, from_source)
+                    return self._build(request, source, work, scratch, key, box, how, log_file, build_uid)
+                except BuildFailed as e:
+                    if from_source or not _wants_a_build(e):
+                        raise
+                say(log_file, "a package must be built from source: building again, uv's cache read-only to it")
+        raise AssertionError("unreachable")
 
-            def resolved() -> list[str] | None:
-                """Once uv has resolved (the sandbox waits): the install's command, or None for none."""
-                data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
-                if data is None:
-                    raise BuildFailed("uv wrote no resolution")
-                install = self._to_install([line.strip() for line in data.decode(errors="replace").splitlines()], box)
-                packages = [line for line in install if _PIN.match(line)]
-                if not packages and layered:
-                    return None
-                identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
-                if layered:
-                    identity += "\n" + "\n".join(_box_site_dirs())
-                claim.name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
-                return self._claim(claim, install, packages, work, scratch, python, log_file)
+    def _build(
+        self,
+        request: EnvRequest,
+        source: _Source,
+        work: Path,
+        scratch: Path,
+        key: str,
+        box: dict[str, str],
+        how: _How,
+        log_file: BinaryIO,
+        build_uid: int | None,
+    ) -> Built | None:
+        """One try of ``ensure``'s build in ``scratch``: ``how.from_source``, uv may build packages
+        from source (and runs their build scripts, which must not reach uv's shared cache); else
+        wheels only."""
+        version, python, layered, from_source = how.version, how.python, how.layered, how.from_source
+        for name in ("env", "resolved.txt", "install.txt"):  # an earlier try's
+            path = scratch / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        resolving = self._resolving(source, request, work, scratch, python, box, from_source)
+        # The environment's venv, in the scratch (relocatable: it moves to its hash's name once that
+        # is known), made here: `uv venv` would start the interpreter to ask what it is, once more.
+        _make_venv(scratch / "env", python, version)
+        if build_uid is not None:
+            own_tree(scratch, build_uid)
+        claim = _Claim()
 
-            try:
-                # One sandbox for both: uv resolves, then (told how, once the environment's name is
-                # known and no other build of it is in flight) installs the pins into the venv.
-                self._run(resolving, work, scratch, log_file, build_uid, "resolving the requirements", resolved)
-                if not claim.name:
-                    say(log_file, "the box's environment has every package the project names")
-                    atomic_write(self.root / "keys" / key, b"-\n", 0o600)
-                    return None
-                built = claim.built or self._finish(claim, scratch, python, version, layered, log_file)
-            finally:
-                if claim.lock is not None:
-                    os.close(claim.lock)
-            atomic_write(self.root / "keys" / key, claim.name.encode() + b"\n", 0o600)
-            return built
+        def resolved() -> list[str] | None:
+            """Once uv has resolved (the sandbox waits): the install's command, or None for none."""
+            data = read_small_beneath(scratch, "resolved.txt", 16 * _MAX_REQUIREMENTS)
+            if data is None:
+                raise BuildFailed("uv wrote no resolution")
+            install = self._to_install([line.strip() for line in data.decode(errors="replace").splitlines()], box)
+            packages = [line for line in install if _PIN.match(line)]
+            if not packages and layered:
+                return None
+            identity = "\n".join([*sorted(install), version, _platform(), "layered" if layered else "isolated"])
+            if layered:
+                identity += "\n" + "\n".join(_box_site_dirs())
+            claim.name = hashlib.sha256(identity.encode()).hexdigest()[:_HASH_CHARS]
+            return self._claim(claim, install, packages, work, scratch, python, log_file, from_source)
+
+        try:
+            # One sandbox for both: uv resolves, then (told how, once the environment's name is
+            # known and no other build of it is in flight) installs the pins into the venv.
+            what = "resolving the requirements"
+            self._run(resolving, work, scratch, log_file, build_uid, what, resolved, from_source=from_source)
+            if not claim.name:
+                say(log_file, "the box's environment has every package the project names")
+                atomic_write(self.root / "keys" / key, b"-\n", 0o600)
+                return None
+            built = claim.built or self._finish(claim, scratch, python, version, layered, log_file)
+        finally:
+            if claim.lock is not None:
+                os.close(claim.lock)
+        atomic_write(self.root / "keys" / key, claim.name.encode() + b"\n", 0o600)
+        return built
 
     def _source(self, request: EnvRequest, work: Path, wheels: list[str]) -> _Source | None:
         """What the request names in ``work``: read without following a link (the snapshot is the user's)."""
@@ -447,8 +510,10 @@ class Environments:
         scratch: Path,
         python: str,
         box: dict[str, str],
+        from_source: bool,
     ) -> list[str]:
-        """uv's command that writes the resolution to ``resolved.txt`` in the scratch (its files written)."""
+        """uv's command that writes the resolution to ``resolved.txt`` in the scratch (its files
+        written); without ``from_source``, from wheels only (``--no-build``: no package's code runs)."""
         out = scratch / "resolved.txt"
         if source.kind == "lock":
             folder = str(work / source.file).removesuffix("uv.lock") or str(work)
@@ -465,7 +530,7 @@ class Environments:
                 pins = "".join(f"{n}=={v}\n" for n, v in sorted(box.items()))
                 atomic_write(out, pins.encode(), 0o644, durable=False)
             argv = [_UV, "pip", "compile", given, "-o", str(out), "--python", python, "--emit-find-links"]
-            argv += ["--no-header", "--no-annotate", *self.index.args]
+            argv += ["--no-header", "--no-annotate", *self.index.args, *([] if from_source else ["--no-build"])]
             if source.kind == "pyproject":
                 for group in request.groups:
                     argv += ["--group", group]
@@ -494,6 +559,7 @@ class Environments:
         scratch: Path,
         python: str,
         log_file: BinaryIO,
+        from_source: bool,
     ) -> list[str] | None:
         """Take the lock of environment ``claim.name`` (builds of it in flight coalesce: this one waits
         for another); then, where it is built now, note it in ``claim`` and return None; else write the
@@ -518,7 +584,8 @@ class Environments:
         # by the interpreter uv has just asked (`--python` of the venv's own would be asked again, and
         # uv does not keep what a venv's says); _finish points the scripts it writes at the venv's.
         argv = [_UV, "pip", "install", "--python", python, "--prefix", str(scratch / "env"), "--no-deps"]
-        return [*argv, "--requirements", str(scratch / "install.txt"), *self.index.args]
+        argv += ["--requirements", str(scratch / "install.txt"), *self.index.args]
+        return argv if from_source else [*argv, "--no-build"]
 
     def _finish(
         self, claim: _Claim, scratch: Path, python: str, version: str, layered: bool, log_file: BinaryIO
@@ -574,14 +641,23 @@ class Environments:
         build_uid: int | None,
         what: str,
         then: Callable[[], list[str] | None] | None = None,
+        *,
+        from_source: bool = False,
     ) -> None:
         """Run uv (``argv``) in a build sandbox: the workdir and the index's folders read-only, the
-        scratch and uv's cache writable, as ``build_uid``. ``then``: called once ``argv`` succeeded,
-        while the sandbox waits; the command it returns (None: none) runs next, in the same sandbox
-        (one sandbox a build: a second would start bwrap, setpriv and a shell once more)."""
+        scratch writable, as ``build_uid``. ``then``: called once ``argv`` succeeded, while the
+        sandbox waits; the command it returns (None: none) runs next, in the same sandbox (one
+        sandbox a build: a second would start bwrap, setpriv and a shell once more).
+
+        uv's shared cache is writable where uv alone runs (wheels only, ``--no-build``); where it
+        builds from source (``from_source``), the packages' build scripts run too, and see the cache
+        through an overlay whose writes are thrown away (a sandbox with a uid: the server is root),
+        else get an empty cache of their own in the scratch. The network: none where the index is on
+        this machine's disk; else a namespace of the build's own whose only way out is an
+        ``IndexProxy`` to the index's hosts, reached through ``_index_bridge.py``."""
         cache = self.root / "cache"
-        if build_uid is not None:
-            own_folder(cache, build_uid)
+        writable, readable = [scratch], [work, *(Path(f) for f in self.index.folders)]
+        overlays: tuple[tuple[Path, Path], ...] = ()
         env = {
             "PATH": os.pathsep.join([os.path.dirname(_UV), "/usr/local/bin:/usr/bin:/bin"]),
             "HOME": "/tmp",
@@ -596,21 +672,61 @@ class Environments:
             "UV_LINK_MODE": "copy",
             **dict(self.index.env),
         }
+        if not from_source or not self.sandbox.isolated:  # no sandbox: nothing is kept from the build
+            writable.append(cache)
+            if build_uid is not None:
+                own_folder(cache, build_uid)
+        elif build_uid is not None and not re.search(r"[,:\\\s]", str(cache) + str(scratch)):
+            (scratch / "cache-overlay").mkdir(mode=0o755)
+            readable.append(cache)
+            overlays = ((cache, scratch / "cache-overlay"),)
+        else:
+            env["UV_CACHE_DIR"] = str(scratch / "cache")
         for name in ("LANG", "LC_ALL"):
             if os.environ.get(name):
                 env[name] = os.environ[name]
         # A shell reads the commands from the server as they come, each with its stdin closed.
         script = f"{shlex.join(argv)} </dev/null || exit $?\necho {_RESOLVED.decode().strip()}\n"
         command = ["/bin/sh", "-s"] if then is not None else argv
+        proxy: IndexProxy | None = None
         if self.sandbox.isolated:
+            if self.index.network:
+                proxy = IndexProxy(scratch.with_name(scratch.name + ".proxy"), self._index_hosts, env)
+                readable.append(proxy.path)
+                bridge = shlex.join([sys.executable, "-I", "-S", _BRIDGE, str(proxy.path), str(BRIDGE_PORT)])
+                script = f"{bridge} </dev/null || exit $?\n{script}"
+                if then is None:
+                    command = ["/bin/sh", "-c", f'{bridge} </dev/null && exec "$@"', "gpuport-build", *argv]
+                for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY"):
+                    env.pop(name.lower(), None)
+                    env[name] = f"http://127.0.0.1:{BRIDGE_PORT}" if name != "NO_PROXY" else ""
             prefix = self.sandbox.argv(
                 uid=build_uid,
-                writable=[scratch, cache],
-                readable=[work, *(Path(f) for f in self.index.folders)],
+                writable=writable,
+                readable=readable,
                 cwd=work,
-                host_network=self.index.network,
+                overlays=overlays,
             )
             command = [*prefix, *command]
+        with proxy or contextlib.nullcontext():
+            try:
+                self._watch(command, script, then, work, env, log_file, what)
+            finally:
+                for line in proxy.refused if proxy else ():
+                    say(log_file, line.removeprefix("gpuport: "))
+
+    def _watch(
+        self,
+        command: list[str],
+        script: str,
+        then: Callable[[], list[str] | None] | None,
+        work: Path,
+        env: dict[str, str],
+        log_file: BinaryIO,
+        what: str,
+    ) -> None:
+        """Run a build's ``command`` (its shell told ``script``, then what ``then`` returns), its
+        output into ``log_file``; raises ``BuildFailed`` with uv's words where it fails."""
         process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE if then is not None else subprocess.DEVNULL,
@@ -647,12 +763,15 @@ class Environments:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        if code != 0:
+            if process.stdout is not None:
+                process.stdout.close()
+        if code != 0 or (then is not None and not resolved):
             if timed_out.is_set():
                 raise BuildFailed(f"{what} took longer than {DEFAULT_ENV_BUILD_TIMEOUT:.0f}s")
-            raise BuildFailed(f"{what} failed: {_uv_error(list(tail))}")
-        if then is not None and not resolved:
-            raise BuildFailed(f"{what} ended before uv had resolved: {_uv_error(list(tail))}")
+            ended = "failed" if code != 0 else "ended before uv had resolved"
+            error = BuildFailed(f"{what} {ended}: {_uv_error(list(tail))}")
+            error.output = "\n".join(tail)
+            raise error
 
     @contextlib.contextmanager
     def _scratch(self, build_uid: int | None) -> Iterator[Path]:

@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import pwd
+import shlex
 import shutil
 import stat
 import subprocess
@@ -89,12 +90,18 @@ class Sandbox:
         cwd: Path,
         host_network: bool = False,
         tmpfs_size: int = 0,
+        overlays: tuple[tuple[Path, Path], ...] = (),
     ) -> list[str]:
         """The command prefix that runs a program in a new sandbox: ``writable`` and ``readable``
         folders appear at their own paths, ``cwd`` is the working directory, and with ``uid`` the
         program runs as that uid and its group, with no supplementary groups and no capabilities.
         ``host_network``: the machine's network (a job whose processes on other nodes reach it).
-        ``tmpfs_size``: bytes of its /tmp and of its /dev/shm (0: ``self.tmpfs_size``)."""
+        ``tmpfs_size``: bytes of its /tmp and of its /dev/shm (0: ``self.tmpfs_size``).
+        ``overlays``: (folder, scratch) pairs, with a uid only: each folder (one of ``readable``) is
+        shown writable, its writes kept in ``scratch`` (an overlay mounted by the sandbox's root
+        before it takes the uid), the folder itself never changed."""
+        if overlays and uid is None:
+            raise ValueError("overlays are mounted by the sandbox's root: give a uid")
         argv = [self.bwrap, "--die-with-parent", "--as-pid-1", "--new-session"]
         argv += ["--unshare-pid", "--unshare-ipc", "--unshare-cgroup-try"]
         if not host_network:
@@ -132,7 +139,13 @@ class Sandbox:
         # --die-with-parent set: setpriv sets it again, so that the job never outlives its sandbox.
         # Before that, still root in the sandbox, its /tmp and /dev/shm are given to the uid: bwrap
         # makes a tmpfs as root, and a folder of root's, even 1777, is not a home.
-        own = f'chown {uid}:{uid} /tmp /dev/shm && exec "$@"'
+        own = f"chown {uid}:{uid} /tmp /dev/shm && "
+        for folder, scratch in overlays:
+            upper, work = shlex.quote(str(scratch / "upper")), shlex.quote(str(scratch / "work"))
+            options = shlex.quote(f"lowerdir={folder},upperdir={scratch / 'upper'},workdir={scratch / 'work'}")
+            own += f"mkdir -m 0755 {upper} {work} && chown {uid}:{uid} {upper} && "
+            own += f"mount -t overlay gpuport-overlay -o {options} {shlex.quote(str(folder))} && "
+        own += 'exec "$@"'
         setpriv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--pdeathsig=KILL"]
         return [
             *argv,

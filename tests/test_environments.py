@@ -154,7 +154,7 @@ def test_a_changed_included_requirements_file_is_another_environment(
     seen = {}
     with envs_server.connect() as gpu:
         for version in ("0.8.10", "0.10.0"):
-            (tmp_path / "pins" / "common.txt").write_text(f"tabulate=={version}\n")
+            (tmp_path / "pins" / "common.txt").write_text(f"tabulate=={version}\nhumanize\n")  # no other test's set
             job = gpu.submit(["python", "-c", code], tmp_path, requirements="auto").wait(timeout=300)
             log = _log(gpu.job(job.id))
             assert job.info.state == "succeeded", log

@@ -63,11 +63,10 @@ def _sink(folder: Path, size: int) -> None:
 def _copy(source: socket.socket, target: socket.socket, size: int, buffer: memoryview) -> None:
     left = size
     while left:
-        n = source.recv_into(buffer[: min(left, len(buffer))])
-        if not n:
-            raise ConnectionError("the peer closed")
-        target.sendall(buffer[:n])
-        left -= n
+        chunk = buffer[: min(left, len(buffer))]
+        _recv_exactly(source, chunk)  # a whole chunk, then one write of it (not one per TLS record)
+        target.sendall(chunk)
+        left -= len(chunk)
 
 
 def _forwarder(folder: Path, size: int) -> None:

@@ -344,11 +344,14 @@ class Executor(ABC):
         """Why the server cannot reach the endpoints of workers here ("": it can)."""
         return f"this server places jobs on a {self.kind} cluster"
 
-    def connect(self, job_id: str, name: str) -> Stream:
+    def connect(self, job_id: str, name: str, direct: bool = False) -> Stream:
         """A byte stream to the endpoint ``name`` of the running job's worker, checked to be the
         worker's own (a job of another user must not pass for it). Raises ``ConnectionError`` or
         ``FileNotFoundError`` while nothing listens there (the worker is starting), ``PermissionError``
-        for an endpoint that is not the worker's, ``InvalidRequest`` where workers cannot be reached."""
+        for an endpoint that is not the worker's, ``InvalidRequest`` where workers cannot be reached.
+        ``direct``: the caller only reads and writes the stream, blocking (no ``sendmsg``, no
+        descriptors, no event loop), so a node's TLS link may be handed over as it is, with no relay
+        thread between (``Stream.sock`` is then a TLS socket)."""
         raise InvalidRequest(self.workers_problem())
 
     def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:

@@ -101,7 +101,7 @@ class LocalExecutor(FolderReads, Executor):
     def workers_problem(self) -> str:
         return ""
 
-    def connect(self, job_id: str, name: str) -> Stream:
+    def connect(self, job_id: str, name: str, direct: bool = False) -> Stream:
         return self.folders.connect(job_id, name)
 
     def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:

@@ -153,7 +153,7 @@ class NodeListener:
 # ---- on the server ---------------------------------------------------------------------------------
 
 
-def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: str) -> Stream:
+def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: str, direct: bool = False) -> Stream:
     """A byte stream to the endpoint ``name`` of job ``job_id``'s worker, through the agent listening
     at ``address:port`` whose certificate has the fingerprint ``pinned``. Raises what the agent
     answers (``FileNotFoundError`` and ``ConnectionError`` while the worker starts, ``PermissionError``,
@@ -161,7 +161,9 @@ def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: s
     refuses the secret.
 
     The stream is a local socket, relayed to the TLS link by a thread of its own: a session's
-    connection sends frames with ``sendmsg``, which a TLS socket has not."""
+    connection sends frames with ``sendmsg``, which a TLS socket has not, and its event loop waits on
+    the socket, which a TLS socket's buffered bytes would fool. ``direct``: the TLS socket itself,
+    for a caller that only reads and writes it, blocking (a data-port channel's thread)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.check_hostname = False  # the pinned certificate is the only one trusted: names do not matter
@@ -193,6 +195,9 @@ def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: s
         tls.close()
         raise _ERRORS.get(str(answer.get("error")), InvalidRequest)(str(answer.get("message", "refused")))
     tls.settimeout(None)
+    if direct:
+        tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return Stream(tls, passes_fds=False)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     threading.Thread(target=_relay, args=(tls, theirs), name=f"link {job_id}/{name}", daemon=True).start()
     return Stream(ours, passes_fds=False)

@@ -873,7 +873,7 @@ class RayExecutor(Executor):
     def workers_problem(self) -> str:
         return ""
 
-    def connect(self, job_id: str, name: str) -> Stream:
+    def connect(self, job_id: str, name: str, direct: bool = False) -> Stream:
         """Through the link to the agent of the job's node (``node_link.py``): opened at the first
         connection to a worker there, and again when the agent no longer takes it (a new agent)."""
         if not ENDPOINT_NAME.fullmatch(name):
@@ -886,10 +886,10 @@ class RayExecutor(Executor):
             raise ConnectionError(f"node {node} of job {job_id} has left the cluster")
         link = self._link(placed["node_id"], handle, fresh=False)
         try:
-            return dial(link["address"], link["port"], link["fingerprint"], link["secret"], job_id, name)
+            return dial(link["address"], link["port"], link["fingerprint"], link["secret"], job_id, name, direct)
         except LinkError:  # a new agent there, or one that took another server's secret since: open it again
             link = self._link(placed["node_id"], handle, fresh=True)
-            return dial(link["address"], link["port"], link["fingerprint"], link["secret"], job_id, name)
+            return dial(link["address"], link["port"], link["fingerprint"], link["secret"], job_id, name, direct)
 
     def _link(self, node_id: str, handle: Any, fresh: bool) -> dict[str, Any]:
         """Where the node's link listens, its pinned fingerprint and this server's secret for it."""

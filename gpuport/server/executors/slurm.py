@@ -684,7 +684,7 @@ class SlurmExecutor(FolderReads, Executor):
     def workers_problem(self) -> str:
         return ""
 
-    def connect(self, job_id: str, name: str) -> Stream:
+    def connect(self, job_id: str, name: str, direct: bool = False) -> Stream:
         if not ENDPOINT_NAME.fullmatch(name):
             raise InvalidRequest(f"{name[:40]!r} is not an endpoint's name")
         try:
@@ -693,7 +693,7 @@ class SlurmExecutor(FolderReads, Executor):
             raise FileNotFoundError(f"job {job_id} has no link yet (Slurm has not started it)") from None
         secret = self._secret(job_id)
         info = verified(secret, job_id, data)
-        return dial(str(info["address"]), int(info["port"]), str(info["fingerprint"]), secret, job_id, name)
+        return dial(str(info["address"]), int(info["port"]), str(info["fingerprint"]), secret, job_id, name, direct)
 
     def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
         return self.folders.read_file(job_id, name, offset, limit)

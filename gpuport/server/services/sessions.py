@@ -484,10 +484,11 @@ class SessionService:
                 raise ResourceUnavailable(f"session {live.id} is still queued: {held or job.message}")
             await asyncio.sleep(0.01 if job.state is JobState.RUNNING and not held else 0.1)
 
-    def _connect(self, live: _Live, job_id: str) -> Any:
+    def _connect(self, live: _Live, job_id: str, direct: bool = False) -> Any:
         """A stream to the worker's endpoint; whether descriptors travel along it says how large
-        values move (shared memory here, bytes to another node)."""
-        stream = self.executor.connect(job_id, "worker")
+        values move (shared memory here, bytes to another node). ``direct``: for a channel's own
+        blocking connection (``Executor.connect``)."""
+        stream = self.executor.connect(job_id, "worker", direct)
         live.shares_memory = stream.passes_fds
         return stream
 
@@ -670,7 +671,7 @@ class SessionService:
             return None
         job_id = live.job_id
         try:
-            direct.sock = self._connect(live, job_id).sock
+            direct.sock = self._connect(live, job_id, direct=True).sock
         except OSError:
             return None
         direct.job_id = job_id

@@ -24,6 +24,7 @@ import psutil
 
 from gpuport.defaults import SESSION_REUSE_BYTES
 from gpuport.protocol.errors import AuthenticationError, InvalidRequest, ResourceUnavailable
+from gpuport.protocol.sockets import recv_exact
 from gpuport.protocol.units import format_size
 from gpuport.server.services.auth import Identity
 from gpuport.server.worker import wire
@@ -358,9 +359,10 @@ class Following:
         ``target`` failed (the rest drained from the client first), ``ClientGone`` when the client did."""
         buffer = memoryview(bytearray(min(_PASS_CHUNK, self.size - self.taken) or 1))
         while self.taken < self.size:
-            n = self._recv(buffer[: self.size - self.taken])
+            chunk = buffer[: self.size - self.taken]
+            self.into(chunk)  # a whole chunk (TLS gives a record, 16 KiB, a read): one write of it on
             try:
-                target.sendall(buffer[:n])
+                target.sendall(chunk)
             except OSError:
                 self.drain()
                 raise
@@ -388,8 +390,7 @@ def pass_on(source: socket.socket, target: socket.socket, size: int) -> None:
     buffer = memoryview(bytearray(min(_PASS_CHUNK, size) or 1))
     left = size
     while left:
-        n = source.recv_into(buffer[: min(left, len(buffer))])
-        if not n:
-            raise EOFError(f"the worker closed its connection {size - left} bytes into a result of {size}")
-        target.sendall(buffer[:n])
-        left -= n
+        chunk = buffer[: min(left, len(buffer))]
+        recv_exact(source, chunk, f"the worker (with {left} bytes of a result of {size} to come)")
+        target.sendall(chunk)
+        left -= len(chunk)

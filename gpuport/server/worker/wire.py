@@ -21,6 +21,7 @@ import mmap
 import os
 import select
 import socket
+import ssl
 import struct
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +36,7 @@ _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
 _MAX_HEADER = 64 * 1024 * 1024
 _MAX_FDS = 16
 _GATHER = 64  # buffers handed to one sendmsg at most (the system allows 1,024)
+_JOIN_BYTES = 64 * 1024  # a frame up to this size goes over TLS joined, in one record
 _ANCILLARY = socket.CMSG_SPACE(_MAX_FDS * array.array("i").itemsize)
 
 Buffer = bytes | bytearray | memoryview
@@ -186,8 +188,16 @@ def _rights(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
 
 
 def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] = (), fds: Sequence[int] = ()) -> None:
-    """A frame in one gathering write where it fits (one wake-up of the other side), the rest after."""
+    """A frame in one gathering write where it fits (one wake-up of the other side), the rest after.
+    On a TLS socket (a node's link, ``Executor.connect(direct=True)``), which has no ``sendmsg`` and
+    passes no descriptors: a small frame in one write, a large one part by part."""
     parts = _parts(_encode(header, buffers)[0], buffers)
+    if isinstance(sock, ssl.SSLSocket):
+        if fds:
+            raise ValueError("descriptors cannot travel over a TLS link")
+        for part in [b"".join(parts)] if sum(p.nbytes for p in parts) <= _JOIN_BYTES else parts:
+            sock.sendall(part)
+        return
     rest = _rest(parts, sock.sendmsg(parts[:_GATHER], _rights(fds)))
     for part in rest:
         sock.sendall(part)
@@ -215,6 +225,9 @@ def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, list[int]]:
     ``sock``, and the descriptors that came with it; ``EOFError`` when the other side has gone."""
     prefix = bytearray(_PREFIX.size)
     got, fds = 0, []
+    if isinstance(sock, ssl.SSLSocket):  # no descriptors come over a TLS link
+        recv_exact(sock, memoryview(prefix))
+        got = len(prefix)
     while got < len(prefix):
         data, ancdata, _, _ = sock.recvmsg(len(prefix) - got, _ANCILLARY)
         if not data:

@@ -482,8 +482,19 @@ def _model_ended(server: RunningServer, info: gpuport.ModelInfo) -> None:
         _ended(server, job_id)
 
 
+def _dashboard(server: RunningServer, browser: Any) -> Any:
+    """The dashboard in Chromium, logged in as the admin, its board shown."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    page = browser.new_context(ignore_https_errors=True).new_page()
+    page.goto(server.http_url + "/")
+    page.fill("#token", server.admin_token)
+    page.click("#login button[type=submit]")
+    sync_api.expect(page.locator("#board")).to_be_visible()
+    return page
+
+
 def test_a_model_s_replicas_run_on_both_nodes_and_answer_tritonclient_and_kserve_rest(
-    server: RunningServer, tmp_path: Path
+    server: RunningServer, tmp_path: Path, browser: Any
 ) -> None:
     triton_http = pytest.importorskip("tritonclient.http")
     np = pytest.importorskip("numpy")
@@ -520,6 +531,13 @@ def test_a_model_s_replicas_run_on_both_nodes_and_answer_tritonclient_and_kserve
         with Command(["models"], env, None, "terminal", columns=200) as on_terminal:
             assert on_terminal.wait(60) == 0, on_terminal.raw
         assert all(word in on_terminal.text for word in ("NODES", "node-a", "node-b")), on_terminal.raw
+        # The dashboard too.
+        page = _dashboard(server, browser)
+        expect = pytest.importorskip("playwright.sync_api").expect
+        expect(page.locator("#models th", has_text="nodes")).to_have_count(1, timeout=15_000)
+        expect(page.locator("#models tr", has_text="ray-where")).to_contain_text("node-a")
+        expect(page.locator("#models tr", has_text="ray-where")).to_contain_text("node-b")
+        page.context.close()
     finally:
         _model_ended(server, info)
 
@@ -646,7 +664,7 @@ def test_a_session_runs_on_a_node_with_its_values_and_errors_there_and_closing_e
 
 
 def test_sessions_land_on_both_nodes_and_a_lost_nodes_session_dies_naming_it(
-    server: RunningServer, cluster: RayCluster
+    server: RunningServer, cluster: RayCluster, browser: Any
 ) -> None:
     lost = None
     with server.connect() as gpu:
@@ -666,6 +684,12 @@ def test_sessions_land_on_both_nodes_and_a_lost_nodes_session_dies_naming_it(
                 assert on_terminal.wait(60) == 0, on_terminal.raw
             assert all(word in on_terminal.text for word in ("NODE", "node-a", "node-b")), on_terminal.raw
             assert {s.id: s.node for s in gpu.sessions()} == {first.id: "node-a", second.id: "node-b"}
+            page = _dashboard(server, browser)  # the dashboard says each session's node too
+            expect = pytest.importorskip("playwright.sync_api").expect
+            expect(page.locator("#sessions th", has_text="node")).to_have_count(1, timeout=15_000)
+            expect(page.locator("#sessions tr", has_text=first.id)).to_contain_text("node-a")
+            expect(page.locator("#sessions tr", has_text=second.id)).to_contain_text("node-b")
+            page.context.close()
             node = next(n for n in cluster.nodes if n.name == "node-b")
             lost = node
             node.raylet().kill()

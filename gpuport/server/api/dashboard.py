@@ -355,6 +355,7 @@ def state_for(app: ServerApp, who: Identity, board: Board, view: JobsView) -> di
                 "message": message_for(record, who),
                 "format": record.format,
                 "mine": record.owner == who.name or who.admin,
+                "nodes": record.nodes if record.owner == who.name or who.admin else [],  # as Models.List
                 "requests": timings.success.count if timings else 0,
                 "failed": timings.fail.count if timings else 0,
                 "latency_ns": timings.success.ns if timings else 0,
@@ -378,6 +379,7 @@ def state_for(app: ServerApp, who: Identity, board: Board, view: JobsView) -> di
                 "created_at": s.created_at,
                 "last_call_at": s.last_call_at,
                 "refs": s.refs,
+                "node": s.job.node,
                 "gpus": s.job.gpus,
                 "gpu_memory": s.job.gpu_memory,
             }

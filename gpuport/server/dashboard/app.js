@@ -187,16 +187,27 @@ function renderJobs(page, state) {
   if (shown) updateLogState(shown);
 }
 
+// Workers spread over a cluster's nodes: each one's node is said (as `gpuport sessions` and `models` do).
+function spread(nodes) {
+  return new Set(nodes.filter((n) => n)).size > 1;
+}
+
 function renderSessions(sessions) {
-  table($("sessions"), ["session", "name", "user", "state", "values", "idle", ""], sessions.map((s) => row([
-    s.id, s.name, s.owner, stateCell(s.state), s.refs, duration(Date.now() / 1000 - s.last_call_at),
+  const nodes = spread(sessions.map((s) => s.node));
+  const heads = ["session", "name", "user", "state", ...(nodes ? ["node"] : []), "values", "idle", ""];
+  table($("sessions"), heads, sessions.map((s) => row([
+    s.id, s.name, s.owner, stateCell(s.state), ...(nodes ? [s.node || "-"] : []), s.refs,
+    duration(Date.now() / 1000 - s.last_call_at),
     button("Close", () => call("POST", `/ui/sessions/${encodeURIComponent(s.id)}/close`), true),
   ])));
 }
 
 function renderModels(models, at) {
   const next = {};
-  table($("models"), ["model", "version", "owner", "state", "requests", "per second", "mean latency", "rows per batch", ""],
+  const nodes = spread(models.flatMap((m) => m.nodes));
+  const heads = ["model", "version", "owner", "state", ...(nodes ? ["nodes"] : []), "requests", "per second",
+    "mean latency", "rows per batch", ""];
+  table($("models"), heads,
     models.map((m) => {
       const key = `${m.name}/${m.version}`;
       const before = lastModels[key];
@@ -209,7 +220,8 @@ function renderModels(models, at) {
       }
       const perBatch = m.batches ? (m.rows / m.batches).toFixed(1) : "";
       return row([
-        m.name, m.version, m.owner, stateCell(m.state), m.requests, rate, latency, perBatch,
+        m.name, m.version, m.owner, stateCell(m.state), ...(nodes ? [m.nodes.map((n) => n || "-").join(", ")] : []),
+        m.requests, rate, latency, perBatch,
         m.mine ? button("Undeploy", () => call("POST", `/ui/models/${encodeURIComponent(m.name)}/${m.version}/undeploy`), true) : "",
       ]);
     }));

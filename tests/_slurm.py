@@ -154,7 +154,7 @@ def _start_cluster(base: Path, count: int = 1) -> SlurmCluster:
     node_lines = "\n".join(
         f"NodeName={n} NodeHostname={node} NodeAddr=127.0.0.1"
         + (f" Port={_free_port()}" if count > 1 else "")
-        + f" CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2 State=UNKNOWN"
+        + f" CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2,shard:4 State=UNKNOWN"
         for n in names
     )
     conf.write_text(
@@ -183,7 +183,7 @@ SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU_Memory
 DefMemPerCPU=100
-GresTypes=gpu
+GresTypes=gpu,shard
 ReturnToService=2
 KillWait=5
 MinJobAge=30
@@ -197,7 +197,11 @@ PartitionName=debug Nodes={",".join(names)} Default=YES MaxTime=INFINITE State=U
 PartitionName=short Nodes={",".join(names)} MaxTime=10 State=UP
 """
     )
-    gres = "".join(f"NodeName={n} Name=gpu File={base}/{'' if n == node else n + '-'}gpu[0-1]\n" for n in names)
+    gres = "".join(
+        f"NodeName={n} Name=gpu File={base}/{'' if n == node else n + '-'}gpu[0-1]\n"
+        f"NodeName={n} Name=shard Count=4 File={base}/{'' if n == node else n + '-'}gpu[0-1]\n"
+        for n in names
+    )
     (base / "gres.conf").write_text(f"AutoDetect=off\n{gres}")
     cluster = SlurmCluster(base, node, conf, names)
     try:

@@ -116,6 +116,18 @@ def test_a_job_gets_the_gpus_slurm_allocated_and_its_exit_code(
     assert slurm_server.job_log(one["job_id"]) == "'0'\n"
 
 
+def test_a_slice_of_a_gpu_is_one_of_the_clusters_gpu_shards(slurm_server: RunningServer, shared: Path) -> None:
+    """The test cluster cuts each GPU into shards (gres/shard): a --gpu-memory job takes one, and
+    Slurm shows it the GPU the shard is of."""
+    code = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['SLURM_SHARDS_ON_NODE'])"
+    job = _submit(slurm_server, code, gpu_memory=4 << 30)
+    ended = slurm_server.ended(job["job_id"])
+    assert ended["state"] == "succeeded", slurm_server.job_log(job["job_id"])
+    assert slurm_server.job_log(job["job_id"]) in ("0 1\n", "1 1\n")
+    script = (shared / "jobs" / job["job_id"] / "slurm.sh").read_text()
+    assert "#SBATCH --gres=shard:1\n" in script and "gres=gpu" not in script, script
+
+
 def test_a_job_slurm_holds_shows_slurms_reason_in_the_queue(slurm_server: RunningServer, shared: Path) -> None:
     first = _submit(slurm_server, HOLD, gpus=2)
     wait_for(lambda: (shared / "jobs" / first["job_id"] / "supervisor.json").exists(), 60, "the first job to run")

@@ -112,6 +112,7 @@ class JobLaunch:
     # what it asks for, its partition ("": the executor's default), and a batch script of the
     # workdir whose own options the cluster honours (``argv``: the script and its arguments).
     gpus: int = 0
+    gpu_memory: int = 0  # bytes of one GPU: a share of it
     cpus: float = 0.0
     partition: str = ""
     batch_script: str = ""
@@ -135,6 +136,7 @@ class Ask:
     script_text: str = ""  # its content (its own options are read from it)
     nodes: int = 1  # nodes it spans, ``nprocs // nodes`` processes on each
     nprocs: int = 1
+    gpu_memory: int = 0  # bytes: a share of one GPU (``--gpu-memory``)
 
 
 class NodeLost(Exception):

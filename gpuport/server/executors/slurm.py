@@ -70,7 +70,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuport._files import atomic_write
-from gpuport.protocol.errors import ConfigError, InvalidRequest
+from gpuport.protocol.errors import ConfigError, InvalidRequest, Unsatisfiable
+from gpuport.protocol.units import format_size
 from gpuport.server.blobs import BlobStore
 from gpuport.server.executors.base import (
     ENDPOINT_NAME,
@@ -110,6 +111,7 @@ _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _SBATCH = re.compile(r"#SBATCH\s+(.*)")
 _GRES_GPUS = re.compile(r"gpu(?::[^:(,]+)?:(\d+)")
 _TRES_GPUS = re.compile(r"gres/gpu=(\d+)")
+_GRES_SHARDS = re.compile(r"(?:^|,)shard(?::[^:(,]+)?:[1-9]")  # GPUs shared: gres/shard (Slurm 22.05 on)
 _SACCT_FIELDS = "JobIDRaw,Start,ElapsedRaw,AllocCPUS,NNodes,AllocTRES,State"
 
 
@@ -229,6 +231,7 @@ class SlurmExecutor(FolderReads, Executor):
         self._unaccounted: dict[str, tuple[str, float]] = {}  # job id → (Slurm id, ended since), for sacct
         self._reported: set[str] = set()  # Slurm ids whose start was reported (on_run)
         self._nodes: tuple[float, list[Node]] = (-1e9, [])
+        self._shards = False  # its nodes offer GPU shards (gres/shard): a --gpu-memory job takes one
         try:
             found = self._run(["sinfo", "-h", "-o", "%P"])
         except (OSError, RuntimeError) as e:
@@ -322,6 +325,8 @@ class SlurmExecutor(FolderReads, Executor):
             options += [f"--nodes={ask.nodes}", f"--ntasks-per-node={per_task}"]
         if ask.gpus:  # on each node
             options.append(f"--gres=gpu:{ask.gpus}")
+        elif ask.gpu_memory:  # a share of a GPU: one of the shards the cluster's admin cut its GPUs into
+            options.append("--gres=shard:1")
         if ask.cpus:  # on each node
             options.append(f"--cpus-per-task={max(1, math.ceil(ask.cpus / per_task))}")
         if ask.memory:
@@ -338,6 +343,13 @@ class SlurmExecutor(FolderReads, Executor):
         # ``JobService.check``, which the API runs on a thread, never on the server's event loop.
         if ask.partition and not _PARTITION.fullmatch(ask.partition):
             raise InvalidRequest(f"partition {ask.partition[:80]!r}: a Slurm partition's name (letters, digits, _.-)")
+        if ask.gpu_memory and not self._shards:
+            self._read_nodes()  # the nodes as they are now (sinfo): an admin may have added shards
+        if ask.gpu_memory and not self._shards:
+            raise Unsatisfiable(
+                f"asked for a {format_size(ask.gpu_memory)} slice of a GPU; this Slurm cluster shares no GPU "
+                "(no gres/shard in its slurm.conf): ask for whole GPUs (--gpus N)"
+            )
         if ask.batch_script and ask.nodes > 1:
             raise InvalidRequest(
                 f"batch script {ask.batch_script!r} over {ask.nodes} nodes: give the nodes in its own #SBATCH lines "
@@ -363,7 +375,7 @@ class SlurmExecutor(FolderReads, Executor):
         job_dir = self.folders.folder(job.job_id)
         work = job_dir / "work"
         ask = Ask(job.gpus, job.cpus, job.memory, job.time_limit, partition=job.partition)
-        ask = dataclasses.replace(ask, nodes=job.nodes, nprocs=job.nprocs)
+        ask = dataclasses.replace(ask, nodes=job.nodes, nprocs=job.nprocs, gpu_memory=job.gpu_memory)
         if job.workers:  # reached over its node's network, through a link of its own (``slurm_link.py``)
             atomic_write(job_dir / SECRET_FILE, self._secret(job.job_id).encode(), 0o600, durable=False)
             paths = os.pathsep.join(code_paths()[1:])
@@ -666,12 +678,15 @@ class SlurmExecutor(FolderReads, Executor):
             self._nodes = (time.monotonic(), self._nodes[1])
             return
         found: dict[str, Node] = {}
+        shards = False
         for line in out.splitlines():
             name, cpus, memory, gres = (line.split("|") + ["", "", ""])[:4]
+            shards = shards or bool(_GRES_SHARDS.search(gres))
             with contextlib.suppress(ValueError):
                 machine = Machine((0,) * _gpus_of(gres), float(cpus), int(memory) << 20)
                 found.setdefault(name, Node(name, machine))
         self._nodes = (time.monotonic(), list(found.values()))
+        self._shards = shards
 
     def gpus(self, job_ids: list[str]) -> dict[str, list[GpuInfo]]:
         return {}  # read on the compute nodes, by Slurm

@@ -224,7 +224,12 @@ class RequestChecks:
                 text = f.read(_SCRIPT_HEADER_BYTES).decode(errors="replace")
         ask = Ask(request.gpus, request.cpus, request.memory, request.time_limit, request.name, request.partition)
         ask = dataclasses.replace(
-            ask, batch_script=request.batch_script, script_text=text, nodes=request.nodes, nprocs=request.nprocs
+            ask,
+            batch_script=request.batch_script,
+            script_text=text,
+            nodes=request.nodes,
+            nprocs=request.nprocs,
+            gpu_memory=request.gpu_memory,
         )
         self.executor.admit(ask)  # may block: the API runs ``check`` off the event loop
 
@@ -247,7 +252,7 @@ class RequestChecks:
             have += f" ({self.inventory.note})" if self.inventory.note else ""
         if request.gpus > len(machine.gpu_memory):
             raise Unsatisfiable(f"asked for {request.gpus} GPU{'s' if request.gpus > 1 else ''}; {have}")
-        if request.gpu_memory > max(machine.gpu_memory, default=0):
+        if request.gpu_memory > max(machine.gpu_memory, default=0) and not self.executor.keeps_queue:
             raise Unsatisfiable(f"asked for a {format_size(request.gpu_memory)} slice of a GPU; {have}")
         if request.cpus > machine.cpus:
             raise Unsatisfiable(f"asked for {request.cpus:g} CPUs; {where} {machine.cpus:g}")

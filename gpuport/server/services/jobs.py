@@ -1410,6 +1410,7 @@ class JobService:
             environment=environment,
             build_uid=self.uids.uid(BUILD_OWNER) if environment is not None and self.sandbox.mode == "uids" else None,
             gpus=row["gpus"],
+            gpu_memory=row["gpu_memory"],
             cpus=row["cpus"],
             partition=spec.get("partition", ""),
             batch_script=spec.get("batch_script", ""),

@@ -118,19 +118,20 @@ class SlurmCluster:
                 process.wait(timeout=10)
 
 
-def start_cluster(base: Path, tries: int = 3, nodes: int = 1) -> SlurmCluster:
-    """munged, slurmctld and one slurmd per node (``nodes``) with a config in ``base``; ready when this
-    returns. A daemon that lost its port to another process in between is started again, on other ports."""
+def start_cluster(base: Path, tries: int = 3, nodes: int = 1, shards: bool = True) -> SlurmCluster:
+    """munged, slurmctld and one slurmd per node (``nodes``) with a config in ``base``, each GPU cut into
+    4 shards (gres/shard) unless not ``shards``; ready when this returns. A daemon that lost its port
+    to another process in between is started again, on other ports."""
     for attempt in range(tries):
         try:
-            return _start_cluster(base, nodes)
+            return _start_cluster(base, nodes, shards)
         except RuntimeError as e:
             if "Address already in use" not in str(e) or attempt == tries - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_cluster(base: Path, count: int = 1) -> SlurmCluster:
+def _start_cluster(base: Path, count: int = 1, shards: bool = True) -> SlurmCluster:
     base.mkdir(parents=True, exist_ok=True)
     node = socket.gethostname().split(".")[0]
     for folder in ("state", "spool", "munge"):
@@ -154,7 +155,7 @@ def _start_cluster(base: Path, count: int = 1) -> SlurmCluster:
     node_lines = "\n".join(
         f"NodeName={n} NodeHostname={node} NodeAddr=127.0.0.1"
         + (f" Port={_free_port()}" if count > 1 else "")
-        + f" CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2,shard:4 State=UNKNOWN"
+        + f" CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:2{',shard:4' if shards else ''} State=UNKNOWN"
         for n in names
     )
     conf.write_text(
@@ -183,7 +184,7 @@ SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU_Memory
 DefMemPerCPU=100
-GresTypes=gpu,shard
+GresTypes=gpu{",shard" if shards else ""}
 ReturnToService=2
 KillWait=5
 MinJobAge=30
@@ -199,7 +200,7 @@ PartitionName=short Nodes={",".join(names)} MaxTime=10 State=UP
     )
     gres = "".join(
         f"NodeName={n} Name=gpu File={base}/{'' if n == node else n + '-'}gpu[0-1]\n"
-        f"NodeName={n} Name=shard Count=4 File={base}/{'' if n == node else n + '-'}gpu[0-1]\n"
+        + (f"NodeName={n} Name=shard Count=4 File={base}/{'' if n == node else n + '-'}gpu[0-1]\n" if shards else "")
         for n in names
     )
     (base / "gres.conf").write_text(f"AutoDetect=off\n{gres}")

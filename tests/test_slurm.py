@@ -128,6 +128,23 @@ def test_a_slice_of_a_gpu_is_one_of_the_clusters_gpu_shards(slurm_server: Runnin
     assert "#SBATCH --gres=shard:1\n" in script and "gres=gpu" not in script, script
 
 
+def test_a_slice_of_a_gpu_is_refused_where_the_cluster_shares_no_gpu(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path / "slurm", shards=False)
+    server = None
+    try:
+        env = server_env(SLURM_CONF=str(cluster.conf))
+        server = start_server(tmp_path / "state", "--slurm", "--shared-dir", str(tmp_path / "shared"), env=env)
+        reply = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": ["true"], "gpu_memory": 4 << 30})
+        assert reply.status_code in (400, 409, 422) and "shares no GPU" in reply.text, reply.text
+        assert "--gpus" in reply.text  # what to ask for instead
+        assert server.rest("GET", "/v1/jobs?all=true", server.admin_token).json() == []  # nothing was stored
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.cancel_all()
+        cluster.close()
+
+
 def test_a_job_slurm_holds_shows_slurms_reason_in_the_queue(slurm_server: RunningServer, shared: Path) -> None:
     first = _submit(slurm_server, HOLD, gpus=2)
     wait_for(lambda: (shared / "jobs" / first["job_id"] / "supervisor.json").exists(), 60, "the first job to run")

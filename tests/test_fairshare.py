@@ -4,6 +4,7 @@ through a week) and the scheduler's order by decayed use relative to shares, wit
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,16 @@ import pytest
 import gpuport
 from gpuport.defaults import DEFAULT_AGE_WEIGHT
 from gpuport.protocol.errors import InvalidRequest, PermissionDenied
-from gpuport.server.scheduler import Cluster, FairShare, Machine, Pending, Request, plan, queue_order
+from gpuport.server.scheduler import (
+    Cluster,
+    FairShare,
+    Holding,
+    Machine,
+    Pending,
+    Request,
+    plan,
+    queue_order,
+)
 from gpuport.server.services.auth import Identity
 from gpuport.server.services.usage import UsageService
 from gpuport.server.store import Store
@@ -254,3 +264,71 @@ def test_a_slice_job_and_a_whole_gpu_job_are_accounted_the_same_by_every_door_an
         assert done.code == 0 and "3 shares in the fair share" in done.output, done.output
     finally:
         again.stop()
+
+
+def _fair_order_by_definition(queued: list[Pending], running: list[Holding], fair: FairShare) -> list[Pending]:
+    """The order over weeks as ``FairShare`` says it, step by step: each priority level from the
+    highest, its reserved jobs first, then turn by turn the user whose ``fair.turn`` (their use now,
+    growing by each job placed, and their next job's age) is least, then whose next job is oldest."""
+    usage: dict[str, float] = {}
+    for h in running:
+        usage[h.owner] = usage.get(h.owner, 0.0) + CLUSTER.dominant_share(h.request)
+    order: list[Pending] = []
+    for priority in sorted({p.priority for p in queued}, reverse=True):
+        level = [p for p in queued if p.priority == priority]
+        reserved = sorted((p for p in level if p.reserved_at is not None), key=lambda p: (p.reserved_at, p.seq))
+        order += reserved
+        for p in reserved:
+            usage[p.owner] = usage.get(p.owner, 0.0) + CLUSTER.dominant_share(p.request)
+        rest = sorted((p for p in level if p.reserved_at is None), key=lambda p: (p.seq, p.job_id))
+        while rest:
+            nxt: dict[str, Pending] = {}
+            for p in rest:
+                nxt.setdefault(p.owner, p)
+            user = min(nxt, key=lambda u: (fair.turn(u, usage.get(u, 0.0), nxt[u].created_at), nxt[u].seq, u))
+            order.append(nxt[user])
+            rest.remove(nxt[user])
+            usage[user] = usage.get(user, 0.0) + CLUSTER.dominant_share(nxt[user].request)
+    return order
+
+
+def _random_fair_queue(rng: random.Random, users: int) -> tuple[list[Pending], list[Holding], FairShare]:
+    """A queue of ``users`` users over weeks: ties in use, shares and age on purpose (users at 0 use,
+    jobs queued at the same moment, seq numbers repeated), running jobs, reservations, priorities."""
+    now = 40 * DAY
+    names = [f"u{i:03d}" for i in range(users)]
+    requests = [Request(gpus=1), Request(gpus=2), Request(gpu_memory=4 * GiB), Request(cpus=1.0), Request()]
+    used = {u: rng.choice([0.0, 0.01, 0.02, rng.random() / 10]) for u in names if rng.random() < 0.8}
+    shares = {u: float(rng.randint(1, 4)) for u in names if rng.random() < 0.5}
+    if rng.random() < 0.5:
+        shares["*"] = 2.0
+    created = [0.0, now - HOUR, now - DAY, now - 3 * WEEK]
+    queued = [
+        Pending(
+            f"j{s}",
+            rng.choice(names),
+            rng.choice(requests),
+            rng.choice([0, 0, 0, 5]),
+            s if rng.random() < 0.9 else rng.randint(0, 5),
+            reserved_at=float(rng.randint(1, 3)) if rng.random() < 0.03 else None,
+            created_at=rng.choice(created) if rng.random() < 0.3 else now - rng.uniform(0, 2 * WEEK),
+        )
+        for s in range(rng.randint(0, 4 * users))
+    ]
+    running = [
+        Holding(f"r{i}", rng.choice(names), rng.choice(requests[:3]), (i % 4,), priority=rng.choice([0, 5]),
+                preemptible=rng.random() < 0.7)
+        for i in range(rng.randint(0, 4))
+    ]  # fmt: skip
+    fair = FairShare(used, shares, now, rng.choice([0.0, 1.0, 3.0]))
+    return queued, running, fair
+
+
+@pytest.mark.parametrize("users", [5, 60, 300])
+def test_the_order_over_weeks_is_the_rules_order_on_random_queues(users: int) -> None:
+    """The queue read through the users' heap is the order ``FairShare.turn`` gives step by step,
+    ties included (equal use, equal ages, repeated seq numbers), with few users or many."""
+    rng = random.Random(users)
+    for _ in range(60 if users < 100 else 15):
+        queued, running, fair = _random_fair_queue(rng, users)
+        assert queue_order(queued, running, CLUSTER, fair) == _fair_order_by_definition(queued, running, fair)

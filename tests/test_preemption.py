@@ -7,17 +7,19 @@ preemptible is never touched, and exit codes are retried only when named."""
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
 import gpuport
 from gpuport.protocol.errors import InvalidRequest
-from gpuport.server.scheduler import Cluster, FairShare, Holding, Machine, Pending, Request, preempt
+from gpuport.server import scheduler
+from gpuport.server.scheduler import Cluster, FairShare, Holding, Machine, Pending, Queue, Quota, Request, preempt
 from tests.conftest import RunningServer, server_env, start_server
 
 GiB = 2**30
@@ -71,6 +73,122 @@ def test_jobs_already_stopping_count_as_free_and_one_victim_serves_one_waiting_j
     assert sorted(preempt(waiting, running, MACHINE, NOW, AFTER)) == [("b1", "h2"), ("b2", "h1")]
     # b2 is already being stopped (for h1): only b1 is chosen now, for h2.
     assert preempt(waiting, running, MACHINE, NOW, AFTER, stopping={"b2"}) == [("b1", "h2")]
+
+
+def test_the_fewest_victims_are_those_trying_one_more_at_a_time_finds_on_random_queues() -> None:
+    """``preempt`` finds the fewest victims by halving the candidates: the same victims, for the same
+    jobs, as trying one more candidate at a time (the first version, kept here), on random queues
+    of whole-GPU, multi-GPU, slice and CPU jobs over several nodes, with priorities and fair shares."""
+    rng = random.Random(36)
+    cluster = Cluster(tuple((f"n{k}", Machine((16 * GiB,) * 4, 8.0, 64 * GiB)) for k in range(3)))
+    requests = [Request(gpus=1), Request(gpus=2), Request(gpus=4), Request(gpu_memory=4 * GiB), Request(cpus=2.0)]
+    found = 0
+    for _ in range(300):
+        users = [f"u{i}" for i in range(rng.randint(1, 6))]
+        running, free = [], {name: list(range(4)) for name, _ in cluster.nodes}
+        for i in range(rng.randint(0, 14)):
+            node = rng.choice(sorted(free))
+            gpus = rng.choice([1, 1, 2])
+            if len(free[node]) < gpus:
+                continue
+            taken = tuple(free[node][:gpus])
+            del free[node][:gpus]
+            running.append(
+                Holding(f"r{i}", rng.choice(users), Request(gpus=gpus), taken, node, priority=rng.choice([0, 0, -1]),
+                        preemptible=rng.random() < 0.8)
+            )  # fmt: skip
+        waiting = [
+            Pending(f"w{s}", rng.choice(users), rng.choice(requests), rng.choice([0, 0, 5]), s,
+                    created_at=NOW - rng.choice([AFTER + 1, AFTER - 1, 3 * AFTER]))
+            for s in range(rng.randint(0, 12))
+        ]  # fmt: skip
+        fair = FairShare({u: rng.random() for u in users}, {u: float(rng.randint(1, 3)) for u in users}, NOW, 1.0)
+        for share in (fair, None):
+            victims = preempt(waiting, running, cluster, NOW, AFTER, share)
+            assert victims == _preempt_one_at_a_time(waiting, running, cluster, NOW, AFTER, share)
+            found += len(victims)
+    assert found > 100  # victims found, often
+
+
+def _preempt_one_at_a_time(
+    queued: Queue | Iterable[Pending],
+    running: Sequence[Holding],
+    machine: Machine | Cluster,
+    now: float,
+    after: float,
+    fair: FairShare | None = None,
+    quotas: Mapping[str, Quota] | None = None,
+    stopping: Iterable[str] = (),
+    depth: int = scheduler.LOOK_AHEAD,
+) -> list[tuple[str, str]]:
+    """``preempt`` as it was first written: each candidate victim tried one more at a time."""
+    machine = Cluster.of(machine)
+    queue = queued if isinstance(queued, Queue) else Queue(queued)
+    stopping = set(stopping)
+    holding = [h for h in running if h.job_id not in stopping]  # grows by the jobs that would start
+    if not any(h.preemptible for h in holding):
+        return []
+    usage, share_of = scheduler._usage(holding, machine)
+    quotas = quotas or {}
+    victims: list[tuple[str, str]] = []
+
+    def standing(user: str, held: float) -> float:
+        shares = fair.shares_of(user) if fair is not None else 1.0
+        return ((fair.used.get(user, 0.0) if fair is not None else 0.0) + held) / shares
+
+    free: scheduler._Free | None = None  # what ``holding`` leaves free: worked out again only when it changes
+    without: dict[str, float] = {}  # a running job → its owner's standing without it, while ``usage`` holds
+    for position, job in enumerate(queue.order(usage, share_of, fair)):
+        if position >= depth:
+            break
+        if job.blocked or not job.created_at or now - job.created_at < after:
+            continue
+        if free is None:
+            free = scheduler._initial_free(machine, holding)
+        fits = free.fit_all(job.request)
+        if fits is not None:  # it starts at the next pass, in what is free (or being freed)
+            holding.append(scheduler._held(job, fits))
+            free = None
+            continue
+        if scheduler._over_quota(job, free, quotas.get(job.owner, quotas.get("*")), machine):
+            continue
+        mine = standing(job.owner, usage.get(job.owner, 0.0) + share_of(job.request))
+
+        def may_stop(h: Holding, job: Pending = job, mine: float = mine) -> bool:
+            if not h.preemptible or h.priority > job.priority:
+                return False
+            if h.priority < job.priority:
+                return True
+            if h.owner == job.owner:
+                return False
+            found = without.get(h.job_id)
+            if found is None:
+                found = without[h.job_id] = standing(h.owner, usage.get(h.owner, 0.0) - share_of(h.request))
+            return found > mine
+
+        candidates = sorted((i for i, h in enumerate(holding) if may_stop(h)), key=lambda i: (holding[i].priority, -i))
+        if not candidates:
+            continue
+        chosen: list[int] = []
+        for i in candidates:
+            chosen.append(i)
+            left = [h for k, h in enumerate(holding) if k not in chosen]
+            if scheduler._initial_free(machine, left).fit_all(job.request) is not None:
+                break
+        else:
+            continue  # even all of them would not make room
+        free = None
+        without.clear()
+        for i in chosen:
+            victims.append((holding[i].job_id, job.job_id))
+            usage[holding[i].owner] -= share_of(holding[i].request)
+        holding = [h for k, h in enumerate(holding) if k not in chosen]
+        fits = scheduler._initial_free(machine, holding).fit_all(job.request)
+        assert fits is not None
+        # The job now holds what it made room for: a job behind it cannot take the same victims' room.
+        holding.append(scheduler._held(job, fits))
+        usage[job.owner] = usage.get(job.owner, 0.0) + share_of(job.request)
+    return victims
 
 
 # ---- on a real server --------------------------------------------------------------------------

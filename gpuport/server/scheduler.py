@@ -938,20 +938,34 @@ def preempt(
         candidates = sorted((i for i, h in enumerate(holding) if may_stop(h)), key=lambda i: (holding[i].priority, -i))
         if not candidates:
             continue
-        chosen: list[int] = []
-        for i in candidates:
-            chosen.append(i)
-            left = [h for k, h in enumerate(holding) if k not in chosen]
-            if _initial_free(machine, left).fit_all(job.request) is not None:
-                break
-        else:
+
+        def room(
+            count: int, job: Pending = job, candidates: list[int] = candidates, holding: list[Holding] = holding
+        ) -> bool:
+            """Whether stopping the first ``count`` candidates makes room for ``job``."""
+            gone = set(candidates[:count])
+            left = [h for k, h in enumerate(holding) if k not in gone]
+            return _initial_free(machine, left).fit_all(job.request) is not None
+
+        if not room(len(candidates)):
             continue  # even all of them would not make room
+        # The fewest candidates, in their order, that make room: stopping more only frees more, so
+        # halving finds the count that trying one more at a time finds, in a few tries instead of many.
+        fewest, most = 1, len(candidates)
+        while fewest < most:
+            half = (fewest + most) // 2
+            if room(half):
+                most = half
+            else:
+                fewest = half + 1
+        chosen = candidates[:fewest]
         free = None
         without.clear()
         for i in chosen:
             victims.append((holding[i].job_id, job.job_id))
             usage[holding[i].owner] -= share_of(holding[i].request)
-        holding = [h for k, h in enumerate(holding) if k not in chosen]
+        stopped = set(chosen)
+        holding = [h for k, h in enumerate(holding) if k not in stopped]
         fits = _initial_free(machine, holding).fit_all(job.request)
         assert fits is not None
         # The job now holds what it made room for: a job behind it cannot take the same victims' room.

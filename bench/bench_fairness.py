@@ -262,7 +262,13 @@ def simulate(w: Workload, policy: Policy, depth: int | None = 1) -> Outcome:
         if now >= span:
             break
         if now >= next_day:  # progress, for a run that takes long
-            print(f"    {policy.label}: day {next_day / DAY:g} at {time.perf_counter() - started:.0f} s", flush=True)
+            print(
+                f"    {policy.label}: day {next_day / DAY:g} at {time.perf_counter() - started:.0f} s "
+                f"({time.process_time():.0f} s CPU; "
+                f"{out.passes:,} passes, {out.plan_seconds:.0f} s in plan(), {out.preempt_seconds:.0f} s in "
+                f"preempt(); {len(queue):,} jobs of {len({p.owner for p in queue.values()}):,} users queued)",
+                flush=True,
+            )
             next_day += DAY
         if next_end <= next_submit:
             _, job_id, n = heapq.heappop(ends)

@@ -63,6 +63,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import heapq
+import json
 import math
 import multiprocessing
 import os
@@ -405,6 +406,7 @@ def main() -> None:
     )
     parser.add_argument("--all", action="store_true", help="the fair share without preemption too (--quick runs it)")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="policies simulated at once")
+    parser.add_argument("--save", type=Path, help="write each user's figures under each policy to this JSON file")
     args = parser.parse_args()
     if not 0 <= args.preemptible <= 1:
         parser.error(f"--preemptible is a part of the jobs, 0 to 1, not {args.preemptible}")
@@ -463,6 +465,26 @@ def main() -> None:
             )
     say(f"  all: {time.perf_counter() - started:.1f} s, {args.processes} at once")
     asked = demand(w)
+    if args.save:
+        jobs_of: dict[str, list[Job]] = {}
+        for j in w.jobs:
+            if j.submit < w.span:
+                jobs_of.setdefault(j.owner, []).append(j)
+        fairs = {k: fair_amounts(asked, w.shares, sum(o.got.values())) for k, o in outcomes.items()}
+        users = {
+            u: {
+                "shares": w.shares[u],
+                "asked": asked[u],
+                "jobs": len(jobs_of[u]),
+                "gpu_seconds_asked": sum(j.gpus * j.duration for j in jobs_of[u]),
+                "longest": max(j.duration for j in jobs_of[u]),
+                "got": {k: o.got.get(u, 0.0) for k, o in outcomes.items()},
+                "fair": {k: fairs[k][u] for k in outcomes},
+            }
+            for u in asked
+        }
+        args.save.write_text(json.dumps({"span": w.span, "gpus": w.gpus, "users": users}))
+        say(f"each user's figures: {args.save}")
     fifo = outcomes["FIFO"]
     capacity = w.gpus * w.span
     util = {k: sum(o.got.values()) / capacity for k, o in outcomes.items()}

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from gpuport.defaults import TUNNEL_SPIN_SECONDS
 
 _CHUNK = 1024 * 1024
-_RECORD = 16 * 1024  # a TLS record's most plaintext
 _POLLIN = 1  # select.EPOLLIN and select.POLLIN alike
 _POLLOUT = 4  # select.EPOLLOUT and select.POLLOUT alike
 _GONE = 8 | 16  # ERR and HUP, for epoll and poll alike: a side went away
@@ -124,17 +123,6 @@ class _Way:
             return True
         if not n:
             return False
-        # A whole TLS record (16 KiB: a read gives one) says more is likely there: what else came, up
-        # to the buffer's end, without waiting, goes on in one write, sparing the sink a wake-up per
-        # record. A short message (an RPC) goes on at once.
-        while self.pending is not None and n >= _RECORD and n < len(self.buffer):
-            try:
-                more = self.source.recv_into(self.buffer[n:])
-            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                break
-            if not more:
-                break  # the end: seen again by the next read
-            n += more
         self.start, self.end = 0, n
         self._send()
         return True

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from gpuport.defaults import TUNNEL_SPIN_SECONDS
 
 _CHUNK = 1024 * 1024
+_FLUSH_TIMEOUT = 30.0  # seconds the last bytes of a side that went wait for the other to take them
 _POLLIN = 1  # select.EPOLLIN and select.POLLIN alike
 _POLLOUT = 4  # select.EPOLLOUT and select.POLLOUT alike
 _GONE = 8 | 16  # ERR and HUP, for epoll and poll alike: a side went away
@@ -52,8 +53,14 @@ def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECON
         while True:
             if ready:
                 for way in ways:
-                    if (due := way.due(ready)) and (not way.step() or (due is _GONE and way.start < way.end)):
-                        return  # a side closed, or went while its last bytes wait for the other
+                    if not (due := way.due(ready)):
+                        continue
+                    if not way.step():
+                        return  # a side closed
+                    if due is _GONE and way.start < way.end:
+                        # Its source went while bytes it sent wait for the sink: they still go on
+                        # (waiting for the sink now: the source's hang-up would wake every poll).
+                        way.flush()
             # Bytes OpenSSL has already decrypted wake no poll: served before sleeping.
             while ways[0].hot() or ways[1].hot():
                 for way in ways:
@@ -144,6 +151,16 @@ class _Way:
         self.start = self.end = 0
         self._wait(self.source, _POLLIN)
         return True
+
+    def flush(self) -> None:
+        """Send what the buffer holds, waiting for the sink (up to ``_FLUSH_TIMEOUT``)."""
+        self.sink.settimeout(_FLUSH_TIMEOUT)
+        try:
+            self.sink.sendall(self.buffer[self.start : self.end])
+        finally:
+            self.sink.setblocking(False)
+        self.start = self.end = 0
+        self._wait(self.source, _POLLIN)
 
     def _wait(self, end: socket.socket, events: int) -> None:
         fd = end.fileno()

@@ -28,6 +28,7 @@ from gpuport.protocol.units import format_size
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _KNOWN_SIZES = 1_000_000
+_STALE_MARGIN = 5.0  # seconds before the store opened that a partial file must be older than to go
 _STAGING = "incoming"  # where a job's output is copied before its hash, and so its folder, is known
 
 
@@ -59,7 +60,9 @@ class BlobStore:
                 for entry in os.scandir(folder):
                     if entry.name.startswith(".") and entry.name.endswith(".part"):
                         with contextlib.suppress(OSError):
-                            if entry.stat().st_mtime < started:
+                            # A file's time is the kernel's coarse clock, which may lag time.time():
+                            # one made just after this store opened must not pass for a stale one.
+                            if entry.stat().st_mtime < started - _STALE_MARGIN:
                                 os.unlink(entry.path)
 
     def _folder(self, blob: str) -> str:

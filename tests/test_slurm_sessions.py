@@ -28,7 +28,8 @@ from gpuport.server.executors.slurm import SlurmExecutor
 from gpuport.server.inventory import CpuInventory
 from tests._serving.ask import answer, ask, where_model
 from tests._slurm import SlurmCluster, missing, start_cluster
-from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
+from tests._terminal import Command
+from tests.conftest import CLIENT_ENV, RunningServer, client_env, server_env, start_server, wait_for
 
 pytestmark = pytest.mark.skipif(bool(missing()), reason=missing() or "Slurm is here")
 
@@ -174,6 +175,11 @@ def test_two_sessions_at_once_on_both_nodes_each_with_its_values_and_its_node_li
         )
         listed = _cli(slurm_server, "sessions")
         assert "NODE" in listed and all(node in listed for node in cluster.nodes), listed
+        env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+        env.update(client_env(slurm_server))
+        with Command(["sessions"], env, None, "terminal", columns=160) as on_terminal:
+            assert on_terminal.wait(60) == 0, on_terminal.raw
+        assert "NODE" in on_terminal.text and all(node in on_terminal.text for node in cluster.nodes), on_terminal.raw
 
 
 def test_a_job_cannot_pass_for_a_sessions_worker(

@@ -339,6 +339,11 @@ def test_a_models_replicas_run_as_slurm_jobs_on_both_nodes_and_answer_and_undepl
             listed = _cli(slurm_server, "models")
             row = next(line for line in listed.splitlines() if line.startswith("slurm-where"))
             assert "NODES" in listed and all(node in row for node in cluster.nodes), listed
+            env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENV}
+            env.update(client_env(slurm_server))
+            with Command(["models"], env, None, "terminal", columns=200) as on_terminal:
+                assert on_terminal.wait(60) == 0, on_terminal.raw
+            assert all(word in on_terminal.text for word in ("NODES", *cluster.nodes)), on_terminal.raw
         finally:
             gpu.undeploy("slurm-where")
     wait_for(lambda: not set(slurm_ids) & _listed(cluster), 60, f"the replicas' Slurm jobs {slurm_ids} to end")

@@ -36,8 +36,9 @@ def envs_dash_server(tmp_path: Path) -> Iterator[RunningServer]:
 def test_environments_panel(envs_dash_server: RunningServer, browser: Any, tmp_path: Path) -> None:
     server = envs_dash_server
     own = f"gp_dash_{uuid.uuid4().hex[:8]}"
-    _wheel(tmp_path / "wheels", own, "0.1")
-    (tmp_path / "requirements.txt").write_text(
+    project = tmp_path / "project"  # beside the server's state folder, not around it
+    _wheel(project / "wheels", own, "0.1")
+    (project / "requirements.txt").write_text(
         f"--find-links ./wheels\ntabulate==0.10.0\n{own.replace('_', '-')}==0.1\n"
     )
     with server.connect() as admin:
@@ -51,7 +52,7 @@ def test_environments_panel(envs_dash_server: RunningServer, browser: Any, tmp_p
 
     with server.connect(erin) as gpu:
         code = f"import tabulate, {own}, time; print('in it', flush=True); time.sleep(120)"
-        job = gpu.submit(["python", "-c", code], tmp_path, requirements="auto")
+        job = gpu.submit(["python", "-c", code], project, requirements="auto")
         try:
             env_row = page.locator("#environments tr[data-env]")
             sync_api.expect(env_row).to_have_count(1, timeout=SLOW_MS)

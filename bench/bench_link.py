@@ -15,6 +15,12 @@ the box's address:
                    `ssh box true` (a new ssh login).
   log streaming    `gpuport run -- python -c <print 200k lines>` (12 MB of log through the job's log
                    stream) vs `ssh box python -c <the same>`.
+  forward          an HTTP request to a job's port through `job.forward` (the job in its sandbox on
+                   the box), kept alive and on a fresh connection each, vs the same server's port
+                   reached straight across the link (issue 33's anchor, from a laptop); beside them,
+                   through `ssh -L` to that port (what users run today).
+
+`--only forward` (or sync, bulk, jobs) runs one group of figures.
 
 Needs root (namespaces), ssh + sshd (openssh-server) and rsync; says what is missing and stops.
 """
@@ -22,6 +28,7 @@ Needs root (namespaces), ssh + sshd (openssh-server) and rsync; says what is mis
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -106,6 +113,42 @@ with gpuport.connect(profile="link") as gpu, gpu.session(progress=False) as s:
     assert y.nbytes == size
 print(put, get)
 """
+# The forward's figures, run on the laptop: a job's HTTP server through `job.forward`, the same
+# server's code listening straight on the box's address, and that one through `ssh -L` (port argv[4]
+# here), alternated request by request; prints each figure's median in seconds, as JSON.
+FORWARD = """
+import json, socket, statistics, sys, time, gpuport
+sys.path.insert(0, sys.argv[5])
+from bench_reach import _round_trip, _serving
+box, direct_port, rounds, ssh_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+times = {}
+def timed(name, call):
+    start = time.perf_counter()
+    call()
+    times.setdefault(name, []).append(time.perf_counter() - start)
+def fresh(address, port):
+    with socket.create_connection((address, port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _round_trip(conn)
+with gpuport.connect(profile="link") as gpu:
+    job = _serving(gpu, 8080)
+    try:
+        with job.forward(8080) as forward:
+            ends = {"forward": ("127.0.0.1", forward.local_port), "direct": (box, direct_port),
+                    "ssh": ("127.0.0.1", ssh_port)}
+            kept = {name: socket.create_connection(end) for name, end in ends.items()}
+            for conn in kept.values():
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(rounds):
+                for name, conn in kept.items():
+                    timed(name + " kept", lambda: _round_trip(conn))
+            for _ in range(max(rounds // 5, 5)):
+                for name, end in ends.items():
+                    timed(name + " fresh", lambda: fresh(*end))
+    finally:
+        job.cancel()
+print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
+"""
 
 
 def timed(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> float:
@@ -117,11 +160,13 @@ def timed(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> floa
     return elapsed
 
 
-def missing() -> str:
+def missing(only: str | None = None) -> str:
     why = _link.missing()
     if why:
         return why
     for tool, package in (("ssh", "openssh-client"), ("rsync", "rsync")):
+        if tool == "rsync" and only not in (None, "sync"):
+            continue
         if shutil.which(tool) is None:
             return f"{tool} not found (apt-get install {package})"
     if not (shutil.which("sshd") or Path("/usr/sbin/sshd").exists()):
@@ -135,14 +180,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="first syncs of a new project (default 2)")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB put and got (default 1)")
     parser.add_argument("--bulk-runs", type=int, default=3, help="runs of put/get and the socket (default 3)")
+    parser.add_argument("--forward-rounds", type=int, default=300, help="kept-alive requests of each (default 300)")
+    parser.add_argument(
+        "--only", choices=["sync", "bulk", "jobs", "forward"], help="run this group of figures alone (default: all)"
+    )
     args = parser.parse_args()
-    why = missing()
+    why = missing(args.only)
     if why:
         say(f"the two-host figures are skipped: {why}")
         return
     from tests._sshd import sshd
 
-    rsync = subprocess.run(["rsync", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    rsync = "rsync not needed"
+    if args.only in (None, "sync"):
+        rsync = subprocess.run(["rsync", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     _report.banner(rsync, quick=False, where="two hosts (network namespaces) joined by one link")
     with _report.isolated_workdir() as work, _link.link(rtt=0.002, gbits=1.0) as link:
         say(f"link: {link.describe()}; laptop {link.laptop.address}, box {link.box.address}")
@@ -159,14 +210,20 @@ def main() -> None:
                 timed(laptop([*login, "--fingerprint", server.fingerprint, "--profile", "link"]), env)
                 env["GPUPORT_PROFILE"] = "link"
                 gpuport_cli = [sys.executable, "-m", "gpuport"]
-                bench_sync(args, work, laptop, gpuport_cli, ssh, config, env)
-                bench_bulk(args, link, server, env)
-                bench_jobs(args, work, laptop, gpuport_cli, ssh, env)
+                wanted = lambda group: args.only in (None, group)
+                if wanted("sync"):
+                    bench_sync(args, work, laptop, gpuport_cli, ssh, config, env)
+                if wanted("bulk"):
+                    bench_bulk(args, link, server, env)
+                if wanted("jobs"):
+                    bench_jobs(args, work, laptop, gpuport_cli, ssh, env)
+                if wanted("forward"):
+                    bench_forward(args, link, ssh, env)
         finally:
             _report.stop_cli_helpers(work)
             server.stop()
     _report.print_table(
-        ["sync, first", "sync, unchanged", "put", "get", "launch", "log streaming"],
+        ["sync, first", "sync, unchanged", "put", "get", "launch", "log streaming", "forward, kept", "forward, fresh"],
         40,
         f"ratio: gpuport / the tool it replaces, on the same link ({link.describe()}); whole commands "
         f"run on the laptop, median of {args.runs} (first syncs: of {args.rounds})",
@@ -285,6 +342,67 @@ def bench_jobs(
             None,
         )
     )
+
+
+def bench_forward(args: argparse.Namespace, link: _link.Link, ssh: list[str], env: dict[str, str]) -> None:
+    from bench_reach import _SERVE
+
+    direct_port, ssh_port = 8081, 18081
+    direct = subprocess.Popen(
+        link.box.command([sys.executable, "-c", _SERVE, str(direct_port), link.box.address]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    tunnel = subprocess.Popen(
+        link.laptop.command(
+            [
+                *ssh[:-1],
+                "-N",
+                "-o",
+                "ExitOnForwardFailure=yes",
+                "-L",
+                f"{ssh_port}:{link.box.address}:{direct_port}",
+                ssh[-1],
+            ]
+        ),
+        env=env,
+    )
+    try:
+        assert direct.stdout is not None and direct.stdout.readline().strip() == "ready", (
+            "the straight server did not start"
+        )
+        deadline = time.monotonic() + 30
+        probe = [sys.executable, "-c", f"import socket; socket.create_connection(('127.0.0.1', {ssh_port}), 1)"]
+        while subprocess.run(link.laptop.command(probe), check=False, capture_output=True).returncode:
+            if tunnel.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("ssh -L did not open its port")
+            time.sleep(0.2)
+        script = [sys.executable, "-c", textwrap.dedent(FORWARD), link.box.address, str(direct_port)]
+        script += [str(args.forward_rounds), str(ssh_port), str(Path(__file__).parent)]
+        out = subprocess.run(link.laptop.command(script), check=False, capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise SystemExit(f"the forward's figures failed: {out.stderr[-2000:]}")
+        got = json.loads(out.stdout.splitlines()[-1])
+    finally:
+        tunnel.terminate()
+        direct.terminate()
+        for process in (tunnel, direct):
+            process.wait(timeout=10)
+    for kind, label in (("kept", "forward, kept-alive request"), ("fresh", "forward, fresh connection + request")):
+        anchor = "the job's port, straight"
+        ROWS.append(
+            Row(
+                label,
+                got[f"forward {kind}"],
+                got[f"direct {kind}"],
+                anchor,
+                "<= 1.5x",
+                got[f"forward {kind}"] <= 1.5 * got[f"direct {kind}"],
+            )
+        )
+        say(
+            f"  {label}: through ssh -L {got[f'ssh {kind}'] * 1e3:.2f} ms (gpuport {got[f'forward {kind}'] / got[f'ssh {kind}']:.2f}x of it)"
+        )
 
 
 if __name__ == "__main__":

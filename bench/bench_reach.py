@@ -52,7 +52,8 @@ _SERVE = (
     "        self.wfile.write(b'0123456789abcdef')\n"
     "    def log_message(self, *args):\n"
     "        pass\n"
-    "server = http.server.ThreadingHTTPServer(('127.0.0.1', int(sys.argv[1])), Handler)\n"
+    "address = sys.argv[2] if len(sys.argv) > 2 else '127.0.0.1'\n"
+    "server = http.server.ThreadingHTTPServer((address, int(sys.argv[1])), Handler)\n"
     "print('ready', flush=True)\n"
     "server.serve_forever()\n"
 )

@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/bench_slurm.py            # about five minutes on 2 cores (as root, with
     .venv/bin/python bench/bench_slurm.py --quick    # Debian's slurm-wlm and munge installed)
+    .venv/bin/python bench/bench_slurm.py --quick --only one-node --slurm-rest   # (a), (b) through slurmrestd
+
+With --slurm-rest the cluster also runs slurmrestd (JWT; Debian's slurmrestd package) and the
+server submits, lists and cancels through it (`--slurm-rest URL`, SLURM_JWT): the anchors stay
+Slurm's commands.
 
 A one-node Slurm cluster on this machine (tests/_slurm.py: slurmctld + slurmd, 2 fake GPUs as gres).
 
@@ -50,7 +55,7 @@ from _report import (
     say,
 )
 
-from tests._slurm import SlurmCluster, missing, start_cluster
+from tests._slurm import SlurmCluster, missing, rest_missing, start_cluster
 
 PASS = [sys.executable, "-c", "pass"]
 
@@ -64,18 +69,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--only", choices=["one-node", "nodes"], help="(a) and (b), or (c) alone")
+    parser.add_argument("--slurm-rest", action="store_true", help="the server talks to Slurm through slurmrestd")
     args = parser.parse_args()
-    if missing():
-        raise SystemExit(missing())
+    if missing() or (args.slurm_rest and rest_missing()):
+        raise SystemExit(missing() or rest_missing())
+    rest = args.slurm_rest
     with isolated_workdir() as work:
         if args.only != "nodes":
             start = time.perf_counter()
-            cluster = start_cluster(work / "cluster")
-            banner(_sbatch_version(cluster), args.quick)
+            cluster = start_cluster(work / "cluster", rest=rest)
+            banner(_sbatch_version(cluster) + (", through slurmrestd" if rest else ""), args.quick)
             say(f"== a one-node Slurm cluster (2 fake GPUs as gres) up in {time.perf_counter() - start:.1f}s")
             try:
                 os.environ["SLURM_CONF"] = str(cluster.conf)  # the server's (start_gpuport passes our env on)
                 options = ["--slurm", "--shared-dir", str(work / "shared")]
+                if rest:
+                    os.environ["SLURM_JWT"] = cluster.token(lifespan=7200)
+                    options += ["--slurm-rest", cluster.rest_url]
                 with gpuport_server(work, "slurm-server", options) as server:
                     bench_launch(3 if args.quick else 6, work, server, cluster)
                     bench_queue(1000, work, server, cluster)
@@ -84,13 +94,16 @@ def main() -> None:
                 cluster.close()
         if args.only != "one-node":
             start = time.perf_counter()
-            cluster = start_cluster(work / "cluster2", nodes=2)
+            cluster = start_cluster(work / "cluster2", nodes=2, rest=rest)
             if args.only == "nodes":
                 banner(_sbatch_version(cluster), args.quick)
             say(f"== a two-node Slurm cluster (2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
             try:
                 os.environ["SLURM_CONF"] = str(cluster.conf)
                 options = ["--slurm", "--shared-dir", str(work / "shared2")]
+                if rest:
+                    os.environ["SLURM_JWT"] = cluster.token(lifespan=7200)
+                    options += ["--slurm-rest", cluster.rest_url]
                 with gpuport_server(work, "slurm-server2", options) as server:
                     bench_nodes(3 if args.quick else 6, work, server, cluster)
             finally:

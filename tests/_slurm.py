@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import random
 import shutil
 import signal
@@ -78,6 +79,7 @@ class SlurmCluster:
     nodes: list[str] = field(default_factory=list)  # every node's name, the first one's first
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     rest_url: str = ""  # slurmrestd's, where ``start_cluster(rest=True)`` started it
+    rest_socket: str = ""  # the same slurmrestd's unix socket (unix:/path)
     rest_dir: Path | None = None  # slurmrestd's readable copy of slurm.conf (it reads it as REST_USER)
 
     def token(self, user: str = "root", lifespan: int = 3600) -> str:
@@ -142,7 +144,7 @@ def start_cluster(base: Path, tries: int = 3, nodes: int = 1, shards: bool = Tru
     """munged, slurmctld and one slurmd per node (``nodes``) with a config in ``base``, each GPU cut into
     4 shards (gres/shard) unless not ``shards``; ready when this returns. With ``rest``, slurmctld also
     takes JWTs (``AuthAltTypes=auth/jwt``, a key made here) and slurmrestd listens on ``rest_url``
-    (``-a rest_auth/jwt``, as ``REST_USER``; its log is ``slurmrestd.out``). A daemon that lost its
+    and ``rest_socket`` (``-a rest_auth/jwt``, as ``REST_USER``; its log is ``slurmrestd.out``). A daemon that lost its
     port to another process in between is started again, on other ports."""
     for attempt in range(tries):
         try:
@@ -272,9 +274,12 @@ def _start_rest(cluster: SlurmCluster) -> None:
     """slurmrestd on a free port of 127.0.0.1, taking JWTs, as REST_USER once its socket is open."""
     port = _free_port()
     (cluster.base / "slurmrestd.out").unlink(missing_ok=True)
-    # It reads slurm.conf once it is REST_USER, who cannot enter the test's (private) folder.
+    # It reads slurm.conf and binds its unix socket once it is REST_USER, who cannot enter the test's
+    # (private) folder: a folder of its own.
     cluster.rest_dir = Path(tempfile.mkdtemp(prefix="gpuport-slurmrestd-"))
     cluster.rest_dir.chmod(0o755)
+    user = pwd.getpwnam(REST_USER)
+    os.chown(cluster.rest_dir, user.pw_uid, user.pw_gid)  # its unix socket is made there, as REST_USER
     conf = cluster.rest_dir / "slurm.conf"
     shutil.copyfile(cluster.conf, conf)
     conf.chmod(0o644)
@@ -291,6 +296,7 @@ def _start_rest(cluster: SlurmCluster) -> None:
         REST_USER,
         "-vv",
         f"127.0.0.1:{port}",
+        f"unix:{cluster.rest_dir / 'slurmrestd.sock'}",
         env={"SLURM_JWT": "daemon"},
     )
     deadline = time.monotonic() + START_TIMEOUT
@@ -304,3 +310,4 @@ def _start_rest(cluster: SlurmCluster) -> None:
             raise RuntimeError(f"slurmrestd does not listen in {START_TIMEOUT}s:\n{cluster.log('slurmrestd')}")
         time.sleep(0.05)
     cluster.rest_url = f"http://127.0.0.1:{port}"
+    cluster.rest_socket = f"unix:{cluster.rest_dir / 'slurmrestd.sock'}"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuport.protocol.errors import InvalidRequest
+from gpuport.server.executors.slurm_rest import job_properties
 from tests._slurm import SlurmCluster, rest_missing, start_cluster
 from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
-
-pytestmark = pytest.mark.skipif(bool(rest_missing()), reason=rest_missing() or "slurmrestd is here")
 
 HOLD = "import os, time\nprint('started', flush=True)\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
 REPLACED = ("sbatch", "squeue", "scancel", "sinfo")
@@ -27,6 +27,8 @@ REPLACED = ("sbatch", "squeue", "scancel", "sinfo")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    if rest_missing():
+        pytest.skip(rest_missing())
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"), rest=True)
     try:
         yield cluster
@@ -79,14 +81,42 @@ def rest_server(
 
 
 @pytest.fixture(autouse=True)
-def _released(cluster: SlurmCluster, shared: Path, no_commands: Path) -> Iterator[None]:
-    """Whatever a test leaves holding is released after it; no test ran a replaced command."""
+def _released(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Whatever a test of the cluster leaves holding is released after it; none ran a replaced command."""
+    if "cluster" not in request.fixturenames:
+        yield  # a test without Slurm
+        return
+    cluster, shared, no_commands = (request.getfixturevalue(name) for name in ("cluster", "shared", "no_commands"))
     yield
     for work in (shared / "jobs").glob("*/work"):
         (work / "go").touch()
     cluster.cancel_all()
     used = no_commands / "used"
     assert not used.exists(), f"the server ran {used.read_text().split()} instead of asking slurmrestd"
+
+
+def test_sbatch_options_become_slurmrestds_job_properties_and_others_are_refused_by_name() -> None:
+    found = job_properties(["--job-name=a -t 1-02:00 --mem=2G", "-N 2-3 --ntasks-per-node=4", "-p short -c2"])
+    assert found == {
+        "name": "a",
+        "time_limit": 26 * 60,
+        "memory_per_node": 2048,
+        "nodes": [2, 3],
+        "tasks_per_node": 4,
+        "partition": "short",
+        "cpus_per_task": 2,
+    }
+    assert job_properties(["--time=90", "--time 0:30", "--gres=gpu:2 --mem 512"]) == {
+        "time_limit": 1,
+        "gres": "gpu:2",
+        "memory_per_node": 512,
+    }
+    with pytest.raises(InvalidRequest, match="#SBATCH --exclusive is not passed on through slurmrestd"):
+        job_properties(["--exclusive"])
+    with pytest.raises(InvalidRequest, match="not a value sbatch reads for --mem"):
+        job_properties(["--mem=lots"])
+    with pytest.raises(InvalidRequest, match="--time needs a value"):
+        job_properties(["--time"])
 
 
 def _submit(server: RunningServer, code: str, **spec: object) -> dict:
@@ -191,6 +221,20 @@ def test_a_batch_scripts_sbatch_lines_reach_slurmrestd_and_one_it_cannot_pass_is
     assert rest_server.job_log(done.stdout.strip()) == "mine\n"
     done = sbatch("#!/bin/sh\n#SBATCH --exclusive\ntrue\n", 1)
     assert "#SBATCH --exclusive is not passed on through slurmrestd" in done.stderr, done.stderr
+
+
+def test_a_server_reaches_slurmrestd_on_its_unix_socket_too(
+    cluster: SlurmCluster, no_commands: Path, tmp_path: Path
+) -> None:
+    args = ("--slurm", "--shared-dir", str(tmp_path / "shared"), "--slurm-rest", cluster.rest_socket)
+    server = start_server(tmp_path / "state", *args, env=_env(cluster, no_commands, SLURM_JWT=cluster.token()))
+    try:
+        assert f"through slurmrestd at {cluster.rest_socket} (API v0.0.38)" in server.banner, server.banner
+        job = _submit(server, "print('over the socket')", gpus=1)
+        assert server.ended(job["job_id"])["state"] == "succeeded"
+        assert server.job_log(job["job_id"]) == "over the socket\n"
+    finally:
+        server.stop()
 
 
 def test_a_wrong_token_or_no_slurmrestd_stops_the_server_at_its_start_saying_why(

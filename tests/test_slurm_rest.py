@@ -119,6 +119,18 @@ def test_sbatch_options_become_slurmrestds_job_properties_and_others_are_refused
         job_properties(["--time"])
 
 
+def test_slurm_rest_options_without_slurm_are_refused_saying_what_goes_with_what(tmp_path: Path) -> None:
+    def refused(*args: str) -> str:
+        argv = [sys.executable, "-m", "gpuport", "server", "--state-dir", str(tmp_path / "state"), *args]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
+        assert done.returncode == 2, done.stdout + done.stderr
+        return done.stderr
+
+    assert "go with --slurm" in refused("--slurm-rest", "http://127.0.0.1:6820")
+    shared = ("--slurm", "--shared-dir", str(tmp_path))
+    assert "--slurm-rest-token-file goes with --slurm-rest URL" in refused(*shared, "--slurm-rest-token-file", "t")
+
+
 def _submit(server: RunningServer, code: str, **spec: object) -> dict:
     reply = server.rest("POST", "/v1/jobs", server.admin_token, json={"command": [sys.executable, "-c", code], **spec})
     assert reply.status_code == 201, reply.text

@@ -18,7 +18,8 @@ job, whose signal must reach its batch shell alone (``scancel --batch``; the API
 Authentication is slurmrestd's: a JWT (``AuthAltTypes=auth/jwt`` in slurm.conf, made with
 ``scontrol token``) sent as ``X-SLURM-USER-NAME`` and ``X-SLURM-USER-TOKEN``, read from a file
 (read again whenever it changes: tokens expire) or from ``SLURM_JWT``; on a ``unix:`` socket,
-slurmrestd's local authentication (``-a rest_auth/local``) needs none.
+slurmrestd's local authentication (``-a rest_auth/local``) needs none: slurmrestd takes the
+connecting process's uid for the user, and accepts only its own (so the server runs as that user).
 """
 
 from __future__ import annotations
@@ -317,7 +318,10 @@ class SlurmRest(SlurmClient):
                 "--slurm-rest-token-file FILE or SLURM_JWT (make one with `scontrol token lifespan=SECONDS`)"
             )
         if token_file is not None:
-            self._read_token()
+            try:
+                self._read_token()
+            except OSError as e:
+                raise ConfigError(str(e)) from None
         self.version = self._discover()
         self.path = f"slurmrestd at {url} (API {self.version})"
         try:  # one call that reaches slurmctld: the token is checked here, not at the first job
@@ -339,7 +343,8 @@ class SlurmRest(SlurmClient):
     # ---- the wire ------------------------------------------------------------------------------------
 
     def _read_token(self) -> str:
-        """The token, read again from its file when that changed (tokens expire and are replaced)."""
+        """The token, read again from its file when that changed (tokens expire and are replaced).
+        Raises ``OSError`` when the file cannot be read."""
         if self._token_file is None:
             return self._token
         try:
@@ -351,7 +356,7 @@ class SlurmRest(SlurmClient):
                 with self._lock:
                     self._token, self._token_seen = token, seen
         except OSError as e:
-            raise ConfigError(f"--slurm-rest-token-file {self._token_file}: {e.strerror or e}") from None
+            raise OSError(f"--slurm-rest-token-file {self._token_file}: {e.strerror or e}") from None
         return self._token
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, Any]]:

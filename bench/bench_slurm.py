@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -174,6 +175,13 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
     while sum(1 for _ in jobs_dir.glob("*/slurm.id")) < count and time.monotonic() < deadline:
         time.sleep(0.5)
     say(f"  {count} jobs submitted and handed to Slurm in {time.perf_counter() - start:.1f}s")
+    start = time.perf_counter()
+    with connect(server) as gpu:  # type: ignore[arg-type]
+        while time.perf_counter() - start < 120:  # the watcher's next look at Slurm's queue shows the last ones
+            if sum(1 for j in gpu.queue() if j.message.startswith("Slurm: ")) >= count:
+                break
+            time.sleep(0.2)
+    say(f"  all of them listed with Slurm's reason {time.perf_counter() - start:.1f}s later")
     cli_env = cli_login_env(server, work / "config", work / "cache")  # type: ignore[arg-type]
     cli_env["COLUMNS"] = "200"
 
@@ -206,8 +214,18 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
         subprocess.run(["squeue", "-h", "-u", "root", "-o", "%i|%T|%r"], env=env, check=True, capture_output=True)
         return time.perf_counter() - start
 
+    def rest_jobs() -> float:  # what the server's watcher asks of slurmrestd each second with --slurm-rest
+        headers = {"X-SLURM-USER-NAME": "root", "X-SLURM-USER-TOKEN": os.environ["SLURM_JWT"]}
+        request = urllib.request.Request(f"{cluster.rest_url}/slurm/v0.0.38/jobs", headers=headers)
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            reply.read()
+        return time.perf_counter() - start
+
     with connect(server) as gpu:  # type: ignore[arg-type]
         calls = {"api": api_queue(gpu), "json": cli_queue("--json"), "table": cli_queue(), "squeue": squeue}
+        if cluster.rest_url:
+            calls["rest"] = rest_jobs
         t = rotate(5, calls)
     api, js, table, anchor = (median(t[k]) for k in ("api", "json", "table", "squeue"))
     say(
@@ -217,6 +235,10 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
     ROWS.append(Row(f"queue: gpu.queue(), {count} pending", api, anchor, "squeue", "<= 300 ms", api <= 0.300))
     ROWS.append(Row(f"queue: `gpuport queue --json`, {count}", js, anchor, "squeue", "(no goal)", None))
     ROWS.append(Row(f"queue: `gpuport queue`, {count} (table)", table, anchor, "squeue", "(no goal)", None))
+    if cluster.rest_url:
+        rest = median(t["rest"])
+        say(f"  slurmrestd's GET /slurm/v0.0.38/jobs (all jobs Slurm keeps, as JSON) {ms(rest)}, of 5")
+        ROWS.append(Row("queue: slurmrestd GET /jobs, all", rest, anchor, "squeue", "(no goal)", None))
 
 
 def bench_nodes(n: int, work: Path, server: object, cluster: SlurmCluster) -> None:

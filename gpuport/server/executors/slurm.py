@@ -435,9 +435,13 @@ class SlurmExecutor(FolderReads, Executor):
             started = [j for j, (slurm_id, _, _) in watched.items() if listed.get(slurm_id, ("",))[0] != "PENDING"]
             ended = [j for j in started if (self.folders.folder(j) / "slurm.done").exists()]
             if time.monotonic() >= next_look:
-                next_look = time.monotonic() + DEFAULT_SQUEUE_INTERVAL
+                began = time.monotonic()
                 queue = self._squeue(0.0)
                 taken = self._queue[0]
+                # A slow look is not repeated at once: slurmrestd lists every job Slurm keeps as JSON
+                # (seconds for thousands, on slurmctld's and this server's CPUs), and the watcher asks
+                # for at most half of their time.
+                next_look = time.monotonic() + max(DEFAULT_SQUEUE_INTERVAL, time.monotonic() - began)
                 if queue is not None:
                     self._report_started(watched)
                     for job_id, (slurm_id, _, since) in watched.items():

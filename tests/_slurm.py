@@ -263,51 +263,53 @@ PartitionName=short Nodes={",".join(names)} MaxTime=10 State=UP
             )
         cluster.wait_idle()
         if rest:
-            _start_rest(cluster)
+            cluster.rest_url = start_rest(cluster)
+            cluster.rest_socket = f"unix:{cluster.rest_dir / 'slurmrestd.sock'}"
     except BaseException:
         cluster.close()
         raise
     return cluster
 
 
-def _start_rest(cluster: SlurmCluster) -> None:
-    """slurmrestd on a free port of 127.0.0.1, taking JWTs, as REST_USER once its socket is open."""
+def start_rest(cluster: SlurmCluster, apis: str = "openapi/v0.0.38,openapi/v0.0.37", name: str = "slurmrestd") -> str:
+    """A slurmrestd (its log: ``name``.out) on a free port of 127.0.0.1 and on the unix socket
+    ``name``.sock, taking JWTs, offering the API versions ``apis`` (not the dbv0.0.* ones: this
+    cluster has no slurmdbd), as REST_USER once its sockets are open; its URL. Ended with the cluster."""
     port = _free_port()
-    (cluster.base / "slurmrestd.out").unlink(missing_ok=True)
+    (cluster.base / f"{name}.out").unlink(missing_ok=True)
     # It reads slurm.conf and binds its unix socket once it is REST_USER, who cannot enter the test's
     # (private) folder: a folder of its own.
-    cluster.rest_dir = Path(tempfile.mkdtemp(prefix="gpuport-slurmrestd-"))
-    cluster.rest_dir.chmod(0o755)
-    user = pwd.getpwnam(REST_USER)
-    os.chown(cluster.rest_dir, user.pw_uid, user.pw_gid)  # its unix socket is made there, as REST_USER
-    conf = cluster.rest_dir / "slurm.conf"
-    shutil.copyfile(cluster.conf, conf)
-    conf.chmod(0o644)
+    if cluster.rest_dir is None:
+        cluster.rest_dir = Path(tempfile.mkdtemp(prefix="gpuport-slurmrestd-"))
+        cluster.rest_dir.chmod(0o755)
+        user = pwd.getpwnam(REST_USER)
+        os.chown(cluster.rest_dir, user.pw_uid, user.pw_gid)  # its unix socket is made there, as REST_USER
+        shutil.copyfile(cluster.conf, cluster.rest_dir / "slurm.conf")
+        (cluster.rest_dir / "slurm.conf").chmod(0o644)
     process = cluster._start(
-        "slurmrestd",
+        name,
         _tool("slurmrestd"),
         "-f",
-        str(conf),
+        str(cluster.rest_dir / "slurm.conf"),
         "-a",
         "rest_auth/jwt",
         "-s",
-        "openapi/v0.0.38,openapi/v0.0.37",  # not the dbv0.0.* ones: this cluster has no slurmdbd
+        apis,
         "-u",
         REST_USER,
         "-vv",
         f"127.0.0.1:{port}",
-        f"unix:{cluster.rest_dir / 'slurmrestd.sock'}",
+        f"unix:{cluster.rest_dir / (name + '.sock')}",
         env={"SLURM_JWT": "daemon"},
     )
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"slurmrestd ended:\n{cluster.log('slurmrestd')}")
+            raise RuntimeError(f"slurmrestd ended:\n{cluster.log(name)}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"slurmrestd does not listen in {START_TIMEOUT}s:\n{cluster.log('slurmrestd')}")
+            raise RuntimeError(f"slurmrestd does not listen in {START_TIMEOUT}s:\n{cluster.log(name)}")
         time.sleep(0.05)
-    cluster.rest_url = f"http://127.0.0.1:{port}"
-    cluster.rest_socket = f"unix:{cluster.rest_dir / 'slurmrestd.sock'}"
+    return f"http://127.0.0.1:{port}"

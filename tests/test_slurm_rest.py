@@ -18,7 +18,7 @@ import pytest
 
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.server.executors.slurm_rest import job_properties
-from tests._slurm import SlurmCluster, rest_missing, start_cluster
+from tests._slurm import SlurmCluster, rest_missing, start_cluster, start_rest
 from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
 
 HOLD = "import os, time\nprint('started', flush=True)\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
@@ -264,3 +264,15 @@ def test_a_wrong_token_or_no_slurmrestd_stops_the_server_at_its_start_saying_why
     closed = "http://127.0.0.1:9"  # the discard port: nobody listens
     server = start_server(tmp_path / "state", *args[:-1], closed, env={**env, "SLURM_JWT": "x"}, expect_ready=False)
     assert f"slurmrestd at {closed}: " in server.banner and "is slurmrestd running there?" in server.banner
+
+
+def test_a_slurmrestd_without_an_api_version_gpuport_speaks_is_refused_naming_both(
+    cluster: SlurmCluster, no_commands: Path, tmp_path: Path
+) -> None:
+    older = start_rest(cluster, "openapi/v0.0.37", "slurmrestd-37")
+    args = ("--slurm", "--shared-dir", str(tmp_path / "shared"), "--slurm-rest", older)
+    env = _env(cluster, no_commands, SLURM_JWT=cluster.token())
+    server = start_server(tmp_path / "state", *args, env=env, expect_ready=False)
+    said = server.banner
+    assert server.process.returncode != 0 and "ready" not in server.output, said
+    assert f"slurmrestd at {older} offers the API versions v0.0.37; gpuport speaks v0.0.38" in said, said

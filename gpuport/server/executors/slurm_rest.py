@@ -2,9 +2,10 @@
 
 ``SlurmClient`` holds the few operations the executor needs of the cluster, and has two kinds:
 ``SlurmCommands`` (``sbatch``, ``squeue``, ``scancel``, ``sinfo``) and ``SlurmRest`` (slurmrestd:
-``POST /slurm/vX/job/submit``, one ``GET /slurm/vX/jobs`` for all jobs, ``DELETE /slurm/vX/job/{id}``
-with a signal, ``GET /slurm/vX/nodes`` and ``/partitions``). Either raises ``RuntimeError`` with
-Slurm's own message when Slurm refuses, and ``OSError`` when it cannot be reached.
+``POST /slurm/vX/job/submit``, one ``GET /slurm/vX/jobs`` for all jobs, and only when one changed,
+``DELETE /slurm/vX/job/{id}`` with a signal, ``GET /slurm/vX/nodes`` and ``/partitions``). Either
+raises ``RuntimeError`` with Slurm's own message when Slurm refuses, and ``OSError`` when it cannot
+be reached.
 
 slurmrestd reads no ``#SBATCH`` line: ``SlurmRest`` turns the options the executor gives (gpuport's,
 then a batch script's own) into the job's properties, for the options in ``REST_OPTIONS``, and refuses
@@ -45,6 +46,7 @@ from gpuport.protocol.errors import ConfigError, InvalidRequest
 
 SUPPORTED_VERSIONS = ("v0.0.38",)  # slurmrestd's API versions this client speaks, newest first (Slurm 22.05)
 DEFAULT_COMMAND_TIMEOUT = 60.0  # seconds a Slurm command or REST call may take (slurmctld busy)
+DEFAULT_CLOCK_MARGIN = 5.0  # seconds slurmctld's clock may lag this server's ("changed since" asks from earlier)
 DEFAULT_CHECK_BEGIN = 365 * 86400  # seconds ahead a checked job is told to begin: it never starts
 # A job's states in which squeue lists it by default: any other has ended (slurmrestd lists those too).
 _LISTED = {"PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "RESIZING", "REQUEUED", "SIGNALING"}
@@ -297,6 +299,7 @@ class SlurmRest(SlurmClient):
         self._token_file = token_file
         self._token = token
         self._token_seen: tuple[float, int] = (-1.0, -1)
+        self._listed: dict[str, tuple[float, list[Listed]]] = {}  # user → (when asked, their jobs then)
         self._lock = threading.Lock()
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme == "unix":
@@ -462,8 +465,20 @@ class SlurmRest(SlurmClient):
             raise RuntimeError(_errors(found) or "slurmrestd gave no job id")
 
     def queue(self, user: str) -> list[Listed]:
+        # "Changed since": slurmctld answers 304 and nothing when no job changed since then, where a
+        # whole list is seconds of its CPU for thousands of jobs. Since the last look's start, less
+        # a margin for the controller's clock.
+        asked = time.time()
+        since = self._listed.get(user)
+        what = f"jobs?update_time={int(since[0] - DEFAULT_CLOCK_MARGIN)}" if since else "jobs"
+        status, listing = self._request("GET", f"/slurm/{self.version}/{what}")
+        if status == 304 and since is not None:
+            self._listed[user] = (asked, since[1])
+            return since[1]
+        if status >= 300:
+            raise RuntimeError(_errors(listing) or f"slurmrestd answered HTTP {status}")
         found = []
-        for job in self._call("GET", "jobs").get("jobs", []):
+        for job in listing.get("jobs", []):
             state = str(job.get("job_state", ""))
             if job.get("user_name") != user or state not in _LISTED:
                 continue
@@ -480,6 +495,7 @@ class SlurmRest(SlurmClient):
                     str(job.get("state_reason") or ""),
                 )
             )
+        self._listed[user] = (asked, found)
         return found
 
     def cancel(self, slurm_id: str, signal: str = "", batch_only: bool = False) -> None:

@@ -49,9 +49,10 @@ sandbox:
 # What some tests need beside the sandbox: sshd (tests/test_ssh.py, ssh:// routes), Chromium
 # (tests/test_dashboard.py drives it with Playwright; no browser is downloaded), Prometheus
 # (tests/test_metrics.py scrapes the server with it and runs the Grafana dashboard's queries) and
-# Slurm with munge (tests/test_slurm.py starts a one-node cluster with them).
+# Slurm with munge (tests/test_slurm.py starts a one-node cluster with them) and slurmrestd
+# (tests/test_slurm_rest.py talks to the cluster through it).
 test-tools:
-	$(call apt_install,sshd:openssh-server chromium:chromium prometheus:prometheus slurmctld:slurm-wlm munged:munge,for the tests,the tests that need them skip)
+	$(call apt_install,sshd:openssh-server chromium:chromium prometheus:prometheus slurmctld:slurm-wlm munged:munge slurmrestd:slurmrestd,for the tests,the tests that need them skip)
 
 demo: $(VENV)/.demo sandbox
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash examples/demo.sh

@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/bench_slurm.py            # about five minutes on 2 cores (as root, with
     .venv/bin/python bench/bench_slurm.py --quick    # Debian's slurm-wlm and munge installed)
+    .venv/bin/python bench/bench_slurm.py --quick --only one-node --slurm-rest   # (a), (b) through slurmrestd
+
+With --slurm-rest the cluster also runs slurmrestd (JWT; Debian's slurmrestd package) and the
+server submits, lists and cancels through it (`--slurm-rest URL`, SLURM_JWT): the anchors stay
+Slurm's commands.
 
 A one-node Slurm cluster on this machine (tests/_slurm.py: slurmctld + slurmd, 2 fake GPUs as gres).
 
@@ -29,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,7 +56,7 @@ from _report import (
     say,
 )
 
-from tests._slurm import SlurmCluster, missing, start_cluster
+from tests._slurm import SlurmCluster, missing, rest_missing, start_cluster
 
 PASS = [sys.executable, "-c", "pass"]
 
@@ -64,18 +70,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--only", choices=["one-node", "nodes"], help="(a) and (b), or (c) alone")
+    parser.add_argument("--slurm-rest", action="store_true", help="the server talks to Slurm through slurmrestd")
     args = parser.parse_args()
-    if missing():
-        raise SystemExit(missing())
+    if missing() or (args.slurm_rest and rest_missing()):
+        raise SystemExit(missing() or rest_missing())
+    rest = args.slurm_rest
     with isolated_workdir() as work:
         if args.only != "nodes":
             start = time.perf_counter()
-            cluster = start_cluster(work / "cluster")
-            banner(_sbatch_version(cluster), args.quick)
+            cluster = start_cluster(work / "cluster", rest=rest)
+            banner(_sbatch_version(cluster) + (", through slurmrestd" if rest else ""), args.quick)
             say(f"== a one-node Slurm cluster (2 fake GPUs as gres) up in {time.perf_counter() - start:.1f}s")
             try:
                 os.environ["SLURM_CONF"] = str(cluster.conf)  # the server's (start_gpuport passes our env on)
                 options = ["--slurm", "--shared-dir", str(work / "shared")]
+                if rest:
+                    os.environ["SLURM_JWT"] = cluster.token(lifespan=7200)
+                    options += ["--slurm-rest", cluster.rest_url]
                 with gpuport_server(work, "slurm-server", options) as server:
                     bench_launch(3 if args.quick else 6, work, server, cluster)
                     bench_queue(1000, work, server, cluster)
@@ -84,13 +95,16 @@ def main() -> None:
                 cluster.close()
         if args.only != "one-node":
             start = time.perf_counter()
-            cluster = start_cluster(work / "cluster2", nodes=2)
+            cluster = start_cluster(work / "cluster2", nodes=2, rest=rest)
             if args.only == "nodes":
                 banner(_sbatch_version(cluster), args.quick)
             say(f"== a two-node Slurm cluster (2 fake GPUs each) up in {time.perf_counter() - start:.1f}s")
             try:
                 os.environ["SLURM_CONF"] = str(cluster.conf)
                 options = ["--slurm", "--shared-dir", str(work / "shared2")]
+                if rest:
+                    os.environ["SLURM_JWT"] = cluster.token(lifespan=7200)
+                    options += ["--slurm-rest", cluster.rest_url]
                 with gpuport_server(work, "slurm-server2", options) as server:
                     bench_nodes(3 if args.quick else 6, work, server, cluster)
             finally:
@@ -161,6 +175,13 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
     while sum(1 for _ in jobs_dir.glob("*/slurm.id")) < count and time.monotonic() < deadline:
         time.sleep(0.5)
     say(f"  {count} jobs submitted and handed to Slurm in {time.perf_counter() - start:.1f}s")
+    start = time.perf_counter()
+    with connect(server) as gpu:  # type: ignore[arg-type]
+        while time.perf_counter() - start < 120:  # the watcher's next look at Slurm's queue shows the last ones
+            if sum(1 for j in gpu.queue() if j.message.startswith("Slurm: ")) >= count:
+                break
+            time.sleep(0.2)
+    say(f"  all of them listed with Slurm's reason {time.perf_counter() - start:.1f}s later")
     cli_env = cli_login_env(server, work / "config", work / "cache")  # type: ignore[arg-type]
     cli_env["COLUMNS"] = "200"
 
@@ -193,8 +214,18 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
         subprocess.run(["squeue", "-h", "-u", "root", "-o", "%i|%T|%r"], env=env, check=True, capture_output=True)
         return time.perf_counter() - start
 
+    def rest_jobs() -> float:  # what the server's watcher asks of slurmrestd each second with --slurm-rest
+        headers = {"X-SLURM-USER-NAME": "root", "X-SLURM-USER-TOKEN": os.environ["SLURM_JWT"]}
+        request = urllib.request.Request(f"{cluster.rest_url}/slurm/v0.0.38/jobs", headers=headers)
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            reply.read()
+        return time.perf_counter() - start
+
     with connect(server) as gpu:  # type: ignore[arg-type]
         calls = {"api": api_queue(gpu), "json": cli_queue("--json"), "table": cli_queue(), "squeue": squeue}
+        if cluster.rest_url:
+            calls["rest"] = rest_jobs
         t = rotate(5, calls)
     api, js, table, anchor = (median(t[k]) for k in ("api", "json", "table", "squeue"))
     say(
@@ -204,6 +235,10 @@ def bench_queue(count: int, work: Path, server: object, cluster: SlurmCluster) -
     ROWS.append(Row(f"queue: gpu.queue(), {count} pending", api, anchor, "squeue", "<= 300 ms", api <= 0.300))
     ROWS.append(Row(f"queue: `gpuport queue --json`, {count}", js, anchor, "squeue", "(no goal)", None))
     ROWS.append(Row(f"queue: `gpuport queue`, {count} (table)", table, anchor, "squeue", "(no goal)", None))
+    if cluster.rest_url:
+        rest = median(t["rest"])
+        say(f"  slurmrestd's GET /slurm/v0.0.38/jobs (all jobs Slurm keeps, as JSON) {ms(rest)}, of 5")
+        ROWS.append(Row("queue: slurmrestd GET /jobs, all", rest, anchor, "squeue", "(no goal)", None))
 
 
 def bench_nodes(n: int, work: Path, server: object, cluster: SlurmCluster) -> None:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import random
 import shutil
 import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,7 @@ START_TIMEOUT = 60.0
 NODE_CPUS = 4  # more than this machine may have: slurmd takes the config's word (config_overrides)
 NODE_MEMORY_MB = 4000
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
+REST_USER = "nobody"  # slurmrestd refuses root and SlurmUser: it drops to this user once its socket is open
 
 
 def missing() -> str:
@@ -34,6 +37,15 @@ def missing() -> str:
         return f"Slurm is not installed ({', '.join(absent)} missing): apt-get install -y slurm-wlm munge"
     if os.geteuid() != 0:
         return "the test Slurm cluster runs its daemons as root"
+    return ""
+
+
+def rest_missing() -> str:
+    """Why slurmrestd cannot be started here beside the cluster ("": it can)."""
+    if missing():
+        return missing()
+    if shutil.which("slurmrestd") is None and not Path("/usr/sbin/slurmrestd").exists():
+        return "slurmrestd is not installed: apt-get install -y slurmrestd (make test-tools does, as root)"
     return ""
 
 
@@ -66,6 +78,14 @@ class SlurmCluster:
     conf: Path  # slurm.conf, for SLURM_CONF
     nodes: list[str] = field(default_factory=list)  # every node's name, the first one's first
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    rest_url: str = ""  # slurmrestd's, where ``start_cluster(rest=True)`` started it
+    rest_socket: str = ""  # the same slurmrestd's unix socket (unix:/path)
+    rest_dir: Path | None = None  # slurmrestd's readable copy of slurm.conf (it reads it as REST_USER)
+
+    def token(self, user: str = "root", lifespan: int = 3600) -> str:
+        """A JWT of slurmctld's for ``user`` (``scontrol token``), for slurmrestd's X-SLURM-USER-TOKEN."""
+        out = self.run("scontrol", "token", f"username={user}", f"lifespan={lifespan}").stdout
+        return out.strip().split("=", 1)[1]
 
     def env(self, **extra: str) -> dict[str, str]:
         """This process's environment, with the cluster's SLURM_CONF."""
@@ -76,10 +96,10 @@ class SlurmCluster:
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(argv, env=self.env(), capture_output=True, text=True, check=check, timeout=60)
 
-    def _start(self, name: str, *argv: str) -> subprocess.Popen[bytes]:
+    def _start(self, name: str, *argv: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.base / f"{name}.out", "ab") as log:
             process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+                argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(**(env or {})), start_new_session=True
             )
         self.processes.append(process)
         return process
@@ -116,22 +136,26 @@ class SlurmCluster:
                 os.kill(process.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=10)
+        if self.rest_dir is not None:
+            shutil.rmtree(self.rest_dir, ignore_errors=True)
 
 
-def start_cluster(base: Path, tries: int = 3, nodes: int = 1, shards: bool = True) -> SlurmCluster:
+def start_cluster(base: Path, tries: int = 3, nodes: int = 1, shards: bool = True, rest: bool = False) -> SlurmCluster:
     """munged, slurmctld and one slurmd per node (``nodes``) with a config in ``base``, each GPU cut into
-    4 shards (gres/shard) unless not ``shards``; ready when this returns. A daemon that lost its port
-    to another process in between is started again, on other ports."""
+    4 shards (gres/shard) unless not ``shards``; ready when this returns. With ``rest``, slurmctld also
+    takes JWTs (``AuthAltTypes=auth/jwt``, a key made here) and slurmrestd listens on ``rest_url``
+    and ``rest_socket`` (``-a rest_auth/jwt``, as ``REST_USER``; its log is ``slurmrestd.out``). A daemon that lost its
+    port to another process in between is started again, on other ports."""
     for attempt in range(tries):
         try:
-            return _start_cluster(base, nodes, shards)
+            return _start_cluster(base, nodes, shards, rest)
         except RuntimeError as e:
             if "Address already in use" not in str(e) or attempt == tries - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_cluster(base: Path, count: int = 1, shards: bool = True) -> SlurmCluster:
+def _start_cluster(base: Path, count: int = 1, shards: bool = True, rest: bool = False) -> SlurmCluster:
     base.mkdir(parents=True, exist_ok=True)
     node = socket.gethostname().split(".")[0]
     for folder in ("state", "spool", "munge"):
@@ -203,6 +227,13 @@ PartitionName=short Nodes={",".join(names)} MaxTime=10 State=UP
         + (f"NodeName={n} Name=shard Count=4 File={base}/{'' if n == node else n + '-'}gpu[0-1]\n" if shards else "")
         for n in names
     )
+    if rest:
+        jwt_key = base / "state" / "jwt.key"  # slurmctld's alone: it signs and checks the tokens
+        jwt_key.unlink(missing_ok=True)
+        jwt_key.write_bytes(os.urandom(64))
+        jwt_key.chmod(0o400)
+        with conf.open("a") as f:
+            f.write(f"AuthAltTypes=auth/jwt\nAuthAltParameters=jwt_key={jwt_key}\n")
     (base / "gres.conf").write_text(f"AutoDetect=off\n{gres}")
     cluster = SlurmCluster(base, node, conf, names)
     try:
@@ -231,7 +262,54 @@ PartitionName=short Nodes={",".join(names)} MaxTime=10 State=UP
                 "slurmd" if name == node else f"slurmd-{name}", _tool("slurmd"), "-D", "-f", str(conf), *extra
             )
         cluster.wait_idle()
+        if rest:
+            cluster.rest_url = start_rest(cluster)
+            cluster.rest_socket = f"unix:{cluster.rest_dir / 'slurmrestd.sock'}"
     except BaseException:
         cluster.close()
         raise
     return cluster
+
+
+def start_rest(cluster: SlurmCluster, apis: str = "openapi/v0.0.38,openapi/v0.0.37", name: str = "slurmrestd") -> str:
+    """A slurmrestd (its log: ``name``.out) on a free port of 127.0.0.1 and on the unix socket
+    ``name``.sock, taking JWTs, offering the API versions ``apis`` (not the dbv0.0.* ones: this
+    cluster has no slurmdbd), as REST_USER once its sockets are open; its URL. Ended with the cluster."""
+    port = _free_port()
+    (cluster.base / f"{name}.out").unlink(missing_ok=True)
+    # It reads slurm.conf and binds its unix socket once it is REST_USER, who cannot enter the test's
+    # (private) folder: a folder of its own.
+    if cluster.rest_dir is None:
+        cluster.rest_dir = Path(tempfile.mkdtemp(prefix="gpuport-slurmrestd-"))
+        cluster.rest_dir.chmod(0o755)
+        user = pwd.getpwnam(REST_USER)
+        os.chown(cluster.rest_dir, user.pw_uid, user.pw_gid)  # its unix socket is made there, as REST_USER
+        shutil.copyfile(cluster.conf, cluster.rest_dir / "slurm.conf")
+        (cluster.rest_dir / "slurm.conf").chmod(0o644)
+    process = cluster._start(
+        name,
+        _tool("slurmrestd"),
+        "-f",
+        str(cluster.rest_dir / "slurm.conf"),
+        "-a",
+        "rest_auth/jwt",
+        "-s",
+        apis,
+        "-u",
+        REST_USER,
+        "-vv",
+        f"127.0.0.1:{port}",
+        f"unix:{cluster.rest_dir / (name + '.sock')}",
+        env={"SLURM_JWT": "daemon"},
+    )
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"slurmrestd ended:\n{cluster.log(name)}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slurmrestd does not listen in {START_TIMEOUT}s:\n{cluster.log(name)}")
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}"

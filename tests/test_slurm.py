@@ -92,7 +92,10 @@ def _slurm_id(shared: Path, job_id: str) -> str:
 
 
 def test_the_banner_names_slurm(slurm_server: RunningServer) -> None:
-    assert "cluster      Slurm at partitions debug*, short: 1 node" in slurm_server.banner
+    assert (
+        "cluster      Slurm at partitions debug*, short, through Slurm's commands (sbatch, squeue): 1 node"
+        in slurm_server.banner
+    )
 
 
 def test_a_job_gets_the_gpus_slurm_allocated_and_its_exit_code(

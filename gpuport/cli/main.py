@@ -215,6 +215,19 @@ def cli(ctx: click.Context, profile: str | None) -> None:
     "--slurm-partition", metavar="NAME", default="", help="With --slurm: the partition of jobs that name none."
 )
 @click.option(
+    "--slurm-rest",
+    metavar="URL",
+    default="",
+    help="With --slurm: submit, list and cancel jobs through this slurmrestd (http(s)://host:port, or "
+    "unix:/path/to/socket with its local authentication) instead of sbatch, squeue and scancel. Over the network "
+    "it takes a JWT (scontrol token): --slurm-rest-token-file, or SLURM_JWT. sacct, scontrol and srun stay commands.",
+)
+@click.option(
+    "--slurm-rest-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="With --slurm-rest: a file holding slurmrestd's JWT for the server's user; read again when it changes.",
+)
+@click.option(
     "--print-systemd-unit",
     is_flag=True,
     help="Print a systemd unit that runs the server with these options as a service, and exit.",
@@ -243,6 +256,8 @@ def server(
     slurm: bool,
     shared_dir: Path | None,
     slurm_partition: str,
+    slurm_rest: str,
+    slurm_rest_token_file: Path | None,
     print_systemd_unit: bool,
 ) -> None:
     """Run the gpuport daemon on this (GPU) machine.
@@ -272,6 +287,8 @@ def server(
         options += ["--slurm"] if slurm else []
         options += ["--shared-dir", str(shared_dir)] if shared_dir is not None else []
         options += ["--slurm-partition", slurm_partition] if slurm_partition else []
+        options += ["--slurm-rest", slurm_rest] if slurm_rest else []
+        options += ["--slurm-rest-token-file", str(slurm_rest_token_file)] if slurm_rest_token_file else []
         print(systemd_unit(options, state_dir), end="")
         return
     try:
@@ -308,8 +325,10 @@ def server(
         raise click.BadParameter(str(e), param_hint="--preempt-after") from None
     if slurm and shared_dir is None:
         raise click.UsageError("--slurm needs --shared-dir DIR: a folder every compute node mounts at the same path")
-    if not slurm and (shared_dir is not None or slurm_partition):
-        raise click.UsageError("--shared-dir and --slurm-partition go with --slurm")
+    if not slurm and (shared_dir is not None or slurm_partition or slurm_rest or slurm_rest_token_file):
+        raise click.UsageError("--shared-dir, --slurm-partition and --slurm-rest go with --slurm")
+    if slurm_rest_token_file is not None and not slurm_rest:
+        raise click.UsageError("--slurm-rest-token-file goes with --slurm-rest URL (slurmrestd's address)")
     import logging
 
     logging.basicConfig(
@@ -338,6 +357,8 @@ def server(
             ray_insecure=ray_insecure,
             slurm_dir=shared_dir.absolute() if slurm and shared_dir is not None else None,
             slurm_partition=slurm_partition,
+            slurm_rest=slurm_rest,
+            slurm_rest_token_file=slurm_rest_token_file.absolute() if slurm_rest_token_file else None,
             say=lambda text: print(text, flush=True),
         )
     )

@@ -187,6 +187,8 @@ async def serve(
     ray_insecure: bool = False,
     slurm_dir: Path | None = None,
     slurm_partition: str = "",
+    slurm_rest: str = "",
+    slurm_rest_token_file: Path | None = None,
     blob_grace: float = DEFAULT_BLOB_GRACE,
     env_cache: int | None = None,
     fairshare_half_life: float = DEFAULT_FAIRSHARE_HALF_LIFE,
@@ -211,7 +213,9 @@ async def serve(
     the machine's average use per share, reached after a week's wait (see ``FairShare``).
     ``ray_address``: place jobs on that Ray cluster's nodes (see executors/ray.py).
     ``slurm_dir``: hand jobs to the Slurm cluster whose compute nodes share that folder, in
-    ``slurm_partition`` unless a job names one (see executors/slurm.py).
+    ``slurm_partition`` unless a job names one (see executors/slurm.py), through slurmrestd at
+    ``slurm_rest`` where given (its JWT in ``slurm_rest_token_file`` or SLURM_JWT; see
+    executors/slurm_rest.py), else through Slurm's commands.
     """
     if insecure and not is_loopback(host):
         raise ConfigError(
@@ -235,6 +239,8 @@ async def serve(
         isolation.detect(job_uids, state.python_dir) if sandbox else isolation.Sandbox("none", "--no-sandbox was given")
     )
     executor = None
+    if slurm_rest and slurm_dir is None:
+        raise ConfigError("--slurm-rest names the slurmrestd of the cluster --slurm hands jobs to: give --slurm too")
     if ray_address and slurm_dir:
         raise ConfigError("--ray and --slurm each name the cluster that runs the jobs: give one of them")
     if slurm_dir is not None:
@@ -245,7 +251,17 @@ async def serve(
         isolated = isolation.Sandbox("none", "--slurm: jobs run on the cluster's nodes as the server's user")
 
         key_file = state.root / "slurm-link.key"  # the secrets of its jobs' links derive from it
-        executor = SlurmExecutor(slurm_dir, BlobStore(state.blobs_dir), inventory, slurm_partition, key_file)
+        client = None
+        if slurm_rest:
+            import pwd
+
+            from gpuport.server.executors.slurm_rest import SlurmCommands, SlurmRest
+
+            user = pwd.getpwuid(os.getuid()).pw_name  # Slurm's jobs are the server's user's
+            token = os.environ.get("SLURM_JWT", "")
+            client = SlurmRest(slurm_rest, user, SlurmCommands(), slurm_rest_token_file, token)
+        blobs = BlobStore(state.blobs_dir)
+        executor = SlurmExecutor(slurm_dir, blobs, inventory, slurm_partition, key_file, client)
     if ray_address:
         from gpuport.server.blobs import BlobStore
         from gpuport.server.executors.ray import RayExecutor

@@ -2,7 +2,9 @@
 
 Each gpuport job becomes one Slurm batch job (``sbatch --parsable``), whose queue then decides when
 and where it runs: the job service hands every job over at once (``keeps_queue``) and asks
-``waiting`` why Slurm holds them (one ``squeue`` for all). The job's workspace is made with
+``waiting`` why Slurm holds them (one ``squeue`` for all). Submit, check, queue, cancel and nodes go
+through a ``SlurmClient`` (slurm_rest.py): Slurm's commands, or slurmrestd's REST API where the
+server is given one (``--slurm-rest``). The job's workspace is made with
 ``JobFolders`` under ``--shared-dir``, a folder the compute nodes share (NFS on a real cluster),
 and the batch script runs gpuport's own supervisor there, inside the allocation: log, exit status,
 cancel with a grace period and outputs behave as on the local executor. Layout of a job's folder,
@@ -88,6 +90,7 @@ from gpuport.server.executors.base import (
 )
 from gpuport.server.executors.node_link import dial
 from gpuport.server.executors.slurm_link import LINK_FILE, SECRET_FILE, verified
+from gpuport.server.executors.slurm_rest import SlurmClient, SlurmCommands, slurm_epoch
 from gpuport.server.executors.workspace import JobFolders, code_paths
 from gpuport.server.inventory import GpuInfo, Inventory
 from gpuport.server.isolation import Sandbox
@@ -104,7 +107,6 @@ DEFAULT_SQUEUE_FRESH = 2.0
 DEFAULT_SLURM_KILL_MARGIN = 5.0  # seconds after a cancel's grace before Slurm is asked to SIGKILL
 DEFAULT_SACCT_INTERVAL = 2.0  # seconds between looks at Slurm's accounting for the runs that ended
 DEFAULT_SACCT_WAIT = 60.0  # seconds an ended run waits for Slurm's accounting before the supervisor's clock counts
-_COMMAND_TIMEOUT = 60.0  # seconds a Slurm command may take (slurmctld busy)
 _NODES_FRESH = 10.0  # seconds between the watcher's looks at the node list (sinfo)
 _INHERIT = ("CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "SLURM_")
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -159,14 +161,6 @@ def _gpus_of(gres: str) -> int:
     return sum(int(n) for n in _GRES_GPUS.findall(gres))
 
 
-def _epoch(when: str) -> float | None:
-    """Slurm's time (``SLURM_TIME_FORMAT=standard``: local time, to the second) in epoch seconds."""
-    try:
-        return time.mktime(time.strptime(when, "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:  # Unknown, None, N/A: not started
-        return None
-
-
 def asked_gpus(options: list[str]) -> tuple[int, int]:
     """The GPUs per node and the nodes a job's #SBATCH options ask for (the last of each wins)."""
     gpus, nodes = 0, 1
@@ -198,8 +192,9 @@ def _link_key(path: Path) -> bytes:
 
 
 class SlurmExecutor(FolderReads, Executor):
-    """Jobs as Slurm batch jobs, in workspaces under ``shared_dir`` (see the module's docstring).
-    Raises ``ConfigError`` when Slurm's commands do not answer."""
+    """Jobs as Slurm batch jobs, in workspaces under ``shared_dir`` (see the module's docstring),
+    submitted, listed and cancelled through ``client`` (None: Slurm's commands; ``SlurmRest``:
+    slurmrestd, see slurm_rest.py). Raises ``ConfigError`` when Slurm does not answer."""
 
     kind = "slurm"
     keeps_queue = True
@@ -214,6 +209,7 @@ class SlurmExecutor(FolderReads, Executor):
         inventory: Inventory,
         partition: str = "",
         key_file: Path | None = None,
+        client: SlurmClient | None = None,
     ) -> None:
         if partition and not _PARTITION.fullmatch(partition):
             raise ConfigError(f"--slurm-partition {partition!r}: a Slurm partition's name (letters, digits, _.-)")
@@ -232,30 +228,25 @@ class SlurmExecutor(FolderReads, Executor):
         self._reported: set[str] = set()  # Slurm ids whose start was reported (on_run)
         self._nodes: tuple[float, list[Node]] = (-1e9, [])
         self._shards = False  # its nodes offer GPU shards (gres/shard): a --gpu-memory job takes one
+        self.commands = SlurmCommands()  # scontrol, sacct and srun: on the commands whatever the client
+        self.client = client or self.commands
         try:
-            found = self._run(["sinfo", "-h", "-o", "%P"])
-        except (OSError, RuntimeError) as e:
-            raise ConfigError(f"--slurm: Slurm's commands do not answer here ({e}); is SLURM_CONF right?") from None
-        self.address = f"partitions {', '.join(found.split())}"
+            found = self.client.partitions()
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
+            where = self.client.path
+            raise ConfigError(f"--slurm: Slurm does not answer through {where} ({e}); is SLURM_CONF right?") from None
+        self.address = f"partitions {', '.join(found)}, through {self.client.path}"
         self._sacct = self._accounting()
         self._read_nodes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="slurm watcher", daemon=True)
         self._thread.start()
 
-    # ---- Slurm's commands -------------------------------------------------------------------------
+    # ---- Slurm ------------------------------------------------------------------------------------
 
     def _run(self, argv: list[str], stdin: str | None = None, standard_time: bool = False) -> str:
-        """A Slurm command's output (``standard_time``: its times as 2026-11-27T10:00:00, whatever the
-        server's own SLURM_TIME_FORMAT). Raises ``RuntimeError`` with its message when it fails."""
-        env = {**os.environ, "SLURM_TIME_FORMAT": "standard"} if standard_time else None
-        done = subprocess.run(
-            argv, check=False, input=stdin, capture_output=True, text=True, timeout=_COMMAND_TIMEOUT, env=env
-        )
-        if done.returncode:
-            said = (done.stderr or done.stdout).strip().replace("sbatch: error: ", "")
-            raise RuntimeError(said or f"{argv[0]} exited with {done.returncode}")
-        return done.stdout
+        """A Slurm command's output (see ``SlurmCommands.run``): scontrol and sacct, which no client replaces."""
+        return self.commands.run(argv, stdin, standard_time)
 
     def _accounting(self) -> list[str]:
         """How this cluster's accounting is read: ``sacct`` (a database, slurmdbd), ``sacct -c`` (the
@@ -285,21 +276,20 @@ class SlurmExecutor(FolderReads, Executor):
             return queue
         taken = time.monotonic()
         try:
-            out = self._run(["squeue", "-h", "-u", self.user, "-o", "%i|%T|%b|%D|%C|%S|%N|%r"], standard_time=True)
+            listed = self.client.queue(self.user)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-            log.warning("squeue failed: %s", e)
+            log.warning("Slurm's queue could not be read: %s", e)
             return None
         queue = {}
         with self._lock:
             ours = set(self._slurm_ids.values())
-        for line in out.splitlines():
-            slurm_id, state, gres, nodes, cpus, start, where, reason = (line.split("|", 7) + [""] * 7)[:8]
-            queue[slurm_id] = (state, reason)
-            started = _epoch(start) if state in ("RUNNING", "COMPLETING") else None
+        for job in listed:
+            slurm_id = job.slurm_id
+            queue[slurm_id] = (job.state, job.reason)
+            started = job.started if job.state in ("RUNNING", "COMPLETING") else None
             if started is not None and slurm_id in ours and slurm_id not in self._started:
-                with contextlib.suppress(ValueError):
-                    gpus = _gpus_of(gres) * int(nodes)
-                    self._started[slurm_id] = Run(slurm_id, started, None, float(gpus), float(cpus), where)
+                gpus = _gpus_of(job.gres) * job.nodes
+                self._started[slurm_id] = Run(slurm_id, started, None, float(gpus), float(job.cpus), job.where)
         self._queue = (taken, queue)
         return queue
 
@@ -356,11 +346,10 @@ class SlurmExecutor(FolderReads, Executor):
                 "(--nodes, --ntasks-per-node) and start its steps with srun, as on Slurm"
             )
         header = self._options(ask) + (sbatch_lines(ask.script_text) if ask.batch_script else [])
-        script = "#!/bin/sh\n" + "".join(f"#SBATCH {line}\n" for line in header) + "true\n"
         try:
-            self._run(["sbatch", "--test-only", "--job-name=gpuport-check", "--output=/dev/null"], stdin=script)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise InvalidRequest(f"Slurm did not answer sbatch --test-only: {e}") from None
+            self.client.test(header)
+        except OSError as e:
+            raise InvalidRequest(f"Slurm did not answer the job's check through {self.client.path}: {e}") from None
         except RuntimeError as e:
             raise InvalidRequest(f"Slurm refused the job: {e}") from None
 
@@ -419,10 +408,9 @@ class SlurmExecutor(FolderReads, Executor):
         atomic_write(job_dir / "slurm.sh", script.encode(), 0o700, durable=False)
         submitted = time.monotonic()
         try:
-            out = self._run(["sbatch", "--parsable", str(job_dir / "slurm.sh")])
-        except RuntimeError as e:
+            slurm_id = self.client.submit(job_dir / "slurm.sh", options)
+        except (RuntimeError, InvalidRequest) as e:
             raise RuntimeError(f"Slurm refused the job: {e}") from None
-        slurm_id = out.strip().split(";")[0]
         atomic_write(job_dir / "slurm.id", slurm_id.encode(), 0o600)
         log.info("job %s is Slurm job %s", job.job_id, slurm_id)
         with self._lock:
@@ -447,9 +435,13 @@ class SlurmExecutor(FolderReads, Executor):
             started = [j for j, (slurm_id, _, _) in watched.items() if listed.get(slurm_id, ("",))[0] != "PENDING"]
             ended = [j for j in started if (self.folders.folder(j) / "slurm.done").exists()]
             if time.monotonic() >= next_look:
-                next_look = time.monotonic() + DEFAULT_SQUEUE_INTERVAL
+                began = time.monotonic()
                 queue = self._squeue(0.0)
                 taken = self._queue[0]
+                # A slow look is not repeated at once: slurmrestd lists every job Slurm keeps as JSON
+                # (seconds for thousands, on slurmctld's and this server's CPUs), and the watcher asks
+                # for at most half of their time.
+                next_look = time.monotonic() + max(DEFAULT_SQUEUE_INTERVAL, time.monotonic() - began)
                 if queue is not None:
                     self._report_started(watched)
                     for job_id, (slurm_id, _, since) in watched.items():
@@ -502,7 +494,7 @@ class SlurmExecutor(FolderReads, Executor):
                 out = ""
             for line in out.splitlines():
                 slurm_id, start, elapsed, cpus, nodes, tres, state = (line.split("|") + [""] * 7)[:7]
-                started = _epoch(start)
+                started = slurm_epoch(start)
                 if started is None or state.split(" ")[0] in ("PENDING", "RUNNING", "SUSPENDED", "REQUEUED"):
                     continue  # not ended yet, as the accounting has it
                 with contextlib.suppress(ValueError):
@@ -590,8 +582,8 @@ class SlurmExecutor(FolderReads, Executor):
         job_dir = self.folders.folder(job_id)
         state = (self._squeue(0.0) or {}).get(slurm_id, ("", ""))[0]
         if state == "PENDING":  # never ran: it ends here, cancelled
-            with contextlib.suppress(RuntimeError, OSError):
-                self._run(["scancel", slurm_id])
+            with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
+                self.client.cancel(slurm_id)
             if not (job_dir / "exit.json").exists():
                 now = time.time()
                 status = {"started_at": now, "ended_at": now, "exit_code": -15, "cancelled": True}
@@ -600,9 +592,8 @@ class SlurmExecutor(FolderReads, Executor):
         spec = self._spec(job_id)
         # Over several nodes, srun would kill its rank at once on a SIGTERM of its own: the batch
         # shell alone gets it, and the supervisor stops the ranks through Slurm (see the supervisor).
-        which = "--batch" if spec.get("srun") else "--full"
-        with contextlib.suppress(RuntimeError, OSError):
-            self._run(["scancel", "--signal=TERM", which, slurm_id])
+        with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
+            self.client.cancel(slurm_id, "TERM", batch_only=bool(spec.get("srun")))
         grace = float(spec.get("grace", 5.0)) + DEFAULT_SLURM_KILL_MARGIN
         timer = threading.Timer(grace, self._kill_if_running, (job_id, slurm_id))
         timer.daemon = True
@@ -629,8 +620,8 @@ class SlurmExecutor(FolderReads, Executor):
         threading.Thread(target=self._scancel_kill, args=(slurm_id,), name=f"kill {job_id}", daemon=True).start()
 
     def _scancel_kill(self, slurm_id: str) -> None:
-        with contextlib.suppress(RuntimeError, OSError):
-            self._run(["scancel", "--signal=KILL", "--full", slurm_id])
+        with contextlib.suppress(RuntimeError, OSError, subprocess.TimeoutExpired):
+            self.client.cancel(slurm_id, "KILL")
 
     # ---- what a job leaves (in the shared folder) -----------------------------------------------------
 
@@ -672,19 +663,17 @@ class SlurmExecutor(FolderReads, Executor):
 
     def _read_nodes(self) -> None:
         try:
-            out = self._run(["sinfo", "-h", "-N", "-o", "%N|%c|%m|%G"])
+            listed = self.client.nodes()
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as e:
-            log.warning("sinfo failed: %s", e)
+            log.warning("Slurm's nodes could not be read: %s", e)
             self._nodes = (time.monotonic(), self._nodes[1])
             return
         found: dict[str, Node] = {}
         shards = False
-        for line in out.splitlines():
-            name, cpus, memory, gres = (line.split("|") + ["", "", ""])[:4]
-            shards = shards or bool(_GRES_SHARDS.search(gres))
-            with contextlib.suppress(ValueError):
-                machine = Machine((0,) * _gpus_of(gres), float(cpus), int(memory) << 20)
-                found.setdefault(name, Node(name, machine))
+        for node in listed:
+            shards = shards or bool(_GRES_SHARDS.search(node.gres))
+            machine = Machine((0,) * _gpus_of(node.gres), node.cpus, node.memory_mb << 20)
+            found.setdefault(node.name, Node(node.name, machine))
         self._nodes = (time.monotonic(), list(found.values()))
         self._shards = shards
 

@@ -106,6 +106,22 @@ class RayCluster:
             time.sleep(0.2)
         raise RuntimeError(f"ray start of {node.name} not ready in {NODE_START_TIMEOUT}s:\n{log.read_text()[-3000:]}")
 
+    def join(self, name: str, address: str, *, tries: int = 3) -> RayNode:
+        """A node other than the head, started and ready; started again when its ``ray start`` gave up:
+        Ray waits a fixed 30 s for a new raylet to register with the head, which a machine loaded many
+        times over (a full test run beside others) has exceeded."""
+        while True:
+            node = self.start_node(name, address)
+            try:
+                self.wait_ready(node)
+                return node
+            except RuntimeError:
+                node.kill()
+                self.nodes.remove(node)
+                tries -= 1
+                if not tries:
+                    raise
+
     def close(self) -> None:
         for node in reversed(self.nodes):
             node.kill()
@@ -131,9 +147,8 @@ def start_cluster(
         head = cluster.start_node(names[0], "127.0.0.2", head=True)
         cluster.wait_ready(head)
         cluster.address = _read_when_written(head.root / "ray_current_cluster")
-        others = [cluster.start_node(name, f"127.0.0.{3 + i}") for i, name in enumerate(names[1:])]
-        for node in others:
-            cluster.wait_ready(node)
+        for i, name in enumerate(names[1:]):
+            cluster.join(name, f"127.0.0.{3 + i}")
     except BaseException:
         cluster.close()
         raise

@@ -394,7 +394,7 @@ def _restart(server: RunningServer, cluster: RayCluster, node: RayNode) -> None:
     """Start a lost node again, and wait until the server places work on it."""
     node.kill()
     cluster.nodes.remove(node)
-    cluster.wait_ready(cluster.start_node(node.name, "127.0.0.3"))
+    cluster.join(node.name, "127.0.0.3")
 
     def nodes() -> set[str]:
         return {g["node"] for g in server.rest("GET", "/v1/gpus", server.admin_token).json()["gpus"]}

@@ -16,7 +16,8 @@ A job's group holds every process of the job (bubblewrap, the job, all it forks)
   own cpu group (``gpuport-<key>-u-<name>``), and weighs what one of its processes does: one user's
   busy jobs leave another user the share of a process of the host's, as when they were alone (in a
   ``gpuport`` group of their own, all users together weighed one process, and one busy user halved
-  the others' share). The supervisor and all it starts (bubblewrap, slirp4netns, the job) run in the
+  the others' share; the server, in turn, now meets as many of its processes' weights as users are
+  busy). The supervisor and all it starts (bubblewrap, slirp4netns, the job) run in the
   user's group from the supervisor's start: the server moves it there as it starts it. On v2 the
   job's group is made inside its user's (``.../gpuport/<key>/u-<name>/<job id>``), the supervisor
   stays out.

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import re
+import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ import gpuport
 from gpuport.defaults import DEFAULT_PROCESSES_PER_JOB
 from gpuport.protocol.units import format_size
 from gpuport.server import cgroups
+from gpuport.server.executors import workspace
 from gpuport.server.inventory import memory_floor
 from gpuport.server.worker import supervisor
 from tests.conftest import JobFlag, RunningServer, client_env, start_server, wait_for
@@ -289,6 +293,48 @@ def test_on_cgroup_v2_a_jobs_group_is_made_in_its_owners(tmp_path: Path) -> None
     assert cgroups.user_group("a/../b") != "u-a/../b" and cgroups.user_group("a/../b").startswith("u-h")
 
 
+def test_on_cgroup_v1_a_users_cpu_group_is_made_beside_the_server(tmp_path: Path) -> None:
+    """v1: each user's cpu group is made in the server's own cpu group, named for the server, so that it
+    weighs what one process beside it does; the server's group itself is never removed, other servers'
+    users' groups and other groups there are left alone."""
+    home = tmp_path / "cpu"
+    (home / "gpuport-other-u-bob").mkdir(parents=True)  # another server's
+    (home / "system.slice").mkdir()
+    memory = tmp_path / "memory" / "gpuport" / "key"
+    memory.mkdir(parents=True)
+    limits = cgroups.Cgroups(
+        1, "", ("memory",), (str(memory),), (str(tmp_path / "memory"),), 8 << 30, str(home), "gpuport-key-"
+    )
+    spec = limits.make("j-1", 256 << 20, 100, owner="Bob")
+    assert spec is not None and spec["cpu"] == str(home / "gpuport-key-u-bob")
+    assert spec["dirs"] == [str(memory / "j-1")]  # the job's own groups stay under gpuport/<key>
+    shutil.rmtree(memory / "j-1")  # what its supervisor removes at its end
+    limits.release()
+    assert sorted(p.name for p in home.iterdir()) == ["gpuport-other-u-bob", "system.slice"]
+
+
+def test_the_server_moves_a_supervisor_into_its_owners_cpu_group(tmp_path: Path) -> None:
+    """v1: the server moves a job's supervisor to its owner's cpu group as it starts it, before its
+    Python has started (which it would otherwise do on the host's share)."""
+    mount = next((m for m in cgroups._mounts() if m[2] == "cgroup" and "cpu" in m[3]), None)
+    own = cgroups._own_groups().get("cpu")
+    home = cgroups._folder(mount[0], mount[1], own) if mount and own else None
+    if home is None or not os.access(home, os.W_OK):
+        pytest.skip("no writable cgroup v1 cpu hierarchy here")
+    group = os.path.join(home, f"gpuport-test-{uuid.uuid4().hex[:8]}-u-bob")
+    os.mkdir(group)
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        workspace._charge_to_owner(child.pid, {"cgroup": {"version": 1, "cpu": group}})
+        lines = Path(f"/proc/{child.pid}/cgroup").read_text().splitlines()
+        assert any(line.split(":")[1] == "cpu" and line.endswith(group[len(home) :]) for line in lines), lines
+    finally:
+        child.kill()
+        child.wait()
+        cgroups.remove_group(group)
+    workspace._charge_to_owner(child.pid, {"cgroup": {"version": 1, "cpu": group}})  # gone: no error
+
+
 # Waits for the flag file named by argv[1], then spins; says how much CPU time it got between 2 s
 # and 7 s after the flag was made (its mtime: the same window for every job, however late each saw it).
 # Every job spins on the same one CPU: the kernel weighs groups CPU by CPU, so on two CPUs Bob's one
@@ -338,7 +384,8 @@ def test_cpu_is_divided_between_users_not_between_their_jobs(
     assert cpu[3] >= 1.5 * sum(cpu[:3]) / 3, cpu
     for name in names:  # each user's group, made for their first job, stays for their next
         points = [point for _, point, _, options in cgroups._mounts() if "cpu" in options]
-        assert any(glob.glob(f"{point}/**/gpuport/*/u-{name}", recursive=True) for point in points), name
+        found = [f"/**/gpuport/*/u-{name}", f"/**/gpuport-*-u-{name}"]  # v2; v1: beside the server
+        assert any(glob.glob(point + pattern, recursive=True) for point in points for pattern in found), name
 
 
 def _allocate(mib: int) -> int:

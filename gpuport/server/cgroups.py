@@ -10,11 +10,17 @@ A job's group holds every process of the job (bubblewrap, the job, all it forks)
 - processes and threads: the pids controller's count, at most the owner's quota (``gpuport quota
   set USER --processes N``; by default ``DEFAULT_PROCESSES_PER_JOB``). A fork past it fails (EAGAIN).
 - CPU, where the ``cpu`` controller is there too: divided between users, not processes. Each user's
-  jobs share one group of that user's (``u-<name>``), and every user's group weighs the same: one
-  user's six jobs get together what another user's one job gets, when both want more than there is.
-  An idle machine's CPUs are anyone's. On cgroup v1 the supervisor and all it starts (bubblewrap,
-  slirp4netns, the job) run in the user's group from the supervisor's first step; on v2 the job's
-  group is made inside its user's (``.../gpuport/<key>/u-<name>/<job id>``), the supervisor stays out.
+  jobs share one group of that user's, and every user's group weighs the same: one user's six jobs
+  get together what another user's one job gets, when both want more than there is. An idle
+  machine's CPUs are anyone's. On cgroup v1 a user's group sits beside the server, in the server's
+  own cpu group (``gpuport-<key>-u-<name>``), and weighs what one of its processes does: one user's
+  busy jobs leave another user the share of a process of the host's, as when they were alone (in a
+  ``gpuport`` group of their own, all users together weighed one process, and one busy user halved
+  the others' share; the server, in turn, now meets as many of its processes' weights as users are
+  busy). The supervisor and all it starts (bubblewrap, slirp4netns, the job) run in the
+  user's group from the supervisor's start: the server moves it there as it starts it. On v2 the
+  job's group is made inside its user's (``.../gpuport/<key>/u-<name>/<job id>``), the supervisor
+  stays out.
 
 Three kinds of machine:
 
@@ -27,7 +33,7 @@ Three kinds of machine:
   job's group kills all its processes on an OOM (``memory.oom.group``).
 - cgroup v1 with the ``memory`` and ``pids`` controllers mounted (as in many containers): the job's
   groups are ``<the server's group>/gpuport/<key>/<job id>`` in each hierarchy (and the user's in the
-  ``cpu`` one: ``.../gpuport/<key>/u-<name>``); the supervisor is
+  ``cpu`` one: ``<the server's group>/gpuport-<key>-u-<name>``); the supervisor is
   woken by an OOM in the job's group (an eventfd on ``memory.oom_control``) and kills the job.
 - neither, or none writable (a server that is not root, v2 without delegation): no group; the
   banner says why, and the watchdog polls each limited job's resident memory as before.
@@ -112,6 +118,7 @@ class Cgroups:
     homes: tuple[str, ...] = ()  # the server's own groups, where a supervisor goes back to, the same way
     room: int = 0  # bytes all jobs may use together: the machine's memory less the floor (0: no limit)
     cpu_parent: str = ""  # where the users' cpu groups are made ("": no cpu controller)
+    cpu_prefix: str = ""  # the start of their names there (v1: "gpuport-<key>-", beside the server)
 
     @property
     def memory(self) -> bool:
@@ -148,7 +155,7 @@ class Cgroups:
         limit = memory or self.room
         cpu = ""
         if self.cpu_parent:
-            cpu = os.path.join(self.cpu_parent, user_group(owner))
+            cpu = os.path.join(self.cpu_parent, self.cpu_prefix + user_group(owner))
             with contextlib.suppress(FileExistsError):
                 os.mkdir(cpu)
                 if self.version == 2:  # the job's group in it gets all three
@@ -233,7 +240,9 @@ class Cgroups:
 
     def release(self) -> None:
         """Remove this server's parent groups once no job's group is left in them (at its stop)."""
-        for parent in dict.fromkeys((self.cpu_parent, *self.parents)):
+        if self.cpu_parent and self.cpu_prefix:  # v1: the users' groups beside the server; never its own
+            _remove_empty(self.cpu_parent, itself=False, prefix=self.cpu_prefix)
+        for parent in dict.fromkeys((self.cpu_parent if not self.cpu_prefix else "", *self.parents)):
             if not parent:
                 continue
             _remove_empty(parent)
@@ -250,6 +259,11 @@ class Cgroups:
             remove_group(os.path.join(parent, job_id))
 
 
+def write_tasks(folder: str, tid: int) -> None:
+    """Move thread ``tid`` (a process of one thread: all of it) into the v1 group ``folder``. Raises ``OSError``."""
+    _write(os.path.join(folder, "tasks"), str(tid))
+
+
 def user_group(owner: str) -> str:
     """The name of a user's cpu group: ``u-`` and the name (lower case, as names are unique regardless
     of case), or its hash where the name has characters a folder's name should not."""
@@ -259,15 +273,16 @@ def user_group(owner: str) -> str:
     return f"u-{name}"
 
 
-def _remove_empty(parent: str, itself: bool = True) -> None:
-    """Remove the empty users' groups under ``parent``, then (``itself``) ``parent`` when it is empty.
+def _remove_empty(parent: str, itself: bool = True, prefix: str = "") -> None:
+    """Remove the empty users' groups under ``parent`` (named ``<prefix>u-...``), then (``itself``)
+    ``parent`` when it is empty.
     Never a job's group, even empty: its supervisor may not have joined it yet (a server stopped, or
     started, just after a launch), and would then fail to start the job. A job's groups go with its
     supervisor, or, where that was killed, when the server tidies the job (``remove``). Never kills:
     a busy group stays."""
     with contextlib.suppress(OSError), os.scandir(parent) as entries:
         for entry in list(entries):
-            if entry.name.startswith("u-") and entry.is_dir(follow_symlinks=False):
+            if entry.name.startswith(prefix + "u-") and entry.is_dir(follow_symlinks=False):
                 with contextlib.suppress(OSError):  # busy: a job of the user's is in it
                     os.rmdir(entry.path)
     if itself:
@@ -384,11 +399,9 @@ def _detect_v1(key: str, room: int, mounts: list, own: dict[str, str]) -> Cgroup
     mount = next((m for m in mounts if m[2] == "cgroup" and "cpu" in m[3]), None)
     if mount is not None and "cpu" in own:
         home = _folder(mount[0], mount[1], own["cpu"])
-        if home is not None:
-            with contextlib.suppress(OSError):  # CPU then goes undivided, as before; the banner says so
-                os.makedirs(os.path.join(home, "gpuport", key), exist_ok=True)
-                cpu_parent = os.path.join(home, "gpuport", key)
-    return Cgroups(1, "", tuple(controllers), tuple(parents), tuple(homes), room, cpu_parent)
+        if home is not None and os.access(home, os.W_OK):  # else CPU goes undivided; the banner says so
+            cpu_parent = home
+    return Cgroups(1, "", tuple(controllers), tuple(parents), tuple(homes), room, cpu_parent, f"gpuport-{key}-")
 
 
 def detect(key: str, room: int) -> Cgroups:
@@ -404,7 +417,7 @@ def detect(key: str, room: int) -> Cgroups:
         found = v1
     for parent in dict.fromkeys((found.cpu_parent, *found.parents)):  # users' groups left empty
         if parent:
-            _remove_empty(parent, itself=False)
+            _remove_empty(parent, itself=False, prefix=found.cpu_prefix if parent == found.cpu_parent else "")
     return found
 
 

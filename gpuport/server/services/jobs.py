@@ -206,8 +206,9 @@ _FLOOR_RECHECK = 2.0  # seconds between looks at free memory while work waits fo
 # A user's jobs being set up at once on this server (a sandbox's namespaces, its network, the first
 # process): half the CPUs, at least one. A job's start waits for an earlier one of its owner's to be
 # set up, not for other users': six launches of one user at once cost another user's launch what
-# one would. What is set up is mostly the kernel's work (new namespaces), which CPU shares do not
-# divide. The wait ends when the job's supervisor says it started, or after _SETUP_WAIT seconds.
+# one would. The set-up's time is mostly CPU, charged to the owner's cpu group where there is one
+# (bench/probe_launch_flood.py measured it: another user's launch beside six waited for a CPU, not
+# on kernel locks). The wait ends when the job's supervisor says it started, or after _SETUP_WAIT seconds.
 LAUNCHES_PER_USER = max(1, (os.cpu_count() or 1) // 2)
 _SETUP_WAIT = 10.0
 _SETUP_POLL = 0.005

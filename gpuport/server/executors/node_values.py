@@ -14,6 +14,7 @@ the front door's own). Nothing of the link reaches the worker: only frames and t
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import select
@@ -27,6 +28,7 @@ from gpuport.server.memfds import SessionMemory
 from gpuport.server.worker import wire
 
 _LARGE = 1024 * 1024  # a request's buffers from the first this large on go to the worker in a memfd
+_START = 64 * 1024  # bytes of a frame read in one call at most: a small frame whole
 _CLOSED = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)  # a side that went away
 
 
@@ -49,27 +51,60 @@ def serve_worker(link: socket.socket, worker: socket.socket, memory: SessionMemo
     """Carry the server's requests from ``link`` (TLS) to the session's worker on ``worker`` (its Unix
     socket), and its replies back, one at a time, until either side goes (then it returns, or raises
     ``OSError``/``EOFError``/``ValueError``: the caller closes both)."""
+    with contextlib.suppress(OSError):
+        link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply goes out at once
+    buffer = memoryview(bytearray(_START))  # reused: a small frame is read whole into it, in one call
     waiting = select.poll()
     waiting.register(worker, select.POLLIN)
     waiting.register(link, _CLOSED)
     while True:
         try:
-            header, total, _ = wire.recv_head(link)
+            header, total, leftover, _ = _start(link, buffer)
         except EOFError:
             return
-        _request(link, worker, memory, header, total)
+        _request(link, worker, memory, header, total, leftover)
         # The reply, or the server gone meanwhile (a timed-out call: its worker is killed).
         ready = waiting.poll(0) or spin_poll(waiting.poll, int(TUNNEL_SPIN_SECONDS * 1e9)) or waiting.poll()
         if not any(fd == worker.fileno() for fd, _ in ready):
             return
-        _reply(worker, link, memory)
+        _reply(worker, link, memory, buffer)
         memory.drop_spare(older_than=SESSION_REUSE_SECONDS)
 
 
+def _start(sock: socket.socket, buffer: memoryview) -> tuple[memoryview, int, memoryview, list[int]]:
+    """A frame's start, read in as few calls as it takes (one for a small frame): its header's bytes,
+    the size of its buffers, those of their bytes that came with it (in ``buffer``) and the
+    descriptors. Reads no further than the frame: nothing else comes before it is answered."""
+    got, fds = wire.recv_some(sock, buffer)
+    try:
+        while got < wire.PREFIX_BYTES:
+            n, more = wire.recv_some(sock, buffer[got:])
+            got, fds = got + n, fds + more
+        head_size, total = wire.frame_sizes(buffer[: wire.PREFIX_BYTES])
+        end = wire.PREFIX_BYTES + head_size
+        if end > len(buffer):  # a header larger than the buffer
+            head = memoryview(bytearray(head_size))
+            head[: got - wire.PREFIX_BYTES] = buffer[wire.PREFIX_BYTES : got]
+            recv_exact(sock, head[got - wire.PREFIX_BYTES :])
+            return head, total, memoryview(b""), fds
+        while got < end:
+            n, more = wire.recv_some(sock, buffer[got:])
+            got, fds = got + n, fds + more
+        if got - end > total:
+            raise ValueError("more bytes came than the frame holds")
+        return buffer[wire.PREFIX_BYTES : end], total, buffer[end:got], fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
 def _request(
-    link: socket.socket, worker: socket.socket, memory: SessionMemory, header: dict[str, Any], total: int
+    link: socket.socket, worker: socket.socket, memory: SessionMemory, head: memoryview, total: int, came: memoryview
 ) -> None:
-    """A request from the server, passed to the worker: a large value in a memfd, the rest inline."""
+    """A request from the server (``came``: its first bytes of buffers), passed to the worker: a large
+    value in a memfd, the rest inline."""
+    header = json.loads(bytes(head))
     sizes = [int(size) for size in header.pop("sizes", [])]
     if sum(sizes) != total or any(size < 0 for size in sizes):
         raise ValueError("the server sent a frame whose sizes do not add up")
@@ -78,7 +113,10 @@ def _request(
     if sum(sizes[cut:]) <= SESSION_INLINE_BYTES:
         cut = len(sizes)
     body = memoryview(bytearray(sum(sizes[:cut])))
-    recv_exact(link, body, "the server")
+    early = min(len(came), len(body))
+    body[:early] = came[:early]
+    came = came[early:]
+    recv_exact(link, body[early:], "the server")
     buffers = wire.split({"sizes": sizes[:cut]}, body)
     if cut == len(sizes):
         wire.send(worker, header, buffers)
@@ -88,24 +126,38 @@ def _request(
     upload = _Upload(fd, size, mapped)
     try:
         if upload.mapped is None:
-            upload.mapped = mmap.mmap(upload.parts[0][0], size, flags=mmap.MAP_SHARED | wire.POPULATE)
+            upload.mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | wire.POPULATE)
         view = memoryview(upload.mapped)
         try:
-            recv_exact(link, view, "the server")
+            view[: len(came)] = came
+            recv_exact(link, view[len(came) :], "the server")
         finally:
             view.release()
         # The worker's handle() appends the memfd's buffers after the inline ones: the order stays.
         header["fd_sizes"], header["staged_sizes"] = [size], sizes[cut:]
-        wire.send(worker, header, buffers, [upload.parts[0][0]])
+        wire.send(worker, header, buffers, [fd])
     except BaseException:
         upload.close()
         raise
     memory.sent(upload)  # its map kept for when the worker lets the memfd go; the descriptor closed
 
 
-def _reply(worker: socket.socket, link: socket.socket, memory: SessionMemory) -> None:
+def _reply(worker: socket.socket, link: socket.socket, memory: SessionMemory, buffer: memoryview) -> None:
     """The worker's reply, sent on to the server inline: a result it left in memfds read from them."""
-    header, total, fds = wire.recv_head(worker)
+    head, total, came, fds = _start(worker, buffer)
+    if not fds:  # nothing in shared memory (no result there, no memory let go of): it goes on as it came
+        if head.obj is buffer.obj:
+            link.sendall(buffer[: wire.PREFIX_BYTES + len(head) + len(came)])
+        else:
+            link.sendall(bytes(buffer[: wire.PREFIX_BYTES]) + bytes(head))
+        left = total - len(came)
+        while left:
+            part = buffer[: min(left, len(buffer))]
+            recv_exact(worker, part, "the worker")
+            link.sendall(part)
+            left -= len(part)
+        return
+    header = json.loads(bytes(head))
     released = header.pop("released", [])
     if not isinstance(released, list) or len(released) > len(fds):
         released = []
@@ -114,7 +166,8 @@ def _reply(worker: socket.socket, link: socket.socket, memory: SessionMemory) ->
     views: list[memoryview] = []
     try:
         body = memoryview(bytearray(total))
-        recv_exact(worker, body, "the worker")
+        body[: len(came)] = came
+        recv_exact(worker, body[len(came) :], "the worker")
         buffers: list[Any] = wire.split(header, body)
         for index, offset, size in header.pop("parts", []):
             if not 0 <= index < kept:

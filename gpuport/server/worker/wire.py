@@ -223,6 +223,11 @@ def recv(sock: socket.socket) -> Frame:
 PREFIX_BYTES = _PREFIX.size  # a frame's fixed prefix: its header's size, then its buffers'
 
 
+def frame_prefix(head_size: int, total: int) -> bytes:
+    """The prefix of a frame whose header has ``head_size`` bytes and its buffers ``total``."""
+    return _PREFIX.pack(head_size, total)
+
+
 def frame_sizes(prefix: Buffer) -> tuple[int, int]:
     """A frame's header and inline sizes, from its prefix (``PREFIX_BYTES``); ``EOFError`` for a corrupt one."""
     return _sizes(bytearray(prefix))

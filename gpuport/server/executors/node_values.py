@@ -60,10 +60,10 @@ def serve_worker(link: socket.socket, worker: socket.socket, memory: SessionMemo
     waiting.register(link, _CLOSED)
     while True:
         try:
-            header, total, leftover, _ = _start(link, buffer)
+            head, total, came, _ = _start(link, buffer)
         except EOFError:
             return
-        _request(link, worker, memory, header, total, leftover)
+        _request(link, worker, memory, head, total, came)
         # The reply, or the server gone meanwhile (a timed-out call: its worker is killed).
         ready = waiting.poll(0) or spin_poll(waiting.poll, int(TUNNEL_SPIN_SECONDS * 1e9)) or waiting.poll()
         if not any(fd == worker.fileno() for fd, _ in ready):

@@ -46,7 +46,9 @@ def _calling(folder: Path) -> ssl.SSLContext:
 
 def _listen(host: str, folder: Path, name: str) -> socket.socket:
     listener = socket.create_server((host, 0))
-    (folder / f"{name}.port").write_text(str(listener.getsockname()[1]))
+    # Renamed into place: the file is looked for as the sign that the port is in it.
+    (folder / f"{name}.port.new").write_text(str(listener.getsockname()[1]))
+    (folder / f"{name}.port.new").rename(folder / f"{name}.port")
     return listener
 
 

@@ -926,3 +926,45 @@ def test_a_1_gib_value_goes_to_a_node_and_back_whole_through_the_front_door(serv
         assert session.call(_digest, ref) == digest
         back = session.get(ref)
         assert back.shape == big.shape and hashlib.sha256(back).hexdigest() == digest
+
+
+def _uploads_mapped() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("memfd:gpuport-upload" in line for line in maps)
+
+
+def _exit_in(seconds: float) -> None:
+    import os
+    import threading
+    import time
+
+    threading.Thread(target=lambda: (time.sleep(seconds), os._exit(5)), daemon=True).start()
+
+
+def test_values_on_a_node_arrive_in_memory_its_worker_maps_and_stay_whole_across_calls(server: RunningServer) -> None:
+    """The node's agent receives a large value from its link into a memfd that the worker maps (as the
+    front door does on one machine), and sends results back from the worker's memory: sizes around
+    the chunks (1 MiB) and the inline limit (4 MiB), each checked by its hash, again and again; a worker
+    that dies while a value is on its way raises WorkerDied, never a hang."""
+    np = pytest.importorskip("numpy")
+    sizes = [0, 1, (1 << 20) - 1, (4 << 20) + 1, (9 << 20) + 12345]
+    with server.connect() as gpu, gpu.session() as session:
+        kept = []
+        for size in sizes:
+            value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+            kept.append((session.put(value), hashlib.sha256(value).hexdigest(), size))
+        assert session.call(_uploads_mapped) == 2  # the two large values, in the memfds the agent filled
+        for _ in range(2):  # kept on the node across calls, and got again
+            for ref, digest, size in kept:
+                assert session.call(_digest, ref) == digest
+                back = session.get(ref)
+                assert back.nbytes == size and hashlib.sha256(back).hexdigest() == digest, size
+        session.delete(kept[3][0])
+        made = session.get(session.call(_made_there, (6 << 20) + 4, keep=True))  # made there, not put
+        assert np.array_equal(made, np.arange(((6 << 20) + 4) // 4, dtype=np.uint32))
+        assert session.call(_digest, kept[4][0]) == kept[4][1]
+        session.call(_exit_in, 0.5)
+        start = time.monotonic()
+        with pytest.raises(gpuport.WorkerDied):
+            session.put(np.zeros(256 << 20, dtype=np.uint8))  # the worker dies while it is on its way
+        assert time.monotonic() - start < 120

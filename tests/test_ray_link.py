@@ -7,15 +7,22 @@ import contextlib
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from gpuport.defaults import ENV_RUN_DIR
+from gpuport.protocol import values
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.server.executors.base import Stream
 from gpuport.server.executors.node_link import LinkError, NodeListener, dial
+from gpuport.server.worker import wire
+from tests.conftest import wait_for
 
 SECRET = "ab" * 32
 
@@ -65,7 +72,7 @@ def link(worker: str) -> Iterator[tuple[NodeListener, dict]]:
             raise ValueError(f"{name!r} is not an endpoint's name")
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(worker)
-        return Stream(sock, passes_fds=True)
+        return Stream(sock, passes_fds=False)  # a byte echo, not a session's frames: the link relays it
 
     listener = NodeListener("127.0.0.1", connect)
     try:
@@ -158,7 +165,7 @@ def test_a_tunnel_carrying_megabytes_both_ways_at_once_never_deadlocks(tmp_path:
     def connect(job_id: str, name: str) -> Stream:
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(path)
-        return Stream(sock, passes_fds=True)
+        return Stream(sock, passes_fds=False)  # relayed, as a tunnel's connection is
 
     threading.Thread(target=echo, daemon=True).start()
     listener = NodeListener("127.0.0.1", connect)
@@ -189,3 +196,78 @@ def test_a_tunnel_carrying_megabytes_both_ways_at_once_never_deadlocks(tmp_path:
             stream.close()
         listener.close()
         server.close()
+
+
+@pytest.fixture
+def session_worker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A real session worker (``python -m gpuport.server.worker.session``) listening in ``tmp_path``."""
+    env = {**os.environ, ENV_RUN_DIR: str(tmp_path), "GPUPORT_JOB_ID": "j-1"}
+    process = subprocess.Popen([sys.executable, "-m", "gpuport.server.worker.session"], env=env, cwd=tmp_path)
+    try:
+        wait_for(lambda: (tmp_path / "worker.sock").exists() or process.poll() is not None, 60, "the worker to listen")
+        assert process.poll() is None, "the session worker ended at its start"
+        yield process, str(tmp_path / "worker.sock")
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _ask(sock: socket.socket, header: dict, buffers: list = ()) -> wire.Frame:  # type: ignore[assignment]
+    """A request as the front door sends one to a worker on another node (answered inline), and its reply."""
+    wire.send(
+        sock,
+        {"function": "", "keep": False, "name": "", "ref_ids": [], "device": "", **header, "inline": True},
+        buffers,
+    )
+    return wire.recv(sock)
+
+
+@pytest.mark.parametrize("size", [0, 5, (4 << 20) + 1, (9 << 20) - 3])
+def test_a_sessions_large_values_reach_its_worker_in_memory_it_maps_and_come_back_whole(
+    session_worker: tuple[subprocess.Popen[bytes], str], size: int
+) -> None:
+    """The link serves a session's worker as the front door serves one on its own machine: a large value
+    is received from the link into a memfd the worker maps (no copy through its socket), and a result the
+    worker leaves in one goes onto the link from it; what the worker lets go of receives the next value."""
+    process, path = session_worker
+
+    def connect(job_id: str, name: str) -> Stream:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        return Stream(sock, passes_fds=True)
+
+    listener = NodeListener("127.0.0.1", connect)
+    stream = None
+    try:
+        opened = listener.open(SECRET)
+        stream = dial("127.0.0.1", opened["port"], opened["fingerprint"], SECRET, "j-1", "worker", direct=True)
+        stream.sock.settimeout(60)
+        # Not a multiple of a chunk (1 MiB) nor of a TLS record (16 KiB), aturn the inline limit (4 MiB).
+        large = size > 4 << 20
+        kept = {}
+        for turn in range(3):
+            value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+            encoded = values.encode(value)
+            reply = _ask(stream.sock, {"op": "put", "value": encoded.header.decode()}, list(encoded.buffers))
+            assert "ref" in reply.header, reply.header
+            kept[reply.header["ref"]["ref_id"]] = hashlib.sha256(value).hexdigest()
+            maps = Path(f"/proc/{process.pid}/maps").read_text()
+            assert ("memfd:gpuport-upload" in maps) == large  # large: mapped by the worker, never copied
+            for ref_id, digest in kept.items():  # each kept on the node across calls, intact
+                got = _ask(stream.sock, {"op": "get", "ref_ids": [ref_id]})
+                assert not got.fds and "parts" not in got.header  # bytes on the link, never descriptors
+                back = values.decode(got.header["value"], got.buffers)
+                assert back.nbytes == size and hashlib.sha256(back).hexdigest() == digest, (turn, ref_id)
+            with listener._memories_lock:
+                (memory,) = [memory for memory, _ in listener._memories.values()]
+            if turn == 1:  # the first value goes: its memory comes back to the link...
+                first = next(iter(kept))
+                assert _ask(stream.sock, {"op": "delete", "ref_ids": [first]}).header.get("values") == 1
+                del kept[first]
+                if large:  # (kept once the reply went)
+                    wait_for(lambda m=memory: [had for _, had, _ in m.spare] == [size], 10, "the memfd back")
+        assert memory.spare == []  # ... and the third value was received into it
+    finally:
+        if stream is not None:
+            stream.close()
+        listener.close()

@@ -75,7 +75,7 @@ def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECON
                     if asked[fd] != events:
                         poller.modify(fd, events)
                         asked[fd] = events
-            ready = poll(0) or _spin(poll, spin_ns) or poll()
+            ready = poll(0) or spin_poll(poll, spin_ns) or poll()
     except (OSError, ValueError):
         return  # either side went away: the tunnel is over
     finally:
@@ -168,7 +168,7 @@ class _Way:
             self.fd, self.events, self.moved = fd, events, True
 
 
-def _spin(poll: Callable[[int], list[tuple[int, int]]], spin_ns: int) -> list[tuple[int, int]]:
+def spin_poll(poll: Callable[[int], list[tuple[int, int]]], spin_ns: int) -> list[tuple[int, int]]:
     """Poll without sleeping for up to ``spin_ns``, giving the CPU to any other ready thread
     between polls: what became ready, or [] when nothing did."""
     if spin_ns <= 0:

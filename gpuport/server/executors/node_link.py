@@ -8,8 +8,9 @@ call, Ray's own authenticated channel; Slurm: a file of the job's folder, read a
 the job runs), which the listener then asks of every connection. A connection (``dial``) says in a
 small header the secret, a job id and an endpoint name; the listener connects to that job's worker
 endpoint exactly as the local executor does (``connect_endpoint``: the socket must be one of the
-job's processes'), answers ok or the error, then relays bytes both ways. Values cross it as bytes:
-sharing memory (memfds) is for workers on the server's own machine.
+job's processes'), answers ok or the error, then relays bytes both ways; to a session's worker it
+carries frames instead, handing the worker its large values in memfds as the front door does on its
+own machine (``node_values.py``). Values cross the link itself as bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import ssl
 import struct
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from gpuport.protocol.relay import relay
 from gpuport.protocol.sockets import recv_exact
 from gpuport.protocol.tls import fingerprint
 from gpuport.server.executors.base import Stream, handed_over
+from gpuport.server.executors.node_values import serve_worker
+from gpuport.server.memfds import SessionMemory
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,9 @@ class NodeListener:
             self._context.load_cert_chain(cert, key)
         self._connect = connect
         self._secret = b""
+        # A session's memory for large values, shared by its connections: (memory, connections open).
+        self._memories: dict[str, tuple[SessionMemory, int]] = {}
+        self._memories_lock = threading.Lock()
         self._sock = socket.create_server((address, 0), backlog=64)
         self.port = self._sock.getsockname()[1]
         threading.Thread(target=self._accept, name="link listener", daemon=True).start()
@@ -138,13 +144,35 @@ class NodeListener:
                 return
             _send(tls, {"ok": True})
             tls.settimeout(None)
-            relay(tls, worker.sock)
+            job, name = str(header.get("job", "")), str(header.get("endpoint", ""))
+            if name == "worker" and worker.passes_fds:  # a session's worker: its frames, values in memfds
+                with self._memory(job) as memory:
+                    serve_worker(tls, worker.sock, memory)
+            else:
+                relay(tls, worker.sock)
         except (OSError, ValueError, EOFError) as e:
             log.debug("a link connection ended: %s", e)
         finally:
             if worker is not None:
                 worker.close()
             tls.close()
+
+    @contextlib.contextmanager
+    def _memory(self, job_id: str) -> Iterator[SessionMemory]:
+        """The memory of job ``job_id``'s session while a connection to its worker is open; freed
+        when its last one closes (the worker ended, or the server let go of it)."""
+        with self._memories_lock:
+            memory, count = self._memories.get(job_id, (SessionMemory(), 0))
+            self._memories[job_id] = (memory, count + 1)
+        try:
+            yield memory
+        finally:
+            with self._memories_lock:
+                memory, count = self._memories.pop(job_id)
+                if count > 1:
+                    self._memories[job_id] = (memory, count - 1)
+            if count == 1:
+                memory.drop_spare()
 
     def close(self) -> None:
         self._sock.close()

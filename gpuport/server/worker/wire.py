@@ -220,6 +220,35 @@ def recv(sock: socket.socket) -> Frame:
     return Frame(header, split(header, body), fds)
 
 
+PREFIX_BYTES = _PREFIX.size  # a frame's fixed prefix: its header's size, then its buffers'
+
+
+def frame_prefix(head_size: int, total: int) -> bytes:
+    """The prefix of a frame whose header has ``head_size`` bytes and its buffers ``total``."""
+    return _PREFIX.pack(head_size, total)
+
+
+def frame_sizes(prefix: Buffer) -> tuple[int, int]:
+    """A frame's header and inline sizes, from its prefix (``PREFIX_BYTES``); ``EOFError`` for a corrupt one."""
+    return _sizes(bytearray(prefix))
+
+
+def recv_some(sock: socket.socket, view: memoryview) -> tuple[int, list[int]]:
+    """What ``sock`` has, up to ``len(view)`` bytes, received into ``view`` (waiting for one byte at
+    least), and the descriptors that came along; ``EOFError`` when the other side has gone. For one
+    that reads a frame's start in one call where nothing but that frame can come (a request's reply)."""
+    if isinstance(sock, ssl.SSLSocket):  # one TLS record at most; no descriptors come over a TLS link
+        n, fds = sock.recv_into(view), []
+    else:
+        n, ancdata, _, _ = sock.recvmsg_into([view], _ANCILLARY)
+        fds = _fds_of(ancdata)
+    if not n:
+        for fd in fds:
+            os.close(fd)
+        raise EOFError("the other side closed the connection")
+    return n, fds
+
+
 def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, list[int]]:
     """The next frame's header (its ``sizes`` still in it), how many bytes of buffers follow it on
     ``sock``, and the descriptors that came with it; ``EOFError`` when the other side has gone."""

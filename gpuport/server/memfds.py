@@ -67,7 +67,11 @@ class SessionMemory:
 
     def keep_spare(self, fd: int, size: int) -> None:
         """Keep a memfd the worker let go of, for the session's next large value; within
-        ``SESSION_REUSE_BYTES`` (the oldest go first)."""
+        ``SESSION_REUSE_BYTES`` (the oldest go first). One that cannot be held to its size (the
+        worker could cut it under the server's map: ``wire.hold_size``) is closed instead."""
+        if not wire.hold_size(fd):
+            os.close(fd)
+            return
         with self.lock:
             self.spare.append((fd, size, time.monotonic()))
             doomed = []
@@ -81,14 +85,16 @@ class SessionMemory:
         when there is one, or None. Its pages were made by an earlier value, so receiving into it costs
         no page faults (beyond its old size)."""
         with self.lock:
-            if not self.spare:
+            # Only one no larger: kept memory is sealed against shrinking (``keep_spare``).
+            fits = [i for i in range(len(self.spare)) if self.spare[i][1] <= size]
+            if not fits:
                 return None
-            best = min(range(len(self.spare)), key=lambda i: abs(self.spare[i][1] - size))
+            best = max(fits, key=lambda i: self.spare[i][1])
             fd, had, _ = self.spare.pop(best)
         with self.lock:
             mapped = self.maps.pop(os.fstat(fd).st_ino, None)
         if had != size:
-            os.ftruncate(fd, size)  # shrinking frees the rest; growing adds pages to make
+            os.ftruncate(fd, size)  # growing adds pages to make
             if mapped is not None:
                 _unmap(mapped)
                 mapped = None
@@ -120,7 +126,13 @@ class SessionMemory:
         """A memfd of ``size`` bytes to receive a value into: one the worker let go of (with the
         server's map of it, when kept), or a new one."""
         spare = self.take_spare(size) if size else None
-        return spare if spare is not None else (wire.memory_file(size, "gpuport-upload"), None)
+        if spare is not None:
+            return spare
+        fd = wire.memory_file(size, "gpuport-upload")
+        if not wire.hold_size(fd):  # the worker gets it: it must not cut it under the server's map
+            os.close(fd)
+            raise OSError("this system cannot seal memory against shrinking (memfd seals)")
+        return fd, None
 
 
 def _unmap(mapped: mmap.mmap) -> None:

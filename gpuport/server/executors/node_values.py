@@ -204,6 +204,8 @@ def _view(fd: int, offset: int, size: int, memory: SessionMemory, maps: list[mma
     kept = memory.borrow(fd)
     if kept is not None and 0 <= offset and offset + size <= len(kept):
         return memoryview(kept)[offset : offset + size]
+    if not wire.hold_size(fd):
+        raise ValueError("the worker's memory for a value could be cut under the link: not read")
     if offset < 0 or size < 0 or os.fstat(fd).st_size < offset + size:
         raise ValueError("the worker named bytes past the end of its memory")
     # Populated at once: faulting a GiB in page by page costs more than the mapping saves.

@@ -68,6 +68,10 @@ class Staged:
             if kept is not None and offset + size <= len(kept):
                 out.append((None, memoryview(kept)[offset : offset + size]))
                 continue
+            if not wire.hold_size(fd):
+                raise ValueError("the worker's memory for a value could be cut under the server: not read")
+            if offset < 0 or size < 0 or os.fstat(fd).st_size < offset + size:
+                raise ValueError("the worker named bytes past the end of its memory")
             # Populated at once: faulting a GiB in page by page costs more than the mapping saves.
             mapped = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | wire.POPULATE, prot=mmap.PROT_READ)
             out.append((mapped, memoryview(mapped)[offset : offset + size]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import json
 import mmap
 import os
@@ -95,9 +96,10 @@ POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def memory_file(size: int, name: str = "gpuport-value") -> int:
-    """A descriptor of ``size`` bytes of memory: a memfd (an unlinked temp file where there is none)."""
+    """A descriptor of ``size`` bytes of memory: a memfd (an unlinked temp file where there is none),
+    which can be sealed (``hold_size``)."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     else:  # pragma: no cover - not Linux
         fd, path = tempfile.mkstemp(prefix=name)
         os.unlink(path)
@@ -107,6 +109,18 @@ def memory_file(size: int, name: str = "gpuport-value") -> int:
         os.close(fd)
         raise
     return fd
+
+
+def hold_size(fd: int) -> bool:
+    """Seal the memfd ``fd`` against shrinking, so that no process holding it (a worker runs its
+    user's code) can cut it under a map of it: a read or write past a shrunk file's end is SIGBUS,
+    which would end the server. False where it cannot be (not a memfd, one made without sealing, or
+    sealed against more seals): the server maps no such memory of a worker's. It may still grow."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except (OSError, AttributeError):  # AttributeError: a system without seals
+        return False
+    return True
 
 
 def staging_file(size: int, name: str = "gpuport-value") -> tuple[int, mmap.mmap | None]:

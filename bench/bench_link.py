@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="first syncs of a new project (default 2)")
     parser.add_argument("--gib", type=float, default=1.0, help="GiB put and got (default 1)")
     parser.add_argument("--bulk-runs", type=int, default=3, help="runs of put/get and the socket (default 3)")
+    parser.add_argument("--rtt-ms", type=float, default=2.0, help="the link's round trip in ms (default 2)")
     parser.add_argument("--forward-rounds", type=int, default=300, help="kept-alive requests of each (default 300)")
     parser.add_argument(
         "--only", choices=["sync", "bulk", "jobs", "forward"], help="run this group of figures alone (default: all)"
@@ -195,7 +196,7 @@ def main() -> None:
     if args.only in (None, "sync"):
         rsync = subprocess.run(["rsync", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     _report.banner(rsync, quick=False, where="two hosts (network namespaces) joined by one link")
-    with _report.isolated_workdir() as work, _link.link(rtt=0.002, gbits=1.0) as link:
+    with _report.isolated_workdir() as work, _link.link(rtt=args.rtt_ms / 1000, gbits=1.0) as link:
         say(f"link: {link.describe()}; laptop {link.laptop.address}, box {link.box.address}")
         laptop = link.laptop.command
         box_launcher = [*link.box.command([]), sys.executable, "-m", "gpuport"]

@@ -26,6 +26,13 @@ from pathlib import Path
 START_TIMEOUT = 60.0
 NODE_CPUS = 4  # more than this machine may have: slurmd takes the config's word (config_overrides)
 NODE_MEMORY_MB = 4000
+# A job that says it started, then runs until SIGTERM, which it answers with exit code 7.
+UNTIL_TERM = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
+    "print('started', flush=True)\n"
+    "while True: time.sleep(0.05)\n"
+)
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
 REST_USER = "nobody"  # slurmrestd refuses root and SlurmUser: it drops to this user once its socket is open
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._slurm import SlurmCluster, missing, start_cluster
+from tests._slurm import UNTIL_TERM, SlurmCluster, missing, start_cluster
 from tests._terminal import Command
 from tests.conftest import CLIENT_ENV, RunningServer, client_env, server_env, start_server, wait_for
 
@@ -174,13 +174,7 @@ def test_a_job_slurm_holds_shows_slurms_reason_in_the_queue(slurm_server: Runnin
 def test_cancel_stops_a_running_job_with_sigterm_and_a_pending_one_at_once(
     slurm_server: RunningServer, shared: Path
 ) -> None:
-    code = (
-        "import signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
-        "print('started', flush=True)\n"
-        "while True: time.sleep(0.05)\n"
-    )
-    running = _submit(slurm_server, code, gpus=2)
+    running = _submit(slurm_server, UNTIL_TERM, gpus=2)
     wait_for(lambda: "started" in slurm_server.job_log(running["job_id"]), 60, "the log's first line, live")
     pending = _submit(slurm_server, HOLD, gpus=2)
     wait_for(lambda: pending["job_id"] in _cli(slurm_server, "queue").stdout, 30, "the second job pending")

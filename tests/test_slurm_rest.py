@@ -18,7 +18,7 @@ import pytest
 
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.server.executors.slurm_rest import job_properties
-from tests._slurm import SlurmCluster, rest_missing, start_cluster, start_rest
+from tests._slurm import UNTIL_TERM, SlurmCluster, rest_missing, start_cluster, start_rest
 from tests.conftest import RunningServer, client_env, server_env, start_server, wait_for
 
 HOLD = "import os, time\nprint('started', flush=True)\nwhile not os.path.exists('go'): time.sleep(0.05)\n"
@@ -175,13 +175,7 @@ def test_a_job_runs_through_slurmrestd_its_log_streams_and_its_exit_code_comes_b
 def test_a_pending_job_shows_slurms_reason_and_cancel_ends_jobs_cancelled(
     rest_server: RunningServer, shared: Path
 ) -> None:
-    code = (
-        "import signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
-        "print('started', flush=True)\n"
-        "while True: time.sleep(0.05)\n"
-    )
-    running = _submit(rest_server, code, gpus=2)
+    running = _submit(rest_server, UNTIL_TERM, gpus=2)
     wait_for(lambda: "started" in rest_server.job_log(running["job_id"]), 60, "the first job to run")
     pending = _submit(rest_server, HOLD, gpus=2)
     wait_for(

@@ -144,6 +144,7 @@ with gpuport.connect(profile="link") as gpu:
                     timed(name + " kept", lambda: _round_trip(conn))
             for _ in range(max(rounds // 5, 5)):
                 for name, end in ends.items():
+                    time.sleep(0.05)  # each to a machine at rest: the forward's spare made again (bench_reach's _settled)
                     timed(name + " fresh", lambda: fresh(*end))
     finally:
         job.cancel()

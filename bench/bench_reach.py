@@ -13,6 +13,9 @@ Each runs the same job: a small HTTP/1.1 server (keep-alive; 16-byte answers).
   one open connection straight to the `--no-sandbox` job's port (the server's own way to its port,
   no gpuport in between). Goal ≤ 1.5x.
 - forward, a fresh connection: connect, one request, its answer, close; the same anchor, fresh.
+  Each comes 50 ms after the one before (either kind): the spare the last one took is made again
+  by then, as between a user's connections; a burst of more than the forward's three spares at
+  once makes spares on its way.
 - exec: `gpuport exec JOB -- true` as a whole CLI process, as a user runs it (through the CLI's
   fast-start helper, which an exec without a terminal goes through; and beside it with
   GPUPORT_AGENT=0, in a process of its own), against `ssh gpubox true` to an sshd on 127.0.0.1
@@ -59,6 +62,7 @@ _SERVE = (
 )
 T = TypeVar("T")
 _REQUEST = b"GET / HTTP/1.1\r\nHost: job\r\n\r\n"
+_SETTLE = 0.05  # seconds before each fresh connection (both kinds): see _settled
 
 
 def _free_port() -> int:
@@ -89,6 +93,14 @@ def _timed(call: object) -> float:
     t = time.perf_counter()
     call()  # type: ignore[operator]
     return time.perf_counter() - t
+
+
+def _settled(call: object) -> float:
+    """``call`` timed after a pause of ``_SETTLE`` seconds: each fresh connection comes to a machine
+    at rest (the forward's spare taken by the one before made again), as a user's connections,
+    spaced, do; connections one right after another are not what the figure is about."""
+    time.sleep(_SETTLE)
+    return _timed(call)
 
 
 def _fresh(port: int) -> None:
@@ -202,8 +214,8 @@ def main() -> None:
                     times = _report.rotate(
                         fresh_n,
                         {
-                            "forward": lambda: _timed(lambda: _fresh(forward.local_port)),
-                            "direct": lambda: _timed(lambda: _fresh(direct_port)),
+                            "forward": lambda: _settled(lambda: _fresh(forward.local_port)),
+                            "direct": lambda: _settled(lambda: _fresh(direct_port)),
                         },
                     )
                     ROWS.append(

@@ -347,6 +347,27 @@ def test_a_forwards_ticket_reaches_nothing_once_its_job_has_ended(user: gpuport.
         assert b"not running" in _answer(late)
 
 
+def test_more_connections_open_at_once_than_spares_and_waiting_threads(user: gpuport.Client) -> None:
+    """Eight connections held open together: more than a forward's spares and its threads waiting in
+    accept, so both are made on the way, and each connection still gets its own answers."""
+    job = _serving(user)
+    try:
+        with job.forward(_PORT) as forward:
+            conns = [socket.create_connection(("127.0.0.1", forward.local_port), timeout=30) for _ in range(8)]
+            try:
+                for round_ in range(2):
+                    for n, conn in enumerate(conns):
+                        assert _get(conn, f"/c{n}r{round_}") == f"hello from /c{n}r{round_}".encode()
+            finally:
+                for conn in conns:
+                    conn.close()
+            with socket.create_connection(("127.0.0.1", forward.local_port), timeout=30) as conn:
+                assert _get(conn, "/after") == b"hello from /after"
+            assert not forward.closed
+    finally:
+        _stop(job)
+
+
 def test_many_connections_one_after_another_through_one_forward(user: gpuport.Client) -> None:
     job = _serving(user)
     try:

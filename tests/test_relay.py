@@ -19,7 +19,9 @@ from gpuport.server.tls import _make_certificate
 
 
 @contextlib.contextmanager
-def _tunnel(tmp_path: Path, spin: float) -> Iterator[tuple[ssl.SSLSocket, socket.socket, threading.Thread]]:
+def _tunnel(
+    tmp_path: Path, spin: float, replied: object = None
+) -> Iterator[tuple[ssl.SSLSocket, socket.socket, threading.Thread]]:
     """(the far end of the TLS side, the far end of the plain side, the relay's thread)."""
     cert, key = _make_certificate({"127.0.0.1"})
     (tmp_path / "cert.pem").write_bytes(cert)
@@ -36,7 +38,8 @@ def _tunnel(tmp_path: Path, spin: float) -> Iterator[tuple[ssl.SSLSocket, socket
         far_tls = calling.wrap_socket(socket.create_connection(listener.getsockname()), server_hostname="127.0.0.1")
         acceptor.join(timeout=10)
     near_plain, far_plain = socket.socketpair()
-    thread = threading.Thread(target=relay, args=(accepted[0], near_plain), kwargs={"spin": spin}, daemon=True)
+    kwargs = {"spin": spin, "replied": replied}
+    thread = threading.Thread(target=relay, args=(accepted[0], near_plain), kwargs=kwargs, daemon=True)
     thread.start()
     try:
         yield far_tls, far_plain, thread
@@ -90,3 +93,48 @@ def test_the_relay_ends_and_shuts_the_other_side_when_one_side_closes(tmp_path: 
         far_tls.settimeout(10)
         with contextlib.suppress(ssl.SSLError, ConnectionResetError):  # a TLS end may close unclean
             assert far_tls.recv(100) == b""
+
+
+@pytest.mark.parametrize("tls", [True, False], ids=["tls-end", "plain-ends"])
+def test_replied_is_called_once_after_the_first_answer_went_on(tmp_path: Path, tls: bool) -> None:
+    """A forward makes its next spare when its connection's first answer came back: the relay says
+    when, once, after those bytes went on (not when the request went out)."""
+    calls: list[bytes] = []
+
+    def replied() -> None:
+        far_a.settimeout(10)
+        calls.append(far_a.recv(100))  # the answer is there already
+
+    if tls:
+        with _tunnel(tmp_path, 50e-6, replied) as (far_a, far_b, _):
+            far_a.sendall(b"request")
+            assert _read(far_b, 7) == b"request"
+            time.sleep(0.1)
+            assert calls == []  # a request alone is no answer
+            far_b.sendall(b"answer")
+            deadline = time.monotonic() + 10
+            while not calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+            far_b.sendall(b"more")
+            assert _read(far_a, 4) == b"more"
+    else:
+        near_a, far_a = socket.socketpair()
+        near_b, far_b = socket.socketpair()
+        thread = threading.Thread(target=relay, args=(near_a, near_b), kwargs={"replied": replied}, daemon=True)
+        thread.start()
+        far_a.sendall(b"request")
+        assert _read(far_b, 7) == b"request"
+        time.sleep(0.1)
+        assert calls == []
+        far_b.sendall(b"answer")
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        far_b.sendall(b"more")
+        assert _read(far_a, 4) == b"more"
+        far_a.close()
+        far_b.close()
+        thread.join(timeout=10)
+        near_a.close()
+        near_b.close()
+    assert calls == [b"answer"]

@@ -40,7 +40,16 @@ _SPARE_FOR = 60.0
 # Spares a forward keeps: connections that come one after another faster than a spare is made (a
 # TLS handshake and the server's socket into the job: about 5 ms on a loaded 2-core VM) find one.
 # Each holds a thread on the server and counts among its user's channels (64).
-_SPARES = 2
+_SPARES = 3
+# Seconds after a connection took a spare that the next one is made at the latest. It is made as soon
+# as that connection's first answer came back: made at once, its TLS handshake (here and on the
+# server) and the server's sockets into the job would take the CPUs while that connection waits for
+# its answer (3-4 ms of a fresh connection's 7 on a loaded 2-core VM). With no spare left, at once.
+_REFILL_AFTER = 0.05
+# Threads waiting in ``accept`` that a forward keeps beyond those relaying: a new connection is
+# taken by one already waiting (none is started on its way), and the next is started only when the
+# last one waiting took a connection.
+_ACCEPTING = 2
 _STALE_TICKET = "unknown, used or expired"  # the data port's words for a ticket it does not hold
 
 
@@ -63,15 +72,28 @@ def _answer(conn: socket.socket, expected: bytes, what: str) -> None:
         raise error(f"{what}: {said}" if error is ConnectionFailed else said)
 
 
+def _sent_already(conn: socket.socket) -> bytes:
+    """What ``conn``'s peer has sent so far (b"" when nothing, or when it closed), without waiting:
+    a protocol whose server speaks first has sent nothing."""
+    conn.setblocking(False)
+    try:
+        return conn.recv(65536)
+    except BlockingIOError:
+        return b""
+    finally:
+        conn.setblocking(True)
+
+
 class Forward:
     """TCP port ``port`` of running job ``job`` (its own loopback, inside its sandbox), reachable on
     this machine at 127.0.0.1:``local_port``. Each connection there is one to the job's port, through
     the server's data port; many at once. It closes when the job ends, when the token is revoked, or
     with ``close()`` (or the end of a ``with`` block). Made by ``Job.forward``.
 
-    One ticket (``Jobs.Reach``) serves all its connections, and a data-port connection is kept ready
-    ahead (a spare: TLS shaken hands, ticket taken, the server's socket into the job made), so a new
-    connection costs one byte to the server and its connect to the job's port.
+    One ticket (``Jobs.Reach``) serves all its connections, and data-port connections are kept ready
+    ahead (spares: TLS shaken hands, ticket taken, the server's socket into the job made), so a new
+    connection costs one byte to the server and its connect to the job's port; the spare it took is
+    made again once its first answer came back, out of its way.
 
     >>> with job.forward(6006) as tensorboard:
     ...     print(f"http://127.0.0.1:{tensorboard.local_port}")
@@ -87,6 +109,8 @@ class Forward:
         self._lock = threading.Lock()
         self._spares: list[tuple[socket.socket, float]] = []  # made ahead, each with when
         self._spare_wanted = threading.Event()
+        self._refill_at = math.inf  # when spares taken are made again at the latest (inf: none owed)
+        self._accepting = 0  # threads waiting in accept
         self._conns: set[socket.socket] = set()
         self._closed = threading.Event()  # closing: the threads stop
         self._shut = threading.Event()  # closed: nothing listens any more
@@ -111,8 +135,10 @@ class Forward:
             raise ConnectionFailed(f"cannot listen on 127.0.0.1:{local_port}: {e.strerror} — pick another") from None
         self._listener.listen(64)
         self.local_port: int = self._listener.getsockname()[1]
-        for target, name in ((self._accept, "accept"), (self._watch, "watch"), (self._keep_spare, "spare")):
+        for target, name in ((self._watch, "watch"), (self._keep_spare, "spare")):
             threading.Thread(target=target, name=f"gpuport forward {name}", daemon=True).start()
+        for _ in range(_ACCEPTING):
+            self._start_accepting()
 
     def _renew(self) -> tuple[bytes, int]:
         """A ticket for the forward's connections, and the data port to present it on."""
@@ -145,11 +171,16 @@ class Forward:
         return conn
 
     def _take_spare(self) -> socket.socket:
-        """A spare for a new connection: one made ahead while fresh and open, else a new one."""
+        """A spare for a new connection: one made ahead while fresh and open, else a new one. The
+        one taken is made again when its connection's first answer came back (``_replied``), at
+        the latest ``_REFILL_AFTER`` from now; at once when none is left."""
         while True:
             with self._lock:
                 spare = self._spares.pop(0) if self._spares else None
-            self._spare_wanted.set()
+                self._refill_at = min(self._refill_at, time.monotonic() + _REFILL_AFTER)
+                left = len(self._spares)
+            if not left:
+                self._spare_wanted.set()
             if spare is None:
                 return self._ready()
             conn, made = spare
@@ -158,16 +189,27 @@ class Forward:
                 return conn
             conn.close()
 
+    def _replied(self) -> None:
+        """A connection's first answer came back: the spares taken may be made again now."""
+        if self._refill_at != math.inf:
+            self._refill_at = 0.0
+            self._spare_wanted.set()
+
     def _keep_spare(self) -> None:
-        """Keep ``_SPARES`` spares ready: new ones after each use, and before the server would drop
-        those kept; after a failure, at the next use."""
+        """Keep ``_SPARES`` spares ready: new ones after each use (see ``_take_spare``), and before
+        the server would drop those kept; after a failure, at the next use."""
         while not self._closed.is_set():
             now = time.monotonic()
             with self._lock:
                 stale = [s for s in self._spares if now - s[1] >= _SPARE_FOR]
                 self._spares = [s for s in self._spares if now - s[1] < _SPARE_FOR]
-                wanted = len(self._spares) < _SPARES
+                short = len(self._spares) < _SPARES
+                if not short:
+                    self._refill_at = math.inf
+                wanted = short and (now >= self._refill_at or not self._spares)
                 renew_at = min((s[1] for s in self._spares), default=now) + _SPARE_FOR
+                if short:
+                    renew_at = min(renew_at, self._refill_at)
             for conn, _ in stale:
                 conn.close()
             if wanted:
@@ -209,22 +251,30 @@ class Forward:
         for conn, _ in spares:
             conn.close()
 
-    def _accept(self) -> None:
-        """Keep one thread waiting in ``accept``: each takes one connection and relays it, and this
-        thread starts the next meanwhile, so a new connection waits for no thread to start."""
-        while not self._closed.is_set():
-            taken = threading.Event()
-            threading.Thread(target=self._take_one, args=(taken,), name="gpuport forward", daemon=True).start()
-            taken.wait()
+    def _start_accepting(self) -> None:
+        with self._lock:
+            self._accepting += 1
+        threading.Thread(target=self._accept, name="gpuport forward", daemon=True).start()
 
-    def _take_one(self, taken: threading.Event) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return  # closed
-        finally:
-            taken.set()
-        self._relay(conn)
+    def _accept(self) -> None:
+        """Take a connection, relay it, then wait for the next, while ``_ACCEPTING`` others wait
+        (or more): a new connection is taken by a thread already waiting. When the last one waiting
+        takes one, it starts another first; a thread that finds enough others waiting ends."""
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                self._accepting -= 1
+                last = not self._accepting
+            if last:
+                self._start_accepting()
+            self._relay(conn)
+            with self._lock:
+                if self._accepting >= _ACCEPTING:
+                    return
+                self._accepting += 1
 
     def _relay(self, conn: socket.socket) -> None:
         with self._lock:
@@ -232,7 +282,10 @@ class Forward:
         try:
             try:
                 remote = self._take_spare()
-                remote.sendall(b"G")  # the server connects to the job's port now
+                # The server connects to the job's port on G; what the connection sent already
+                # (an HTTP request, most often) goes in the same TLS record, so that the server
+                # relays it at once, not after another wake-up.
+                remote.sendall(b"G" + _sent_already(conn))
             except AuthenticationError as e:
                 self.close(str(e))
                 return
@@ -240,7 +293,7 @@ class Forward:
                 return  # this connection is refused; the forward stays for the next
             with self._lock:
                 self._conns.add(remote)
-            relay(conn, remote)
+            relay(conn, remote, replied=self._replied)
             with contextlib.suppress(OSError):
                 remote.close()
             with self._lock:

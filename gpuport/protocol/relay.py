@@ -14,13 +14,24 @@ from collections.abc import Callable
 from gpuport.defaults import TUNNEL_SPIN_SECONDS
 
 _CHUNK = 1024 * 1024
+# Buffers of relays that ended, kept for the next: a new one is 1 MiB of fresh pages, whose first
+# touch costs a relay 0.5-1 ms each on a VM (page faults), on a fresh connection's way. At most
+# this many are kept (list.append and pop hold the GIL: no lock).
+_KEPT_BUFFERS = 8
+_buffers: list[memoryview] = []
 _FLUSH_TIMEOUT = 30.0  # seconds the last bytes of a side that went wait for the other to take them
 _POLLIN = 1  # select.EPOLLIN and select.POLLIN alike
 _POLLOUT = 4  # select.EPOLLOUT and select.POLLOUT alike
 _GONE = 8 | 16  # ERR and HUP, for epoll and poll alike: a side went away
 
 
-def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECONDS) -> None:
+def relay(
+    a: socket.socket,
+    b: socket.socket,
+    *,
+    spin: float = TUNNEL_SPIN_SECONDS,
+    replied: Callable[[], object] | None = None,
+) -> None:
     """Copy bytes both ways between ``a`` (TLS or plain) and ``b`` until either side closes; then
     shut both down. Small writes go out at once (TCP_NODELAY on either TCP end): a tunnel carries
     RPCs, and Nagle's wait for the peer's delayed ACK would add 40 ms to each.
@@ -30,13 +41,17 @@ def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECON
     read holds back only its own direction, never the other. Blocking writes would deadlock two
     relays in a row (each blocked writing to a peer that is itself blocked writing to it) once both
     directions carry more than the sockets' buffers hold. After bytes went through, the thread
-    polls for up to ``spin`` seconds before it sleeps (see ``TUNNEL_SPIN_SECONDS``)."""
+    polls for up to ``spin`` seconds before it sleeps (see ``TUNNEL_SPIN_SECONDS``).
+
+    ``replied`` is called once, when bytes from ``b`` went on to ``a`` and then nothing more came
+    for a moment (the relay is about to sleep): the connection's first answer is through, and
+    whoever waits to do work that would slow it (a forward's next spare) does it then."""
     for end in (a, b):
         if end.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not isinstance(a, ssl.SSLSocket) and not isinstance(b, ssl.SSLSocket):
-        return _both_ways(a, b)
+        return _both_ways(a, b, replied)
     a.setblocking(False)
     b.setblocking(False)
     ways = (_Way(a, b), _Way(b, a))
@@ -75,10 +90,19 @@ def relay(a: socket.socket, b: socket.socket, *, spin: float = TUNNEL_SPIN_SECON
                     if asked[fd] != events:
                         poller.modify(fd, events)
                         asked[fd] = events
-            ready = poll(0) or spin_poll(poll, spin_ns) or poll()
+            ready = poll(0) or spin_poll(poll, spin_ns)
+            if not ready:
+                if replied is not None and ways[1].took:
+                    replied, answered = None, replied
+                    answered()
+                    ready = poll(0)
+                ready = ready or poll()
     except (OSError, ValueError):
         return  # either side went away: the tunnel is over
     finally:
+        for way in ways:
+            if len(_buffers) < _KEPT_BUFFERS:
+                _buffers.append(way.buffer)
         if hasattr(poller, "close"):
             poller.close()
         for end in (a, b):
@@ -91,11 +115,15 @@ class _Way:
     (reused: no bytes object per message) until ``sink`` took them all; meanwhile the source is not
     read. ``fd`` and ``events`` say what it waits for; ``moved`` that they changed."""
 
-    __slots__ = ("buffer", "end", "events", "fd", "moved", "pending", "sink", "source", "source_fd", "start")
+    __slots__ = ("buffer", "end", "events", "fd", "moved", "pending", "sink", "source", "source_fd", "start", "took")
 
     def __init__(self, source: socket.socket, sink: socket.socket) -> None:
         self.source, self.sink = source, sink
-        self.buffer = memoryview(bytearray(_CHUNK))
+        self.took = False  # whether bytes came from the source yet
+        try:
+            self.buffer = _buffers.pop()
+        except IndexError:
+            self.buffer = memoryview(bytearray(_CHUNK))
         self.start = self.end = 0
         self.source_fd = source.fileno()
         self.fd, self.events, self.moved = self.source_fd, _POLLIN, False
@@ -131,6 +159,7 @@ class _Way:
         if not n:
             return False
         self.start, self.end = 0, n
+        self.took = True
         self._send()
         return True
 
@@ -182,18 +211,21 @@ def spin_poll(poll: Callable[[int], list[tuple[int, int]]], spin_ns: int) -> lis
     return []
 
 
-def _both_ways(a: socket.socket, b: socket.socket) -> None:
+def _both_ways(a: socket.socket, b: socket.socket, replied: Callable[[], object] | None = None) -> None:
     """Plain sockets both ways: a thread each way, blocked in recv (no select per message)."""
-    other = threading.Thread(target=_one_way, args=(b, a), daemon=True)
+    other = threading.Thread(target=_one_way, args=(b, a, replied), daemon=True)
     other.start()
     _one_way(a, b)
     other.join()
 
 
-def _one_way(source: socket.socket, sink: socket.socket) -> None:
+def _one_way(source: socket.socket, sink: socket.socket, replied: Callable[[], object] | None = None) -> None:
     try:
         while data := source.recv(_CHUNK):
             sink.sendall(data)
+            if replied is not None and not select.select([source], [], [], 0)[0]:  # through, for now
+                replied, answered = None, replied
+                answered()
     except OSError:
         pass
     finally:

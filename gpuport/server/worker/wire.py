@@ -14,7 +14,6 @@ one request at a time.
 from __future__ import annotations
 
 import array
-import asyncio
 import contextlib
 import fcntl
 import json
@@ -22,16 +21,28 @@ import mmap
 import os
 import select
 import socket
-import ssl
 import struct
-import tempfile
+import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpuport.protocol.sockets import (
     listen,  # noqa: F401 - re-exported: the workers make their endpoints with it
     recv_exact,
 )
+
+if TYPE_CHECKING:
+    import asyncio
+
+# asyncio, ssl and tempfile are imported where they are used: a session worker, which imports this
+# module first thing, needs none of them (45 ms of its start on a 2-core VM).
+
+
+def _is_tls(sock: socket.socket) -> bool:
+    """Whether ``sock`` is a TLS socket: never, where nothing imported ``ssl``."""
+    ssl = sys.modules.get("ssl")
+    return ssl is not None and isinstance(sock, ssl.SSLSocket)
+
 
 _PREFIX = struct.Struct("<IQ")  # header bytes, inline buffer bytes
 _MAX_HEADER = 64 * 1024 * 1024
@@ -101,6 +112,8 @@ def memory_file(size: int, name: str = "gpuport-value") -> int:
     if hasattr(os, "memfd_create"):
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     else:  # pragma: no cover - not Linux
+        import tempfile
+
         fd, path = tempfile.mkstemp(prefix=name)
         os.unlink(path)
     try:
@@ -206,7 +219,7 @@ def send(sock: socket.socket, header: dict[str, Any], buffers: Sequence[Buffer] 
     On a TLS socket (a node's link, ``Executor.connect(direct=True)``), which has no ``sendmsg`` and
     passes no descriptors: a small frame in one write, a large one part by part."""
     parts = _parts(_encode(header, buffers)[0], buffers)
-    if isinstance(sock, ssl.SSLSocket):
+    if _is_tls(sock):
         if fds:
             raise ValueError("descriptors cannot travel over a TLS link")
         for part in [b"".join(parts)] if sum(p.nbytes for p in parts) <= _JOIN_BYTES else parts:
@@ -251,7 +264,7 @@ def recv_some(sock: socket.socket, view: memoryview) -> tuple[int, list[int]]:
     """What ``sock`` has, up to ``len(view)`` bytes, received into ``view`` (waiting for one byte at
     least), and the descriptors that came along; ``EOFError`` when the other side has gone. For one
     that reads a frame's start in one call where nothing but that frame can come (a request's reply)."""
-    if isinstance(sock, ssl.SSLSocket):  # one TLS record at most; no descriptors come over a TLS link
+    if _is_tls(sock):  # one TLS record at most; no descriptors come over a TLS link
         n, fds = sock.recv_into(view), []
     else:
         n, ancdata, _, _ = sock.recvmsg_into([view], _ANCILLARY)
@@ -268,7 +281,7 @@ def recv_head(sock: socket.socket) -> tuple[dict[str, Any], int, list[int]]:
     ``sock``, and the descriptors that came with it; ``EOFError`` when the other side has gone."""
     prefix = bytearray(_PREFIX.size)
     got, fds = 0, []
-    if isinstance(sock, ssl.SSLSocket):  # no descriptors come over a TLS link
+    if _is_tls(sock):  # no descriptors come over a TLS link
         recv_exact(sock, memoryview(prefix))
         got = len(prefix)
     while got < len(prefix):
@@ -291,6 +304,8 @@ class Link:
     """The server's connection to one worker: one request at a time (the caller holds a lock)."""
 
     def __init__(self, sock: socket.socket) -> None:
+        import asyncio
+
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
@@ -299,6 +314,8 @@ class Link:
     @classmethod
     async def connect(cls, path: str, peer: Callable[[int], bool]) -> Link:
         """Connect to the worker listening at ``path``, whose pid ``peer`` accepts."""
+        import asyncio
+
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)

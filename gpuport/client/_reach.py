@@ -109,7 +109,7 @@ class Forward:
         self._lock = threading.Lock()
         self._spares: list[tuple[socket.socket, float]] = []  # made ahead, each with when
         self._spare_wanted = threading.Event()
-        self._refill_at = math.inf  # when spares taken are made again at the latest (inf: none owed)
+        self._refill_at = 0.0  # when the spares missing are made at the latest (inf: none owed; 0: now)
         self._accepting = 0  # threads waiting in accept
         self._conns: set[socket.socket] = set()
         self._closed = threading.Event()  # closing: the threads stop
@@ -203,6 +203,8 @@ class Forward:
             with self._lock:
                 stale = [s for s in self._spares if now - s[1] >= _SPARE_FOR]
                 self._spares = [s for s in self._spares if now - s[1] < _SPARE_FOR]
+                if stale:
+                    self._refill_at = 0.0  # made again now: no connection took them, none is in the way
                 short = len(self._spares) < _SPARES
                 if not short:
                     self._refill_at = math.inf

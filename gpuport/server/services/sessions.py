@@ -87,6 +87,7 @@ _TAIL_BYTES = 8192  # of a dead worker's stderr, for its last lines
 # within it, and then cost no extra turns of the event loop (which is blocked that long at most).
 _QUICK_REPLY = 0.001
 _STATE_EVERY = 25  # output polls between looks at a followed session's state (0.5 s)
+_LINK_STATE_EVERY = 10  # tries to connect to a starting worker between looks at its state (0.1 s)
 _REAP_EVERY = 1.0
 _RECOUNT_WAIT = 5.0  # seconds a starting server waits for the workers it picks up to count their values
 _STDERR_TAIL_LINES = 20
@@ -459,12 +460,18 @@ class SessionService:
             return live.link
         owner = Identity(live.owner, admin=True)
         started: float | None = None
+        polls = 0
         while True:
-            job = self.jobs.get(owner, live.job_id)
-            if job.state.is_terminal():
-                raise _Died(job)
-            # A cluster with a queue of its own may hold a worker it was handed (Slurm's): still queued.
-            held = self.executor.waiting([job.id]).get(job.id, "") if job.state is JobState.RUNNING else ""
+            # Its state from the store (and the cluster's queue): at each poll while it waits, every
+            # _LINK_STATE_EVERY once it runs, between tries to connect (each look costs the server
+            # ~1.5 ms of CPU, which a worker's start on a busy machine would wait for).
+            if polls % _LINK_STATE_EVERY == 0 or started is None:
+                job = self.jobs.get(owner, live.job_id)
+                if job.state.is_terminal():
+                    raise _Died(job)
+                # A cluster with a queue of its own may hold a worker it was handed (Slurm's): still queued.
+                held = self.executor.waiting([job.id]).get(job.id, "") if job.state is JobState.RUNNING else ""
+            polls += 1
             if held:
                 started = None  # its start is counted from when the cluster runs it
             elif job.state is JobState.RUNNING:

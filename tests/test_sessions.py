@@ -414,6 +414,34 @@ def test_remote_prints_show_locally_as_they_happen_stdout_and_stderr_apart(
     assert "warning" not in stdout and "line" not in stderr
 
 
+def _print_later(text: str, delay: float) -> None:
+    """In the worker: print ``text`` from a thread of its own ``delay`` seconds after the call ended."""
+    import threading
+
+    threading.Timer(delay, lambda: print(text, flush=True)).start()
+
+
+def test_an_idle_sessions_output_still_comes_and_a_calls_before_its_result(
+    open_session: Callable[..., gpuport.Session], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The server reads an idle session's output seldom (twice a second), but a call wakes it: the
+    call's prints are shown before it returns, and what a worker's own thread prints between calls
+    still comes."""
+    session = open_session()
+    session.call(abs, -1)
+    time.sleep(2.5)  # idle: its output is read seldom now
+    capsys.readouterr()
+    assert session.call(print, "after a pause") is None
+    assert capsys.readouterr().out.count("after a pause") == 1  # already there when call() returned
+    session.call(_print_later, "from the worker's own thread", 2.0)  # printed when no call runs
+    seen: list[str] = []
+    wait_for(
+        lambda: seen.append(capsys.readouterr().out) or "from the worker's own thread" in "".join(seen),
+        timeout=10,
+        what="a print between calls",
+    )
+
+
 # ---- Names, other processes, the CLI, idle ends ---------------------------------------------------
 
 

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import mmap
 import os
 import re
@@ -86,7 +87,12 @@ _TAIL_BYTES = 8192  # of a dead worker's stderr, for its last lines
 # Seconds the server waits for a worker's reply before it turns to other work: most calls answer
 # within it, and then cost no extra turns of the event loop (which is blocked that long at most).
 _QUICK_REPLY = 0.001
-_STATE_EVERY = 25  # output polls between looks at a followed session's state (0.5 s)
+_STATE_EVERY = 0.5  # seconds between looks at a followed session's state
+# A followed session's output is read every LOG_POLL_INTERVAL while a call runs, for a second after
+# one, and while output comes; otherwise every _IDLE_OUTPUT_POLL, or at once when a call starts. An
+# idle session followed every 20 ms cost the server 2.3% of a core (five: 11.8%, none: 0.5%).
+_BUSY_OUTPUT_FOR = 1.0
+_IDLE_OUTPUT_POLL = 0.5
 _LINK_STATE_EVERY = 10  # tries to connect to a starting worker between looks at its state (0.1 s)
 _REAP_EVERY = 1.0
 _RECOUNT_WAIT = 5.0  # seconds a starting server waits for the workers it picks up to count their values
@@ -191,13 +197,21 @@ class _Live:
     refs: int = 0
     counting: threading.Lock = field(default_factory=threading.Lock)  # calls come from channel threads too
     memory: SessionMemory = field(default_factory=SessionMemory)  # for its large values
+    # Its output's followers, each woken when a call starts (``output``), and their event loop.
+    followers: set[asyncio.Event] = field(default_factory=set)
+    loop: asyncio.AbstractEventLoop | None = None
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
-        """Count a call in flight (the reaper leaves the session alone) and note when calls happen."""
+        """Count a call in flight (the reaper leaves the session alone) and note when calls happen;
+        wake its output's followers, which read it often while calls run."""
         with self.counting:
             self.calls += 1
             self.last_call_at = time.time()
+        if self.loop is not None:
+            for follower in list(self.followers):
+                with contextlib.suppress(RuntimeError):  # the loop closed: the server is stopping
+                    self.loop.call_soon_threadsafe(follower.set)
         try:
             yield
         finally:
@@ -918,7 +932,10 @@ class SessionService:
             now = await asyncio.to_thread(self._offsets, live)
             offsets = {fd: now[fd - 1] if asked < 0 else asked for fd, asked in offsets.items()}
         live.attached += 1
-        state, polls = "", 0
+        state, looked_at, moved_at = "", -math.inf, time.monotonic()
+        woken = asyncio.Event()
+        live.loop = asyncio.get_running_loop()
+        live.followers.add(woken)
         try:
             for fd in (1, 2):  # where the stream starts, so that the client knows its offsets
                 yield fd, offsets[fd], b"", ""
@@ -934,10 +951,11 @@ class SessionService:
                         yield fd, at, data, ""
                         offsets[fd] += len(data)
                 if moved:
+                    moved_at = time.monotonic()
                     continue
-                polls += 1
                 ended = live.id not in self._live
-                if ended or polls % _STATE_EVERY == 1:  # the state: from the store, so less often
+                if ended or time.monotonic() - looked_at >= _STATE_EVERY:  # the state: from the store, less often
+                    looked_at = time.monotonic()
                     job = self.jobs.get(Identity(live.owner, admin=True), live.job_id) if not ended else None
                     now = "ended" if job is None else self._state(live, job)[0]
                     if now != state:
@@ -945,8 +963,15 @@ class SessionService:
                         yield 0, 0, b"", state
                 if ended:
                     return
-                await asyncio.sleep(LOG_POLL_INTERVAL)
+                woken.clear()  # before the look at its calls: a call that starts after it wakes this
+                busy = live.calls or time.time() - live.last_call_at < _BUSY_OUTPUT_FOR
+                if busy or time.monotonic() - moved_at < _BUSY_OUTPUT_FOR:
+                    await asyncio.sleep(LOG_POLL_INTERVAL)
+                else:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(woken.wait(), _IDLE_OUTPUT_POLL)
         finally:
+            live.followers.discard(woken)
             live.attached -= 1
             if not live.attached:
                 live.detached_since = time.time()

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import gpuport
-from tests.conftest import RunningServer, client_env, touch_in_job, wait_for
+from tests.conftest import RunningServer, client_env, needs_users, touch_in_job, wait_for
 
 GiB = 2**30
 SCRIPTS = Path(__file__).parent / "_sessions"
@@ -440,6 +440,20 @@ def test_an_idle_sessions_output_still_comes_and_a_calls_before_its_result(
         timeout=10,
         what="a print between calls",
     )
+
+
+def test_a_sandboxed_job_is_known_as_its_jobs_before_its_command_runs(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    """Whoever listens on a session worker's socket must be one of its job's processes, which the
+    server reads from the job's supervisor.json: the supervisor writes it before the job may start.
+    Written after, a worker quick off the mark on a busy machine was refused ("... is not the
+    worker's socket") and its session's first call failed."""
+    needs_users()  # a sandboxed server: the supervisor.json said here is the sandbox's
+    job = admin.submit(["sh", "-c", "date +%s.%N"], workdir=None).wait(60)
+    started = float("".join(job.logs()).strip())
+    announced = next(server.state_dir.glob(f"**/{job.id}/supervisor.json")).stat().st_mtime
+    assert announced <= started, f"supervisor.json written {announced - started:.4f} s after the job started"
 
 
 # ---- Names, other processes, the CLI, idle ends ---------------------------------------------------

@@ -619,8 +619,13 @@ def _listen() -> None:
 
 def _announce(job_dir: str, info: dict) -> None:
     """Write supervisor.json (the server signals this process once it exists), then take up a
-    request the server left as a file before it: ``cancel``, or ``kill`` (its reason in kill.json)."""
-    _write_json(os.path.join(job_dir, "supervisor.json"), info, durable=False)
+    request the server left as a file before it: ``cancel``, or ``kill`` (its reason in kill.json).
+    Written without the json module (``_flat_json``): a sandboxed job's is written before the job
+    may start, and that import would come first."""
+    path = os.path.join(job_dir, "supervisor.json")
+    with open(f"{path}.tmp", "w") as f:
+        f.write(_flat_json(info))
+    os.replace(f"{path}.tmp", path)
     for request in ("cancel", "kill"):
         if os.path.exists(os.path.join(job_dir, request)):
             _REQUESTED.add(request)
@@ -813,6 +818,12 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
                 pass
         if spec.get("network"):
             helpers.append(_connect_network(spec["network"], inner))
+    # Announced before the job may start: the server checks that whoever listens on a worker's
+    # socket is one of the job's processes, read from this file (a worker up before it was refused).
+    info = {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at}
+    if inner is not None:
+        info["init"] = inner  # the sandbox's pid 1: `gpuport exec` and forwards enter its namespaces
+    _announce(job_dir, info)
     try:  # what runs inside waits for it: the job starts once the network is up
         with os.fdopen(spec_w, "wb") as f:
             f.write(_shell_exports(spec["env"], spec["cwd"]) if direct else marshal.dumps(inner_spec))
@@ -820,10 +831,6 @@ def _sandboxed_once(job_dir: str, spec: dict, last: bool = True) -> dict:
         pass
     import json  # noqa: F401 (imported now, while the job starts, for its end: exit.json, the status read back)
 
-    info = {"pid": os.getpid(), "child": bwrap, "children": [bwrap], "started_at": started_at}
-    if inner is not None:
-        info["init"] = inner  # the sandbox's pid 1: `gpuport exec` and forwards enter its namespaces
-    _announce(job_dir, info)
     grace = float(spec.get("grace", 5.0))
     time_limit = float(spec.get("time_limit") or 0)
     # An inner supervisor runs as the job's user: it enforces the time limit, and this one makes
@@ -1064,14 +1071,16 @@ def _inner() -> int:
 
 
 def _flat_json(status: dict) -> str:
-    """``status`` (str keys; bool, int, finite float or str values) as JSON, without the json
-    module: importing it (and the re module under it) took 5-8 ms of each sandboxed job's end."""
+    """``status`` (str keys; bool, int, finite float, str or list of int values) as JSON, without
+    the json module: importing it (and the re module under it) took 5-8 ms of each sandboxed job's end."""
     items = []
     for key, value in status.items():
         if isinstance(value, bool):
             text = "true" if value else "false"
         elif isinstance(value, (int, float)):
             text = repr(value)
+        elif isinstance(value, list):
+            text = "[" + ", ".join(str(int(item)) for item in value) + "]"
         else:
             text = _json_string(str(value))
         items.append(f"{_json_string(key)}: {text}")

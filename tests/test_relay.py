@@ -100,41 +100,37 @@ def test_replied_is_called_once_after_the_first_answer_went_on(tmp_path: Path, t
     """A forward makes its next spare when its connection's first answer came back: the relay says
     when, once, after those bytes went on (not when the request went out)."""
     calls: list[bytes] = []
+    ends: dict[str, socket.socket] = {}
 
     def replied() -> None:
-        far_a.settimeout(10)
-        calls.append(far_a.recv(100))  # the answer is there already
+        ends["a"].settimeout(10)
+        calls.append(ends["a"].recv(100))  # the answer is there already
 
-    if tls:
-        with _tunnel(tmp_path, 50e-6, replied) as (far_a, far_b, _):
-            far_a.sendall(b"request")
-            assert _read(far_b, 7) == b"request"
-            time.sleep(0.1)
-            assert calls == []  # a request alone is no answer
-            far_b.sendall(b"answer")
-            deadline = time.monotonic() + 10
-            while not calls and time.monotonic() < deadline:
-                time.sleep(0.01)
-            far_b.sendall(b"more")
-            assert _read(far_a, 4) == b"more"
-    else:
-        near_a, far_a = socket.socketpair()
-        near_b, far_b = socket.socketpair()
-        thread = threading.Thread(target=relay, args=(near_a, near_b), kwargs={"replied": replied}, daemon=True)
-        thread.start()
+    def exchange(far_a: socket.socket, far_b: socket.socket) -> None:
+        ends["a"] = far_a
         far_a.sendall(b"request")
         assert _read(far_b, 7) == b"request"
         time.sleep(0.1)
-        assert calls == []
+        assert calls == []  # a request alone is no answer
         far_b.sendall(b"answer")
         deadline = time.monotonic() + 10
         while not calls and time.monotonic() < deadline:
             time.sleep(0.01)
         far_b.sendall(b"more")
         assert _read(far_a, 4) == b"more"
-        far_a.close()
-        far_b.close()
+
+    if tls:
+        with _tunnel(tmp_path, 50e-6, replied) as (far_a, far_b, _):
+            exchange(far_a, far_b)
+    else:
+        near_a, far_a = socket.socketpair()
+        near_b, far_b = socket.socketpair()
+        thread = threading.Thread(target=relay, args=(near_a, near_b), kwargs={"replied": replied}, daemon=True)
+        thread.start()
+        exchange(far_a, far_b)
+        for end in (far_a, far_b):
+            end.close()
         thread.join(timeout=10)
-        near_a.close()
-        near_b.close()
+        for end in (near_a, near_b):
+            end.close()
     assert calls == [b"answer"]

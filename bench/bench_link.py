@@ -113,13 +113,14 @@ with gpuport.connect(profile="link") as gpu, gpu.session(progress=False) as s:
     assert y.nbytes == size
 print(put, get)
 """
-# The forward's figures, run on the laptop: a job's HTTP server through `job.forward`, the same
-# server's code listening straight on the box's address, and that one through `ssh -L` (port argv[4]
-# here), alternated request by request; prints each figure's median in seconds, as JSON.
+# The forward's figures, run on the laptop: a job's HTTP server through `gpuport forward` (the CLI, a
+# process of its own as a user runs it: a browser is another process), the same server's code
+# listening straight on the box's address, and that one through `ssh -L` (port argv[4] here),
+# alternated request by request; prints each figure's median in seconds, as JSON.
 FORWARD = """
-import json, socket, statistics, sys, time, gpuport
+import json, socket, statistics, subprocess, sys, time, gpuport
 sys.path.insert(0, sys.argv[5])
-from bench_reach import _round_trip, _serving
+from bench_reach import _free_port, _round_trip, _serving
 box, direct_port, rounds, ssh_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 times = {}
 def timed(name, call):
@@ -132,21 +133,35 @@ def fresh(address, port):
         _round_trip(conn)
 with gpuport.connect(profile="link") as gpu:
     job = _serving(gpu, 8080)
+    local = _free_port()
+    cli = [sys.executable, "-m", "gpuport", "--profile", "link", "forward", job.id, "8080", "--local", str(local)]
+    forward = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        with job.forward(8080) as forward:
-            ends = {"forward": ("127.0.0.1", forward.local_port), "direct": (box, direct_port),
-                    "ssh": ("127.0.0.1", ssh_port)}
-            kept = {name: socket.create_connection(end) for name, end in ends.items()}
-            for conn in kept.values():
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            for _ in range(rounds):
-                for name, conn in kept.items():
-                    timed(name + " kept", lambda: _round_trip(conn))
-            for _ in range(max(rounds // 5, 5)):
-                for name, end in ends.items():
-                    time.sleep(0.05)  # each to a machine at rest: the forward's spare made again (bench_reach's _settled)
-                    timed(name + " fresh", lambda: fresh(*end))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", local), timeout=1).close()
+                break
+            except OSError:
+                if forward.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("gpuport forward did not start: " + forward.stderr.read().decode()[-500:])
+                time.sleep(0.05)
+        time.sleep(0.2)  # its spares made again after that first connection
+        ends = {"forward": ("127.0.0.1", local), "direct": (box, direct_port),
+                "ssh": ("127.0.0.1", ssh_port)}
+        kept = {name: socket.create_connection(end) for name, end in ends.items()}
+        for conn in kept.values():
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(rounds):
+            for name, conn in kept.items():
+                timed(name + " kept", lambda: _round_trip(conn))
+        for _ in range(max(rounds // 5, 5)):
+            for name, end in ends.items():
+                time.sleep(0.05)  # each to a machine at rest: the forward's spare made again (bench_reach's _settled)
+                timed(name + " fresh", lambda: fresh(*end))
     finally:
+        forward.terminate()
+        forward.wait(10)
         job.cancel()
 print(json.dumps({name: statistics.median(values) for name, values in times.items()}))
 """

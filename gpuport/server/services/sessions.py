@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -197,9 +198,8 @@ class _Live:
     refs: int = 0
     counting: threading.Lock = field(default_factory=threading.Lock)  # calls come from channel threads too
     memory: SessionMemory = field(default_factory=SessionMemory)  # for its large values
-    # Its output's followers, each woken when a call starts (``output``), and their event loop.
-    followers: set[asyncio.Event] = field(default_factory=set)
-    loop: asyncio.AbstractEventLoop | None = None
+    # How to wake each of its output's followers (``output``) when a call starts, from any thread.
+    followers: set[Callable[[], object]] = field(default_factory=set)
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
@@ -208,10 +208,9 @@ class _Live:
         with self.counting:
             self.calls += 1
             self.last_call_at = time.time()
-        if self.loop is not None:
-            for follower in list(self.followers):
-                with contextlib.suppress(RuntimeError):  # the loop closed: the server is stopping
-                    self.loop.call_soon_threadsafe(follower.set)
+        for wake in list(self.followers):
+            with contextlib.suppress(RuntimeError):  # the loop closed: the server is stopping
+                wake()
         try:
             yield
         finally:
@@ -934,8 +933,8 @@ class SessionService:
         live.attached += 1
         state, looked_at, moved_at = "", -math.inf, time.monotonic()
         woken = asyncio.Event()
-        live.loop = asyncio.get_running_loop()
-        live.followers.add(woken)
+        wake = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, woken.set)
+        live.followers.add(wake)
         try:
             for fd in (1, 2):  # where the stream starts, so that the client knows its offsets
                 yield fd, offsets[fd], b"", ""
@@ -971,7 +970,7 @@ class SessionService:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(woken.wait(), _IDLE_OUTPUT_POLL)
         finally:
-            live.followers.discard(woken)
+            live.followers.discard(wake)
             live.attached -= 1
             if not live.attached:
                 live.detached_since = time.time()

@@ -96,9 +96,14 @@ _LINK_START_TIMEOUT = 120.0  # seconds for a job's link to say it is ready (a bu
 def _write_json(path: str, data: dict, durable: bool = True) -> None:
     import json
 
+    _replace(path, json.dumps(data), durable)
+
+
+def _replace(path: str, text: str, durable: bool = True) -> None:
+    """``path`` holds ``text`` at once, whole (written beside it, then renamed over it)."""
     temp = f"{path}.tmp"
     with open(temp, "w") as f:
-        json.dump(data, f)
+        f.write(text)
         if durable:
             f.flush()
             os.fsync(f.fileno())
@@ -622,10 +627,7 @@ def _announce(job_dir: str, info: dict) -> None:
     request the server left as a file before it: ``cancel``, or ``kill`` (its reason in kill.json).
     Written without the json module (``_flat_json``): a sandboxed job's is written before the job
     may start, and that import would come first."""
-    path = os.path.join(job_dir, "supervisor.json")
-    with open(f"{path}.tmp", "w") as f:
-        f.write(_flat_json(info))
-    os.replace(f"{path}.tmp", path)
+    _replace(os.path.join(job_dir, "supervisor.json"), _flat_json(info), durable=False)
     for request in ("cancel", "kill"):
         if os.path.exists(os.path.join(job_dir, request)):
             _REQUESTED.add(request)

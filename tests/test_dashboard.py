@@ -74,7 +74,7 @@ def test_follow_a_job_cancel_it_and_watch_a_model(dash_server: RunningServer, br
     sync_api.expect(page.locator("#gpus .card")).to_have_count(2)
     sync_api.expect(page.locator("#jobs")).to_contain_text(job.id)
     assert bobs.id not in page.locator("#jobs").inner_text()  # another user's job is not there
-    cookie = [c for c in context.cookies() if c["name"] == "gpuport_login"][0]
+    cookie = next(c for c in context.cookies() if c["name"] == "gpuport_login")
     assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
     assert page.evaluate("document.cookie") == ""  # the page's script cannot read it
     _shot(page, "1-board")
@@ -137,6 +137,25 @@ def test_a_revoked_token_ends_its_dashboard(dash_server: RunningServer, browser:
         sync_api.expect(page.locator("#login-error")).to_contain_text("revoked", timeout=30_000)
         assert context.request.get(f"{server.http_url}/ui/state").status == 401
         context.close()
+
+
+def test_a_revoked_login_says_so_to_every_request_after(dash_server: RunningServer) -> None:
+    """The request that finds a login revoked is often not the one whose answer the page shows (its
+    event stream reconnecting, then asking who it is): each one after it says why, not just
+    'not logged in'."""
+    server = dash_server
+    with server.connect() as admin:
+        erin = admin.create_token("erin").token
+        login = server.rest("POST", "/ui/login", json={"token": erin})
+        assert login.status_code == 200
+        cookie = {"cookie": f"gpuport_login={login.cookies['gpuport_login']}"}
+        assert server.rest("GET", "/ui/me", headers=cookie).status_code == 200
+        admin.revoke_token("erin")
+    for path in ("/ui/state", "/ui/me", "/ui/events"):
+        refused = server.rest("GET", path, headers=cookie)
+        assert refused.status_code == 401 and "was revoked" in refused.json()["error"]["message"], path
+    stranger = server.rest("GET", "/ui/me", headers={"cookie": "gpuport_login=" + "x" * 43})
+    assert stranger.status_code == 401 and "not logged in" in stranger.json()["error"]["message"]
 
 
 def test_the_page_is_strict(dash_server: RunningServer) -> None:

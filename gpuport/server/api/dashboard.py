@@ -58,6 +58,7 @@ _MAX_LOGINS_PER_USER = 100
 _LOGIN_BURST = 50
 _LOGIN_RATE = 20.0
 _LOGIN_WAITING = 100
+_ENDED_KEPT = 1000  # logins ended by a revoke whose reason is kept for their cookie
 # Scripts, styles and connections from this server only; no inline script or style; not in a frame.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -95,6 +96,9 @@ class Logins:
     def __init__(self) -> None:
         self._by_id: dict[str, Login] = {}
         self._of: dict[str, dict[str, None]] = {}  # user → their login ids, oldest first
+        # Why a login ended when its token was revoked, for the page's next requests (the request
+        # that found it out is often not the one whose answer the page shows); the newest only.
+        self._ended: dict[str, str] = {}
 
     def create(self, user: str, authorization: str | None, cert: str | None = None) -> tuple[str, Login]:
         theirs = self._of.setdefault(user, {})
@@ -112,6 +116,18 @@ class Logins:
             self.drop(login_id)
             return None
         return login
+
+    def end(self, login_id: str | None, why: str) -> None:
+        """Drop a login whose token no longer holds, remembering ``why`` for its cookie."""
+        if login_id and login_id in self._by_id:
+            self._ended[login_id] = why
+            while len(self._ended) > _ENDED_KEPT:
+                del self._ended[next(iter(self._ended))]
+        self.drop(login_id)
+
+    def why_ended(self, login_id: str | None) -> str | None:
+        """Why this cookie's login was ended by a revoke (``None``: never, or long ago)."""
+        return self._ended.get(login_id or "")
 
     def drop(self, login_id: str | None) -> None:
         login = self._by_id.pop(login_id or "", None)
@@ -175,15 +191,17 @@ def _viewer(request: Request) -> Viewer:
     login_id = request.cookies.get(COOKIE)
     login = logins.get(login_id)
     if login is None:
-        raise AuthenticationError("not logged in to the dashboard (or the login expired): log in with a token")
+        raise AuthenticationError(
+            logins.why_ended(login_id) or "not logged in to the dashboard (or the login expired): log in with a token"
+        )
     if request.method not in ("GET", "HEAD"):
         sent = request.headers.get(CSRF_HEADER, "")
         if not hmac.compare_digest(sent.encode(), login.csrf.encode()):
             raise PermissionDenied("this request lacks the dashboard's CSRF token: reload the page")
     try:
         identity = login.identity(app.auth)
-    except AuthenticationError:
-        logins.drop(login_id)
+    except AuthenticationError as e:
+        logins.end(login_id, str(e))
         raise
     return Viewer(identity, login, login_id or "")
 

@@ -44,18 +44,26 @@ def _start(state: Path, port: int, http_port: int) -> RunningServer:
     return start_server(state, "--port", str(port), "--http-port", str(http_port))
 
 
+def _project(tmp_path: Path) -> Path:
+    """A project folder with the counter in it, beside the server's state."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "counter.py").write_text(COUNTER)
+    return project
+
+
 def test_a_server_killed_with_sigkill_finds_its_jobs_again(tmp_path: Path) -> None:
     state = tmp_path / "state"
     port = restartable_ports(5)
     http_port = port + 4
     first = _start(state, port, http_port)
-    (tmp_path / "counter.py").write_text(COUNTER)
+    project = _project(tmp_path)  # not the folder of the server's state, whose files change while it syncs
     token, fingerprint = first.admin_token, first.fingerprint
     lines: list[str] = []
     follower_error: list[BaseException] = []
     try:
         with first.connect() as gpu:
-            running = gpu.submit(["python", "counter.py", "finish"], workdir=tmp_path, gpus=2, name="long")
+            running = gpu.submit(["python", "counter.py", "finish"], workdir=project, gpus=2, name="long")
             queued = [gpu.submit(["python", "-c", f"print('queued {n}')"], workdir=None, gpus=1) for n in range(2)]
             wait_for(lambda: running.refresh().log_bytes > 200, what="the running job's first lines")
             assert [q.status for q in queued] == ["queued", "queued"]
@@ -103,10 +111,10 @@ def test_a_job_that_ends_while_the_server_is_down_is_recorded(tmp_path: Path) ->
     state = tmp_path / "state"
     first = start_server(state)
     token, fingerprint = first.admin_token, first.fingerprint
-    (tmp_path / "counter.py").write_text(COUNTER)
+    project = _project(tmp_path)
     try:
         with first.connect() as gpu:
-            job = gpu.submit(["python", "counter.py", "finish"], workdir=tmp_path)
+            job = gpu.submit(["python", "counter.py", "finish"], workdir=project)
             wait_for(lambda: job.refresh().log_bytes > 0, what="the job's first line")
     finally:
         first.stop(signal.SIGKILL)

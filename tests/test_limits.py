@@ -219,9 +219,11 @@ def test_without_a_sandbox_a_job_is_held_to_its_memory_too(tmp_path: Path) -> No
     running = start_server(tmp_path / "state", "--no-sandbox")
     try:
         needs_cgroups(running)
-        (tmp_path / "alloc.py").write_text(ALLOCATE)
+        project = tmp_path / "project"  # not the folder of the server's state, whose files change while it syncs
+        project.mkdir()
+        (project / "alloc.py").write_text(ALLOCATE)
         with running.connect() as admin:
-            job = admin.submit(["python", "alloc.py"], workdir=tmp_path, memory="200MiB").wait(120)
+            job = admin.submit(["python", "alloc.py"], workdir=project, memory="200MiB").wait(120)
             assert (job.info.state, job.info.message) == ("killed", "exceeded its memory limit of 200MiB"), job.info
             assert admin.submit(["true"], workdir=None).wait(60).info.state == "succeeded"
     finally:
@@ -234,11 +236,13 @@ def test_without_cgroups_the_banner_says_so_and_the_poll_holds_memory(tmp_path: 
         assert limits_line(running) == (
             "none: --no-cgroups was given; memory limits are polled (2 Hz), processes not capped"
         )
-        (tmp_path / "alloc.py").write_text(
+        project = tmp_path / "project"
+        project.mkdir()
+        (project / "alloc.py").write_text(
             ALLOCATE.replace('print(mib, "MiB", flush=True)', "import time; time.sleep(0.01)")
         )
         with running.connect() as admin:
-            info = admin.submit(["python", "alloc.py"], workdir=tmp_path, memory="200MiB").wait(120).info
+            info = admin.submit(["python", "alloc.py"], workdir=project, memory="200MiB").wait(120).info
             assert info.state == "killed" and info.message.startswith("exceeded its memory limit of 200MiB (used "), (
                 info
             )

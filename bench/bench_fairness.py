@@ -16,7 +16,9 @@ free; what the pass starts starts now (its end is an event), and a job the pass 
 is ``LOOK_AHEAD``, 100): plan() decides at least that many jobs, then goes on while a job further
 back could still start, so what starts and which job reserves are the same at any depth (plan's
 docstring; ``--depth 100`` gives the same figures): only the reasons of jobs that wait, which the
-simulation does not read, are left out. The policies run in processes of their own (``--processes``).
+simulation does not read, are left out. Past ``--reach`` jobs that wait (the server's ``REACH``,
+500), no job further back starts, as in the server; FIFO, the anchor, has none (``--reach 0``: the
+fair shares have none either). The policies run in processes of their own (``--processes``).
 
 Preemption, as the server does it: half the jobs (``--preemptible``) are marked preemptible, and
 ``preempt()`` (the server's rule, with its default ``--preempt-after`` of 10 minutes) is asked at
@@ -50,9 +52,9 @@ utilisation (GPU-hours held, lost work included, / GPU-hours in the window; goal
 
 Differences from the server, named: a pass that ``could_start`` says starts nothing is skipped
 after a submit too (the server runs it for the reply's reasons; it can record a reservation, which
-the next pass here records instead); after a pass that started nothing, a submit of a kind of
-request already queued has no pass either (no queued kind fits what is free less the reservation,
-which sticks, so that pass would decide nothing new); preemption as above. ``--hours`` simulates
+the next pass here records instead); after a pass that started nothing and stopped short of its
+reach, a submit of a kind of request already queued has no pass either (no queued kind fits what is
+free less the reservation, which sticks, so that pass would decide nothing new); preemption as above. ``--hours`` simulates
 only the window's start, for the figures' trend and the cost per pass; each policy prints its
 progress a simulated day at a time.
 """
@@ -83,6 +85,7 @@ from _report import ROWS, Row, print_table, say
 from gpuport.defaults import DEFAULT_AGE_WEIGHT, DEFAULT_FAIRSHARE_HALF_LIFE, DEFAULT_MAX_AGE, DEFAULT_PREEMPT_AFTER
 from gpuport.server.scheduler import (
     LOOK_AHEAD,
+    REACH,
     Cluster,
     FairShare,
     Holding,
@@ -230,6 +233,7 @@ class Policy:
     kind: str  # 'fair', 'fifo' or 'now'
     age_weight: float = DEFAULT_AGE_WEIGHT
     preempt: bool = False  # call preempt() (the preemptible jobs' flag is the workload's)
+    reach: int | None = REACH  # plan()'s: the server's (FIFO, the anchor, has none)
 
 
 def simulate(w: Workload, policy: Policy, depth: int | None = 1) -> Outcome:
@@ -327,10 +331,13 @@ def simulate(w: Workload, policy: Policy, depth: int | None = 1) -> Outcome:
             out.skipped += 1
             continue
         t = time.perf_counter()
-        decisions = plan(queue, holdings, cluster, None, "", depth, None, fair)
+        decisions = plan(queue, holdings, cluster, None, "", depth, None, fair, policy.reach)
         out.plan_seconds += time.perf_counter() - t
         out.passes += 1
-        settled = all(d.gpu_indices is None for d in decisions)
+        # Nothing started, and not for the reach (a job that fits further back could come within it).
+        settled = all(d.gpu_indices is None for d in decisions) and (
+            policy.reach is None or len(decisions) < policy.reach
+        )
         for d in decisions:
             pending = queue[d.job_id]
             if d.reserves and pending.reserved_at is None:
@@ -404,6 +411,10 @@ def main() -> None:
     parser.add_argument(
         "--depth", type=int, default=1, help=f"plan()'s depth (the server's: {LOOK_AHEAD}; what starts is the same)"
     )
+    parser.add_argument("--seed", type=int, default=36, help="the workload's seed (default 36)")
+    parser.add_argument(
+        "--reach", type=int, default=REACH, help=f"plan()'s reach but FIFO's (the server's: {REACH}; 0: none)"
+    )
     parser.add_argument("--all", action="store_true", help="the fair share without preemption too (--quick runs it)")
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1, help="policies simulated at once")
     parser.add_argument("--save", type=Path, help="write each user's figures under each policy to this JSON file")
@@ -413,9 +424,9 @@ def main() -> None:
     if args.depth < 1:
         parser.error(f"--depth is at least 1, not {args.depth}")
     if args.quick:
-        w = workload(100, 10_000, 2, DAY, args.load, args.preemptible)
+        w = workload(100, 10_000, 2, DAY, args.load, args.preemptible, args.seed)
     else:
-        w = workload(1_000, 100_000, 8, 7 * DAY, args.load, args.preemptible)
+        w = workload(1_000, 100_000, 8, 7 * DAY, args.load, args.preemptible, args.seed)
     if args.hours:
         w = dataclasses.replace(w, span=min(w.span, args.hours * HOUR))
     say(
@@ -426,17 +437,18 @@ def main() -> None:
     say(
         f"{len(w.users):,} users (shares 1-4), {len(w.jobs):,} jobs ({args.preemptible:.0%} preemptible), {w.gpus} "
         f"GPUs ({len(w.cluster.nodes)} nodes of 8), {w.span / DAY:g} simulated days, asked {args.load:g}x "
-        f"the GPU-hours; plan() {args.depth} deep; half-life {DEFAULT_FAIRSHARE_HALF_LIFE / DAY:g} days, "
-        f"age weight {DEFAULT_AGE_WEIGHT:g} (max age {DEFAULT_MAX_AGE / DAY:g} days), preempt after "
+        f"the GPU-hours (seed {args.seed}); plan() {args.depth} deep, reach {args.reach or 'none'}; "
+        f"half-life {DEFAULT_FAIRSHARE_HALF_LIFE / DAY:g} days, age weight {DEFAULT_AGE_WEIGHT:g} (max age {DEFAULT_MAX_AGE / DAY:g} days), preempt after "
         f"{DEFAULT_PREEMPT_AFTER / 60:g} min, checkpoints every {CHECKPOINT_EVERY / 60:g} min"
     )
+    reach = args.reach or None
     policies = [
-        Policy("decayed fair share", "fair", preempt=True),
-        Policy("FIFO", "fifo", 0.0),
-        Policy("instantaneous fair share", "now", 0.0),
+        Policy("decayed fair share", "fair", preempt=True, reach=reach),
+        Policy("FIFO", "fifo", 0.0, reach=None),
+        Policy("instantaneous fair share", "now", 0.0, reach=reach),
     ]
     if args.quick or args.all:
-        policies.insert(1, Policy("decayed fair share, no preemption", "fair"))
+        policies.insert(1, Policy("decayed fair share, no preemption", "fair", reach=reach))
     outcomes: dict[str, Outcome] = {}
     if args.profile:
         import cProfile

@@ -5,7 +5,7 @@ Cases (queued jobs, users, GPUs): the issue's, from a small lab to a cluster's q
 for 1 GPU (a tenth for 2, a 4 GiB slice for a tenth), priorities 0 and a few 10s; a tenth of the
 running jobs belong to the queued users. The figure is the server's pass: the queue kept between
 passes (a `Queue`, as the job service holds it) and looked at `LOOK_AHEAD` jobs deep while nothing
-further back can start. Its anchor is a pass over the same queue that decides every job (as every
+further back can start (and never past `REACH` jobs that wait). Its anchor is a pass over the same queue that decides every job (as every
 pass did before; what `gpuport queue` costs). Goal: the server's pass at most 50 ms at 100,000
 jobs, 1,000 users and 1,000 GPUs. Keeping the queue costs an add per submit: printed too.
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from _report import ROWS, Row, print_table, say  # noqa: E402
 
-from gpuport.server.scheduler import LOOK_AHEAD, Cluster, Holding, Machine, Pending, Queue, Request, plan  # noqa: E402
+from gpuport.server.scheduler import LOOK_AHEAD, REACH, Cluster, Holding, Machine, Pending, Queue, Request, plan  # noqa: E402
 
 GiB = 2**30
 CASES = [(1_000, 10, 8), (10_000, 100, 64), (10_000, 1_000, 64), (50_000, 1_000, 512), (100_000, 1_000, 1_000)]
@@ -66,7 +66,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"server": [], "whole": []}
         for _ in range(args.runs):
             for name, run in (
-                ("server", lambda: plan(queue, running, cluster, depth=LOOK_AHEAD)),
+                ("server", lambda: plan(queue, running, cluster, depth=LOOK_AHEAD, reach=REACH)),
                 ("whole", lambda: plan(queue, running, cluster)),
             ):
                 gc.collect()  # the last pass's garbage is not this one's to collect

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import Any
 
 from gpuport.server.scheduler import (
     Cluster,
@@ -254,18 +255,24 @@ def test_the_queue_order_is_the_rules_order_on_random_queues() -> None:
         assert queue_order(queued, running, MACHINE) == _fair_share_by_definition(queued, running, MACHINE)
 
 
+def _random_queue(rng: Any) -> tuple[list[Holding], list[Pending]]:
+    """Up to 5 users, up to 2 of the GPUs held, up to 30 jobs of mixed kinds at two priorities."""
+    requests = [Request(gpus=1), Request(gpus=2), Request(gpu_memory=4 * GiB), Request(cpus=1.0), Request()]
+    users = [f"u{i}" for i in range(rng.randint(1, 5))]
+    running = [Holding(f"r{i}", rng.choice(users), Request(gpus=1), (i,)) for i in range(rng.randint(0, 2))]
+    queued = [
+        Pending(f"j{s}", rng.choice(users), rng.choice(requests), rng.choice([0, 0, 5]), s)
+        for s in range(rng.randint(0, 30))
+    ]
+    return running, queued
+
+
 def test_a_pass_that_looks_only_so_deep_starts_what_a_whole_pass_starts() -> None:
     import random
 
     rng = random.Random(5)
-    requests = [Request(gpus=1), Request(gpus=2), Request(gpu_memory=4 * GiB), Request(cpus=1.0), Request()]
     for _ in range(300):
-        users = [f"u{i}" for i in range(rng.randint(1, 5))]
-        running = [Holding(f"r{i}", rng.choice(users), Request(gpus=1), (i,)) for i in range(rng.randint(0, 2))]
-        queued = [
-            Pending(f"j{s}", rng.choice(users), rng.choice(requests), rng.choice([0, 0, 5]), s)
-            for s in range(rng.randint(0, 30))
-        ]
+        running, queued = _random_queue(rng)
         quotas = {"u0": Quota(jobs=1)} if rng.random() < 0.3 else None
         low = "low" if rng.random() < 0.2 else ""
         whole = plan(queued, running, MACHINE, quotas, low)
@@ -276,6 +283,54 @@ def test_a_pass_that_looks_only_so_deep_starts_what_a_whole_pass_starts() -> Non
         assert [d for d in bounded if d.gpu_indices is not None] == started
         # Nothing the bounded pass left undecided could have started (the whole pass says so).
         assert all(d.gpu_indices is None for d in whole[len(bounded) :])
+
+
+def test_past_its_reach_a_pass_starts_no_job_that_asks_for_a_gpu() -> None:
+    # Two nodes of two GPUs, one held on each: 2-GPU jobs wait for room (the first reserves node a's
+    # free GPU); behind them a 1-GPU job would fit node b's, and a job that asks for no GPU fits anyway.
+    node = Machine((16 * GiB,) * 2, 4, 64 * GiB)
+    two = Cluster((("a", node), ("b", node)))
+    running = [Holding("r0", "x", Request(gpus=1), (0,), "a"), Holding("r1", "x", Request(gpus=1), (0,), "b")]
+    queued = [*_jobs("alice", 3, Request(gpus=2)), Pending("bob0", "bob", Request(gpus=1), seq=10)]
+    queued += [Pending("bob1", "bob", Request(), seq=11)]
+    assert [p.job_id for p in queue_order(queued, running, two)][:2] == ["alice0", "bob0"]
+    whole = _by_id(plan(queued, running, two))
+    assert whole["bob0"].gpu_indices == (1,) and whole["bob1"].gpu_indices == ()
+    # The reservation holds what alice0 waits for; the 1-GPU job fits what is left out of turn, not
+    # once a pass goes no further than the first job that waits.
+    near = _by_id(plan(queued, running, two, reach=1))
+    assert "bob0" not in near and near["bob1"].gpu_indices == ()  # no GPU: it still starts
+    assert near["alice0"].reserves and near["alice0"].gpu_indices is None
+    # Jobs that wait for a dependency, a quota or their array's cap are not counted.
+    blocked = [dataclasses.replace(p, blocked="waits for j0") if p.owner == "alice" else p for p in queued]
+    assert _by_id(plan(blocked, running, two, reach=1))["bob0"].gpu_indices == (1,)
+
+
+def test_a_pass_with_a_reach_decides_as_a_whole_pass_up_to_it() -> None:
+    import random
+
+    rng = random.Random(17)
+    cut = 0
+    for _ in range(300):
+        running, queued = _random_queue(rng)
+        whole = plan(queued, running, MACHINE)
+        reach = rng.randint(1, 6)
+        bounded = plan(Queue(queued), running, MACHINE, reach=reach, depth=rng.choice([None, rng.randint(0, 5)]))
+        # Up to the reach-th job that waits, the same decisions; after it, no job with a GPU.
+        waits = [n for n, d in enumerate(whole) if d.gpu_indices is None]
+        if len(waits) < reach:
+            assert [d for d in bounded if d.gpu_indices is not None] == [d for d in whole if d.gpu_indices is not None]
+            continue
+        cut += 1
+        upto = waits[reach - 1] + 1
+        shown = min(upto, len(bounded))  # a depth may stop it sooner, where nothing behind can start
+        assert bounded[:shown] == whole[:shown]
+        assert [d for d in bounded[:shown] if d.gpu_indices is not None] == [
+            d for d in whole[:upto] if d.gpu_indices is not None
+        ]
+        gpu = {p.job_id for p in queued if p.request.gpus or p.request.gpu_memory}
+        assert not any(d.job_id in gpu for d in bounded[upto:])
+    assert cut > 100
 
 
 def test_the_queue_kept_across_passes_orders_as_a_fresh_one() -> None:
@@ -321,8 +376,9 @@ def test_a_submit_behind_a_settled_pass_is_decided_alike_without_one() -> None:
         quotas = {"u0": Quota(jobs=1)} if rng.random() < 0.2 else None
         low = "low" if rng.random() < 0.2 else ""
         depth = rng.randint(1, 8)
+        reach = rng.choice([None, None, rng.randint(1, 10)])  # the server's is REACH
         for _ in range(3):  # as the server does: a pass records its reservation, the next one settles
-            decisions = plan(queued, running, MACHINE, quotas, low, depth)
+            decisions = plan(queued, running, MACHINE, quotas, low, depth, reach=reach)
             fresh = [d for d in decisions if d.reserves and queued[d.job_id].reserved_at is None]
             for d in fresh:
                 queued.add(dataclasses.replace(queued[d.job_id], reserved_at=1.0))
@@ -344,5 +400,5 @@ def test_a_submit_behind_a_settled_pass_is_decided_alike_without_one() -> None:
                 skipped += 1
                 break
             taken += 1
-            assert plan(queued, running, MACHINE, quotas, low, depth) == decisions
+            assert plan(queued, running, MACHINE, quotas, low, depth, reach=reach) == decisions
     assert taken > 100 and skipped > 50  # both ways, often

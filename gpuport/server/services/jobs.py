@@ -68,6 +68,7 @@ from gpuport.server.inventory import Inventory
 from gpuport.server.isolation import Sandbox, UidMap
 from gpuport.server.scheduler import (
     LOOK_AHEAD,
+    REACH,
     Cluster,
     Decision,
     Holding,
@@ -1172,7 +1173,9 @@ class JobService:
         quotas = self.quotas.all()
         fair = self.usage.fair_share(cluster, self.quotas.shares()) if queued else None
         self._preempt(running, cluster, quotas, fair)
-        decisions = plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair) if queued else []
+        decisions = (
+            plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair, REACH) if queued else []
+        )
         self.scheduler.planned(decisions, low_memory, cluster)
         for decision in decisions:
             pending = queued[decision.job_id]

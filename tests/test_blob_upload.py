@@ -127,6 +127,21 @@ def test_a_blob_whose_bytes_do_not_match_is_refused_and_the_ones_before_it_stay(
     assert list(reply.missing) == [claimed]  # the good one is the sender's already
 
 
+def test_blobs_are_the_senders_once_the_answer_says_they_were_placed(
+    server: RunningServer, admin: gpuport.Client
+) -> None:
+    """The sender's next call after the answer (its snapshot) finds them held: the answer came
+    before they were recorded as held, and on a busy machine a push's snapshot found its file
+    missing and sent it again."""
+    for n in range(20):
+        blob, frame = _blob(f"{uuid.uuid4()} {n}".encode())
+        with _connect(server, admin) as conn:
+            conn.sendall(frame + END)
+            assert _answer(conn).startswith(b"K")
+            missing = admin.transport.call(admin.transport.snapshots.Missing, pb.BlobList(blobs=[blob]))
+            assert list(missing.blobs) == [], n
+
+
 @pytest.mark.parametrize(
     ("frame", "problem"),
     [

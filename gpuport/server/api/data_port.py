@@ -364,7 +364,7 @@ class DataPort:
         sink = BlobSink(self.snapshots.blobs)
         source = conn.makefile("rb", buffering=_SLICE)
         budget = self.storage.left(name) if self.storage is not None else None
-        received, over = 0, False
+        received, over, held = 0, False, False
         try:
             conn.sendall(b"B")
             buffer = memoryview(sink.buffer())
@@ -400,6 +400,10 @@ class DataPort:
             buffer.release()
             sink.send()
             sink.finish()
+            # Theirs before the answer says so: the sender's next call (its snapshot) counts on it.
+            if sink.placed:
+                self.snapshots.hold(name, sink.placed)
+            held = True
             conn.sendall(b"K" + _BLOBS_DONE.pack(len(sink.placed), sink.bytes))
         except (InvalidRequest, ResourceUnavailable) as e:
             sink.abort()
@@ -413,7 +417,7 @@ class DataPort:
             source.close()
             # The blobs that arrived whole are the sender's, even from an upload cut short.
             self.transfers.add("snapshots", "in", sink.bytes)
-            if sink.placed and not over:  # past the quota, none is theirs (the sweep removes them)
+            if sink.placed and not over and not held:  # past the quota, none is theirs (the sweep removes them)
                 self.snapshots.hold(name, sink.placed)
 
     def _use(self, name: str) -> tuple[int, int]:

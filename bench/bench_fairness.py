@@ -331,7 +331,7 @@ def simulate(w: Workload, policy: Policy, depth: int | None = 1) -> Outcome:
             out.skipped += 1
             continue
         t = time.perf_counter()
-        decisions = plan(queue, holdings, cluster, None, "", depth, None, fair, policy.reach)
+        decisions = plan(queue, holdings, cluster, depth=depth, fair=fair, reach=policy.reach)
         out.plan_seconds += time.perf_counter() - t
         out.passes += 1
         # Nothing started, and not for the reach (a job that fits further back could come within it).

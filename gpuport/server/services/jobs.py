@@ -1174,7 +1174,9 @@ class JobService:
         fair = self.usage.fair_share(cluster, self.quotas.shares()) if queued else None
         self._preempt(running, cluster, quotas, fair)
         decisions = (
-            plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair, REACH) if queued else []
+            plan(queued, running, cluster, quotas, low_memory, LOOK_AHEAD, self._caps, fair=fair, reach=REACH)
+            if queued
+            else []
         )
         self.scheduler.planned(decisions, low_memory, cluster)
         for decision in decisions:

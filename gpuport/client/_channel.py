@@ -25,6 +25,7 @@ from gpuport.protocol.errors import (
     error_from_status,
 )
 from gpuport.protocol.sockets import is_loopback
+from gpuport.protocol.tls import wrap_socket
 
 if TYPE_CHECKING:
     import grpc  # imported where a channel is made: URLs and profiles need none of it
@@ -143,13 +144,13 @@ def probe(target: Target, timeout: float) -> Probe:
     with sock:
         if not target.tls:
             try:
-                with context.wrap_socket(sock, server_hostname=target.host):
+                with wrap_socket(context, sock, server_hostname=target.host):
                     pass
             except (OSError, ssl.SSLError):
                 return Probe(None, None)
             raise TLSError(f"the server at {target.url} speaks TLS — use https://{target.address}")
         try:
-            with context.wrap_socket(sock, server_hostname=target.host) as tls:
+            with wrap_socket(context, sock, server_hostname=target.host) as tls:
                 der = tls.getpeercert(binary_form=True)
                 alpn = tls.selected_alpn_protocol()
         except (OSError, ssl.SSLError) as e:

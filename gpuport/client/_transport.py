@@ -46,6 +46,7 @@ from gpuport.protocol.errors import (
     TLSError,
 )
 from gpuport.protocol.paths import check_entries
+from gpuport.protocol.tls import wrap_socket
 
 if TYPE_CHECKING:
     import socket
@@ -209,9 +210,8 @@ class Transport:
             context.load_verify_locations(cadata=self._certificate)
             self._data_context = context
         try:
-            return self._data_context.wrap_socket(raw)
+            return wrap_socket(self._data_context, raw)  # closes the connection when it fails
         except (OSError, ssl.SSLError) as e:
-            raw.close()
             raise ConnectionFailed(f"the TLS handshake with the server's data port failed: {e}") from None
 
     def open_channel(self, session_id: str) -> Channel | None:

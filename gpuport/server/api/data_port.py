@@ -88,6 +88,7 @@ from gpuport.protocol.errors import (
     ServerError,
 )
 from gpuport.protocol.relay import relay
+from gpuport.protocol.tls import wrap_socket
 from gpuport.server.api.grpc_api import call_in, call_reply
 from gpuport.server.api.reach import serve_exec
 from gpuport.server.app import ServerApp
@@ -297,7 +298,7 @@ class DataPort:
                 raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 conn = raw
                 if self._context is not None:
-                    conn = self._context.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                    conn = wrap_socket(self._context, raw, server_side=True, do_handshake_on_connect=False)
             except OSError as e:  # gone already
                 log.info("a connection from %s failed at once: %s", peer, e)
                 raw.close()

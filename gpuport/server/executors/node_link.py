@@ -31,7 +31,7 @@ from typing import Any
 from gpuport.protocol.errors import InvalidRequest
 from gpuport.protocol.relay import relay
 from gpuport.protocol.sockets import recv_exact
-from gpuport.protocol.tls import fingerprint
+from gpuport.protocol.tls import fingerprint, wrap_socket
 from gpuport.server.executors.base import Stream, handed_over
 from gpuport.server.executors.node_values import serve_worker
 from gpuport.server.memfds import SessionMemory
@@ -127,7 +127,7 @@ class NodeListener:
         tls: socket.socket = conn  # the TLS socket takes the connection over once made
         try:
             conn.settimeout(_HANDSHAKE_TIMEOUT)
-            tls = self._context.wrap_socket(conn, server_side=True)
+            tls = wrap_socket(self._context, conn, server_side=True)
             header = _recv(tls, "the server")
             secret = bytes.fromhex(str(header.get("secret", "")))
             if not self._secret or not hmac.compare_digest(secret, self._secret):
@@ -204,7 +204,7 @@ def dial(address: str, port: int, pinned: str, secret: str, job_id: str, name: s
     _keep_alive(raw)
     tls: socket.socket = raw  # the TLS socket takes the connection over once made
     try:
-        tls = context.wrap_socket(raw)
+        tls = wrap_socket(context, raw)
         seen = fingerprint(tls.getpeercert(binary_form=True) or b"")
         if not hmac.compare_digest(seen, pinned):
             raise LinkError(f"{where} is not the node's agent (certificate {seen}, expected {pinned})")

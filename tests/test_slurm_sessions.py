@@ -203,10 +203,15 @@ def test_a_job_cannot_pass_for_a_sessions_worker(
     )
     try:
         with slurm_server.connect() as gpu, gpu.session() as session:
-            assert session.call(_node) in cluster.nodes
+            node = session.call(_node)
+            assert node in cluster.nodes
             worker = session.info().job_id
             folder = shared / "jobs" / worker
-            executor.connect(worker, "worker").close()  # the server's own way in
+            way_in = executor.connect(worker, "worker")  # the server's own way in
+            way_in.close()
+            # It names the worker's node, as the link wrote it: a model's replica shows it at once,
+            # before squeue's next look has told the job's record.
+            assert way_in.node == node, (way_in.node, node)
 
             # The job's folder is its user's to write: a link file it wrote (its own listener) is refused.
             link_file = folder / "link.json"

@@ -153,6 +153,9 @@ class Stream:
 
     sock: socket.socket
     passes_fds: bool = False
+    # The node the worker runs on, where the connection says it before the cluster's queue has
+    # (Slurm's job link names it: squeue is read every few seconds); "": not said.
+    node: str = ""
 
     def close(self) -> None:
         self.sock.close()

@@ -697,7 +697,9 @@ class SlurmExecutor(FolderReads, Executor):
             raise FileNotFoundError(f"job {job_id} has no link yet (Slurm has not started it)") from None
         secret = self._secret(job_id)
         info = verified(secret, job_id, data)
-        return dial(str(info["address"]), int(info["port"]), str(info["fingerprint"]), secret, job_id, name, direct)
+        stream = dial(str(info["address"]), int(info["port"]), str(info["fingerprint"]), secret, job_id, name, direct)
+        stream.node = str(info.get("node") or "")
+        return stream
 
     def read_file(self, job_id: str, name: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
         return self.folders.read_file(job_id, name, offset, limit)

@@ -641,7 +641,9 @@ class ServingService:
                 started = started or time.monotonic()
                 with contextlib.suppress(FileNotFoundError, ConnectionError):
                     stream = await asyncio.to_thread(self.jobs.executor.connect, r.job_id, "replica")
-                    r.link, r.node = wire.Link(stream.sock), job.node
+                    # Its node as the job's record has it, else as its connection says: a Slurm
+                    # job's record learns it from squeue, seconds after its worker listens.
+                    r.link, r.node = wire.Link(stream.sock), job.node or stream.node
                     if d.batcher is not None:  # a restarted replica: it takes batches again
                         d.batcher.resume(r.index)
                     return

@@ -132,12 +132,14 @@ def test_blobs_are_the_senders_once_the_answer_says_they_were_placed(
 ) -> None:
     """The sender's next call after the answer (its snapshot) finds them held: the answer came
     before they were recorded as held, and on a busy machine a push's snapshot found its file
-    missing and sent it again."""
-    for n in range(20):
+    missing and sent it again. So with an upload refused at a later blob: the answer that says so
+    comes after the ones before it are the sender's."""
+    bad = HEAD.pack(b"F", hashlib.sha256(b"the real content").hexdigest().encode(), 14) + b"something else"
+    for n in range(40):
         blob, frame = _blob(f"{uuid.uuid4()} {n}".encode())
         with _connect(server, admin) as conn:
-            conn.sendall(frame + END)
-            assert _answer(conn).startswith(b"K")
+            conn.sendall(frame + (bad if n % 2 else b"") + END)
+            assert _answer(conn).startswith(b"E" if n % 2 else b"K")
             missing = admin.transport.call(admin.transport.snapshots.Missing, pb.BlobList(blobs=[blob]))
             assert list(missing.blobs) == [], n
 

@@ -408,6 +408,10 @@ class DataPort:
             conn.sendall(b"K" + _BLOBS_DONE.pack(len(sink.placed), sink.bytes))
         except (InvalidRequest, ResourceUnavailable) as e:
             sink.abort()
+            # The blobs before the refused one are theirs before the answer says it was refused.
+            if sink.placed and not over:
+                self.snapshots.hold(name, sink.placed)
+            held = True
             log.info("a blob upload from %s was refused: %s", peer, e)
             with contextlib.suppress(OSError, EOFError, ValueError):
                 conn.sendall(b"E" + str(e).encode() + b"\n")

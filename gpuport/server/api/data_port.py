@@ -366,6 +366,16 @@ class DataPort:
         source = conn.makefile("rb", buffering=_SLICE)
         budget = self.storage.left(name) if self.storage is not None else None
         received, over, held = 0, False, False
+
+        def hold() -> None:
+            """The blobs that arrived whole are the sender's (once; past the quota none is theirs,
+            and the sweep removes them): before any answer, which the sender's next call (its
+            snapshot) counts on, and from an upload cut short too."""
+            nonlocal held
+            if sink.placed and not over and not held:
+                self.snapshots.hold(name, sink.placed)
+            held = True
+
         try:
             conn.sendall(b"B")
             buffer = memoryview(sink.buffer())
@@ -401,17 +411,11 @@ class DataPort:
             buffer.release()
             sink.send()
             sink.finish()
-            # Theirs before the answer says so: the sender's next call (its snapshot) counts on it.
-            if sink.placed:
-                self.snapshots.hold(name, sink.placed)
-            held = True
+            hold()
             conn.sendall(b"K" + _BLOBS_DONE.pack(len(sink.placed), sink.bytes))
         except (InvalidRequest, ResourceUnavailable) as e:
             sink.abort()
-            # The blobs before the refused one are theirs before the answer says it was refused.
-            if sink.placed and not over:
-                self.snapshots.hold(name, sink.placed)
-            held = True
+            hold()  # the ones before the refused one
             log.info("a blob upload from %s was refused: %s", peer, e)
             with contextlib.suppress(OSError, EOFError, ValueError):
                 conn.sendall(b"E" + str(e).encode() + b"\n")
@@ -420,10 +424,8 @@ class DataPort:
         finally:
             sink.abort()  # its threads stop, and what was not placed goes, however the upload ended
             source.close()
-            # The blobs that arrived whole are the sender's, even from an upload cut short.
             self.transfers.add("snapshots", "in", sink.bytes)
-            if sink.placed and not over and not held:  # past the quota, none is theirs (the sweep removes them)
-                self.snapshots.hold(name, sink.placed)
+            hold()
 
     def _use(self, name: str) -> tuple[int, int]:
         """What ``name`` keeps, and may keep."""
